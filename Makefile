@@ -1,0 +1,36 @@
+# vlmspec: `make serve` starts the service on the bundled model, `make test` runs the suite.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+# torch/torchvision are pinned to the wheels this project is developed and tested with
+TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
+STAMP  := $(VENV)/.vlmspec-installed
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+
+.PHONY: setup test test-all serve clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH_SPEC)
+	$(PIP) install -q -e ".[dev]"
+	@touch $(STAMP)
+
+# the default suite: maths on constructed tensors + tiny in-process HF models (no slow/gpu figures)
+test: setup
+	$(PY) -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
+
+test-all: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Until the bundled model (issue #3) and the HTTP service (issue #7) land, this runs a CLI demo on a
+# tiny randomly initialised LLaVA built in process: the engine is real, the words are noise.
+serve: setup
+	$(PY) -m vlmspec.demo
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

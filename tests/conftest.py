@@ -1,0 +1,21 @@
+import functools
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_target(arch: str, seed: int = 0):
+    """A Target over a tiny random HF VLM of `arch` (built once per test session)."""
+    from vlmspec.target import Target
+    from vlmspec.testing.tiny import build_tiny
+
+    model, processor = build_tiny(arch, seed=seed)
+    return Target(model, processor, name=f"tiny-{arch}")
+
+
+@pytest.fixture(params=["llava", "qwen2_5_vl", "idefics3"])
+def arch(request):
+    return request.param

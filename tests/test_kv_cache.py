@@ -1,0 +1,54 @@
+"""Tier 1: KV commit keeps exactly the accepted path's entries (a gather, not a crop)."""
+import torch
+from transformers import DynamicCache
+
+from vlmspec.kv_cache import KVCache
+
+
+def _filled_cache(n_layers=2, length=10):
+    cache = DynamicCache()
+    for layer in range(n_layers):
+        # entry t of layer l holds the value 100*l + t everywhere, so rows are identifiable
+        vals = (100 * layer + torch.arange(length, dtype=torch.float32)).view(1, 1, length, 1).expand(1, 2, length, 4)
+        cache.update(vals.clone(), -vals.clone(), layer)
+    return KVCache(cache)
+
+
+def _rows(kv, layer):
+    return kv.hf.layers[layer].keys[0, 0, :, 0].tolist(), kv.hf.layers[layer].values[0, 1, :, 0].tolist()
+
+
+def test_commit_gathers_non_contiguous_path():
+    kv = _filled_cache(length=10)  # prefix 4 + tree of 6 entries
+    kv.commit(prefix_len=4, keep=torch.tensor([0, 2, 5]))
+    assert kv.seq_len == 7
+    for layer in range(2):
+        keys, values = _rows(kv, layer)
+        assert keys == [100 * layer + t for t in [0, 1, 2, 3, 4, 6, 9]]
+        assert values == [-(100 * layer + t) for t in [0, 1, 2, 3, 4, 6, 9]]
+
+
+def test_commit_root_only_and_whole_chain():
+    kv = _filled_cache(length=8)
+    kv.commit(prefix_len=5, keep=torch.tensor([0]))
+    assert _rows(kv, 0)[0] == [0, 1, 2, 3, 4, 5]
+    kv = _filled_cache(length=8)
+    kv.commit(prefix_len=5, keep=torch.tensor([0, 1, 2]))
+    assert _rows(kv, 1)[0] == [100, 101, 102, 103, 104, 105, 106, 107]
+
+
+def test_commit_out_of_order_sources_overlapping_destination():
+    # keep entries whose sources overlap the rows they are written to
+    kv = _filled_cache(length=6)
+    kv.commit(prefix_len=0, keep=torch.tensor([1, 0, 3]))
+    assert _rows(kv, 0)[0] == [1, 0, 3]
+
+
+def test_commit_then_append_continues():
+    kv = _filled_cache(n_layers=1, length=6)
+    kv.commit(prefix_len=2, keep=torch.tensor([0, 3]))
+    new = torch.full((1, 2, 1, 4), 50.0)
+    kv.hf.update(new, new, 0)
+    assert _rows(kv, 0)[0] == [0, 1, 2, 5, 50]
+    kv.crop(3)
+    assert kv.seq_len == 3

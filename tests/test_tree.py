@@ -1,0 +1,92 @@
+"""Tier 1: tree masks and position ids on constructed trees."""
+import torch
+
+from vlmspec.verify.tree import DraftTree, ancestor_mask, tree_attention_mask
+
+#        0
+#      /   \
+#     1     2
+#    / \     \
+#   3   4     5
+#   |
+#   6
+PARENTS = torch.tensor([-1, 0, 0, 1, 1, 2, 3])
+
+
+def test_depth_children_paths():
+    tree = DraftTree(torch.arange(10, 17), PARENTS)
+    assert tree.depth.tolist() == [0, 1, 1, 2, 2, 2, 3]
+    assert tree.children() == [[1, 2], [3, 4], [5], [6], [], [], []]
+    assert tree.path_to(6) == [0, 1, 3, 6]
+    assert tree.path_to(0) == [0]
+
+
+def test_ancestor_mask_exact():
+    m = ancestor_mask(PARENTS).int()
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0, 0],
+            [1, 0, 1, 0, 0, 0, 0],
+            [1, 1, 0, 1, 0, 0, 0],
+            [1, 1, 0, 0, 1, 0, 0],
+            [1, 0, 1, 0, 0, 1, 0],
+            [1, 1, 0, 1, 0, 0, 1],
+        ]
+    )
+    assert torch.equal(m, expected)
+
+
+def test_chain_mask_is_causal():
+    tree = DraftTree.chain(5, [6, 7, 8])
+    assert torch.equal(tree.ancestor_mask(), torch.ones(4, 4, dtype=torch.bool).tril())
+
+
+def test_4d_mask_prefix_and_tree():
+    mask = tree_attention_mask(ancestor_mask(PARENTS), prefix_len=3, dtype=torch.float32)
+    assert mask.shape == (1, 1, 7, 10)
+    visible = mask[0, 0] == 0
+    assert visible[:, :3].all()  # every node sees the whole prefix
+    assert torch.equal(visible[:, 3:], ancestor_mask(PARENTS))
+    assert (mask[0, 0][~visible] == torch.finfo(torch.float32).min).all()
+
+
+def test_4d_mask_empty_prefix_and_non_square():
+    allowed = torch.tensor([[True, False, True], [False, True, True]])
+    mask = tree_attention_mask(allowed, prefix_len=0, dtype=torch.float16)
+    assert mask.shape == (1, 1, 2, 3) and mask.dtype == torch.float16
+    assert torch.equal(mask[0, 0] == 0, allowed)
+
+
+def test_select_and_truncate_keep_structure():
+    tree = DraftTree(torch.arange(10, 17), PARENTS)
+    sub = tree.select(torch.tensor([0, 1, 3, 6]))
+    assert sub.tokens.tolist() == [10, 11, 13, 16] and sub.parents.tolist() == [-1, 0, 1, 2]
+    cut = tree.truncate_depth(1)
+    assert cut.tokens.tolist() == [10, 11, 12] and cut.depth.tolist() == [0, 1, 1]
+
+
+class _FakeTarget:
+    """Just enough of Target for its position-id helper."""
+
+    def __init__(self, mrope: bool):
+        from vlmspec.target import Target
+
+        self.device = torch.device("cpu")
+        self._rope_index_fn = (lambda *a, **k: None) if mrope else None
+        self.tree_position_ids = Target.tree_position_ids.__get__(self)
+        self.uses_mrope = mrope
+
+
+def test_position_ids_1d_and_mrope():
+    from vlmspec.target import TargetState
+
+    depth = DraftTree(torch.arange(7), PARENTS).depth
+    state = TargetState(cache=None, seq_len=40, rope_delta=-12)
+    one_d = _FakeTarget(mrope=False).tree_position_ids(TargetState(cache=None, seq_len=40), depth)
+    assert one_d.shape == (1, 7) and one_d[0].tolist() == [40, 41, 41, 42, 42, 42, 43]
+    three = _FakeTarget(mrope=True).tree_position_ids(state, depth)
+    # M-RoPE: 3 axes, all equal for text/draft tokens, shifted by the rope delta the images left
+    assert three.shape == (3, 1, 7)
+    for axis in range(3):
+        assert three[axis, 0].tolist() == [28, 29, 29, 30, 30, 30, 31]

@@ -1,0 +1,198 @@
+"""The `vlmspec` command line. Bad input ends with one line on stderr and exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """Bad input from the user: reported as one line, exit code 2."""
+
+
+def _positive_int(name: str):
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {value!r}") from None
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {n}")
+        return n
+
+    return parse
+
+
+def _float_in(name: str, low: float, high: float, low_open: bool = False):
+    def parse(value: str) -> float:
+        try:
+            x = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {value!r}") from None
+        if x != x or x > high or x < low or (low_open and x == low):
+            bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"{name} must be in {bound}, got {value}")
+        return x
+
+    return parse
+
+
+def _non_negative_int(name: str):
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {value!r}") from None
+        if n < 0:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {n}")
+        return n
+
+    return parse
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="target VLM: a local folder or a hub id (required until a bundled model ships)")
+    p.add_argument("--drafter", default="ngram", help="a drafter folder, 'ngram' or 'none' (default: ngram)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--tree-depth", type=_positive_int("--tree-depth"), default=None)
+    p.add_argument("--tree-topk", type=_positive_int("--tree-topk"), default=None)
+    p.add_argument("--tree-tokens", type=_positive_int("--tree-tokens"), default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vlmspec", description="Lossless speculative decoding for vision-language models")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="answer one prompt (with images) and print the text or a JSON record")
+    g.add_argument("--image", action="append", default=[], help="image file (repeat for several images)")
+    g.add_argument("--prompt", required=True)
+    _add_model_args(g)
+    g.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=128)
+    g.add_argument("--temperature", type=_float_in("--temperature", 0.0, 100.0), default=0.0)
+    g.add_argument("--top-p", type=_float_in("--top-p", 0.0, 1.0, low_open=True), default=1.0)
+    g.add_argument("--top-k", type=_non_negative_int("--top-k"), default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    return parser
+
+
+def _load_images(paths: Sequence[str]) -> list[Any]:
+    from PIL import Image, UnidentifiedImageError
+
+    images = []
+    for p in paths:
+        path = Path(p)
+        if not path.is_file():
+            raise UsageError(f"image not found: {p}")
+        try:
+            with Image.open(path) as im:
+                im.load()
+                images.append(im.convert("RGB"))
+        except (UnidentifiedImageError, OSError) as exc:
+            raise UsageError(f"not a readable image: {p} ({exc.__class__.__name__})") from None
+    return images
+
+
+def _resolve_device(arg: str | None) -> str:
+    import torch
+
+    if arg is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if arg not in ("cpu", "cuda") and not arg.startswith("cuda:"):
+        raise UsageError(f"--device must be cpu or cuda, got {arg!r}")
+    if arg.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError("--device cuda was asked for but no CUDA device is available")
+    return arg
+
+
+def load_engine(args: argparse.Namespace):
+    """Target + drafter from the CLI options (shared by generate / serve / bench)."""
+    import torch
+
+    from vlmspec.draft import TreeConfig, load_drafter
+    from vlmspec.draft.eagle import DrafterLoadError
+    from vlmspec.engine import SpecEngine
+    from vlmspec.target import Target, TargetLoadError
+
+    if not args.model:
+        raise UsageError("--model is required (a local model folder or a hub id)")
+    device = _resolve_device(args.device)
+    dtype = {
+        "auto": torch.bfloat16 if device.startswith("cuda") else torch.float32,
+        "float32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+    }[args.dtype]
+    base = TreeConfig.for_device(device)
+    tree = TreeConfig(
+        depth=args.tree_depth or base.depth,
+        top_k=args.tree_topk or base.top_k,
+        total_tokens=args.tree_tokens or base.total_tokens,
+    )
+    try:
+        target = Target.load(args.model, device=device, dtype=dtype)
+        drafter = load_drafter(args.drafter, target, tree)
+    except (TargetLoadError, DrafterLoadError) as exc:
+        raise UsageError(str(exc)) from None
+    return SpecEngine(target, drafter)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from vlmspec.engine import GenerationConfig
+    from vlmspec.sampling import SamplingParams
+    from vlmspec.target import ContextLengthError
+
+    images = _load_images(args.image)
+    engine = load_engine(args)
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, stop=tuple(args.stop))
+    try:
+        inputs = engine.target.encode(args.prompt, images)
+        if args.json:
+            result = engine.generate(inputs, config)
+        else:
+            stream = engine.stream(inputs, config)
+            for event in stream:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            result = stream.result
+    except ContextLengthError as exc:
+        raise UsageError(str(exc)) from None
+    if args.json:
+        record = result.to_dict()
+        record["drafter"] = engine.drafter.name
+        print(json.dumps(record))
+    else:
+        print(
+            f"[{len(result.token_ids)} tokens in {result.elapsed_s:.2f}s, {result.tokens_per_s:.1f} tok/s, "
+            f"{result.num_target_forwards} target forwards, mean accepted length {result.mean_accepted_length:.2f}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)  # argparse itself exits 2 with a one-line usage error
+    try:
+        return COMMANDS[args.command](args)
+    except UsageError as exc:
+        print(f"vlmspec {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""The one Drafter protocol every drafter implements, and the tree knobs they share.
+
+A Drafter is stateless model/config; ``start`` opens a DraftSession holding one request's
+state (its own KV cache, the token history). The engine only calls:
+
+    session = drafter.start(prompt)          # after the target's prefill
+    tree = session.propose(root, max_depth)  # root = last emitted token, not yet in the target KV
+    session.commit(tokens, features)         # tokens [k] now in the target KV (root + accepted),
+                                             # features [k, H] the target's features for them
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from vlmspec.verify.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """Shape of the draft tree (EAGLE-2 style): grow `depth` levels, expanding the `top_k` best
+    nodes by cumulative draft log-prob with `top_k` children each, keep the best `total_tokens`
+    drafted nodes (root excluded)."""
+
+    depth: int = 5
+    top_k: int = 4
+    total_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or self.top_k < 1 or self.total_tokens < 1:
+            raise ValueError(f"tree knobs must be >= 1, got {self}")
+
+    @classmethod
+    def for_device(cls, device: str | torch.device) -> "TreeConfig":
+        """CPU: verifying a node costs nearly as much as a decode step, keep trees small.
+        GPU: a 60-node tree costs about one decode step (EAGLE-2's defaults)."""
+        if torch.device(device).type == "cuda":
+            return cls(depth=7, top_k=10, total_tokens=60)
+        return cls(depth=5, top_k=4, total_tokens=16)
+
+
+@dataclass
+class PromptContext:
+    """What a drafter may look at when a request starts."""
+
+    token_ids: torch.Tensor  # [L] prompt token ids
+    features: torch.Tensor  # [L, H] target features of the prompt tokens
+    inputs: dict[str, Any] = field(default_factory=dict)  # the processor's tensors (pixels, grids, ...)
+
+
+@runtime_checkable
+class DraftSession(Protocol):
+    def propose(self, root: int, max_depth: int) -> DraftTree:
+        """A tree rooted at `root` with depth <= max_depth (0 means root only)."""
+        ...
+
+    def commit(self, token_ids: torch.Tensor, features: torch.Tensor) -> None:
+        """token_ids [k]: committed to the target KV (the root, then the accepted tokens);
+        features [k, H]: the target's features at those tokens."""
+        ...
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    name: str
+
+    def start(self, prompt: PromptContext) -> DraftSession: ...
+
+
+class NoDrafter:
+    """`none`: proposes nothing, so the engine runs plain autoregressive decoding (the oracle)."""
+
+    name = "none"
+
+    def start(self, prompt: PromptContext) -> DraftSession:
+        return _NoDraftSession()
+
+
+class _NoDraftSession:
+    def propose(self, root: int, max_depth: int) -> DraftTree:
+        return DraftTree.root_only(root)
+
+    def commit(self, token_ids: torch.Tensor, features: torch.Tensor) -> None:
+        return None

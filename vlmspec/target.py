@@ -1,0 +1,241 @@
+"""Target adapter over an unmodified Hugging Face VLM.
+
+Three calls, all on explicit state (nothing is hung on the model):
+- ``prefill(inputs)``: the prompt with its images -> TargetState, next-token logits, features;
+- ``forward_tree(state, tree)``: N tree tokens in ONE forward pass, with a 4D ancestor mask and
+  per-node position ids (3-axis M-RoPE ids for Qwen2.5-VL) -> logits [N, V], features [N, H];
+- ``commit(state, path)``: keep exactly the accepted path's KV entries.
+
+"Features" are the target's last hidden states (what its LM head consumes): what an EAGLE-style
+drafter is trained to predict.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from vlmspec.kv_cache import KVCache
+from vlmspec.verify.tree import DraftTree, tree_attention_mask
+
+
+class TargetLoadError(RuntimeError):
+    """The target could not be loaded; the message says what to do."""
+
+
+class ContextLengthError(ValueError):
+    """The prompt does not fit the target's context window."""
+
+
+@dataclass
+class TargetState:
+    """Per-request target state: the KV cache and where the sequence stands."""
+
+    cache: KVCache
+    seq_len: int  # tokens committed to the KV cache
+    rope_delta: int = 0  # M-RoPE: text position = sequence index + rope_delta on all 3 axes
+
+
+@dataclass
+class ForwardOut:
+    logits: torch.Tensor  # [N, V] float32
+    features: torch.Tensor  # [N, H]
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """A quick look at whether the HF hub answers, so an offline machine fails in seconds, not minutes."""
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    import socket
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _text_config(config: Any) -> Any:
+    get = getattr(config, "get_text_config", None)
+    return get() if get is not None else config
+
+
+class Target:
+    """A Hugging Face image-text-to-text model plus its processor, batch size 1."""
+
+    def __init__(self, model: torch.nn.Module, processor: Any, name: str = "target") -> None:
+        self.model = model.eval()
+        self.processor = processor
+        self.name = name
+        self.text_config = _text_config(model.config)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        base = getattr(model, "model", None)
+        self._rope_index_fn = getattr(base, "get_rope_index", None)  # Qwen2-VL family: 3-axis M-RoPE
+        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        eos = gen_eos if gen_eos is not None else getattr(self.text_config, "eos_token_id", None)
+        self.eos_token_ids: set[int] = set() if eos is None else set(eos if isinstance(eos, list) else [eos])
+
+    # ---------------------------------------------------------------- loading
+    @classmethod
+    def load(
+        cls,
+        path_or_id: str | os.PathLike,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        attn_implementation: str = "sdpa",
+    ) -> "Target":
+        """Load a VLM with AutoModelForImageTextToText + AutoProcessor from a folder or a hub id."""
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        src = str(path_or_id)
+        is_dir = Path(src).is_dir()
+        if not is_dir and (src.startswith((".", "/", "~")) or src.count("/") > 1):
+            raise TargetLoadError(f"model folder not found: {src}")
+        kwargs: dict[str, Any] = {"attn_implementation": attn_implementation}
+        if dtype is not None:
+            kwargs["dtype"] = dtype
+        # a hub id: use the local HF cache when it has the files, the hub only when it answers
+        offline = not is_dir and not _hub_reachable()
+        if offline:
+            kwargs["local_files_only"] = True
+        try:
+            processor = AutoProcessor.from_pretrained(src, local_files_only=offline)
+            model = AutoModelForImageTextToText.from_pretrained(src, **kwargs)
+        except (OSError, ValueError, KeyError) as exc:
+            if is_dir:
+                raise TargetLoadError(f"cannot load a vision-language model from folder {src!r}: {exc}") from exc
+            hint = " (the hub is unreachable from here and it is not in the local cache: pass a local folder)" if offline else ""
+            raise TargetLoadError(f"cannot load a vision-language model from hub id {src!r}{hint}: {str(exc).splitlines()[0]}") from exc
+        return cls(model.to(device), processor, name=src)
+
+    # ---------------------------------------------------------------- properties
+    @property
+    def vocab_size(self) -> int:
+        return int(self.text_config.vocab_size)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.text_config.hidden_size)
+
+    @property
+    def max_positions(self) -> int:
+        return int(getattr(self.text_config, "max_position_embeddings", 1 << 30))
+
+    @property
+    def uses_mrope(self) -> bool:
+        return self._rope_index_fn is not None
+
+    @property
+    def tokenizer(self) -> Any:
+        return getattr(self.processor, "tokenizer", self.processor)
+
+    def input_embeddings(self) -> torch.nn.Module:
+        return self.model.get_input_embeddings()
+
+    def output_embeddings(self) -> torch.nn.Module:
+        return self.model.get_output_embeddings()
+
+    # ---------------------------------------------------------------- prompts
+    def encode(self, prompt: str, images: list[Image.Image] | None = None) -> dict[str, torch.Tensor]:
+        """A user turn (images first, then the text) in the model's chat template -> model inputs.
+
+        Returns the processor's tensors (input_ids [1, L], attention_mask, pixel tensors, ...).
+        """
+        images = list(images or [])
+        content: list[dict[str, Any]] = [{"type": "image"} for _ in images]
+        content.append({"type": "text", "text": prompt})
+        messages = [{"role": "user", "content": content}]
+        if getattr(self.processor, "chat_template", None) is None and getattr(self.tokenizer, "chat_template", None) is None:
+            raise TargetLoadError(f"{self.name}: the processor has no chat template; cannot build a prompt")
+        text = self.processor.apply_chat_template(messages, add_generation_prompt=True)
+        kwargs: dict[str, Any] = {"text": [text], "return_tensors": "pt"}
+        if images:
+            kwargs["images"] = [im.convert("RGB") for im in images]
+        inputs = self.processor(**kwargs)
+        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    # ---------------------------------------------------------------- forwards
+    def _prefill_positions(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, int]:
+        """M-RoPE: [3, 1, L] position ids and the rope delta; other models: (None, 0)."""
+        if not self.uses_mrope:
+            return None, 0
+        ids = inputs["input_ids"]
+        grid = inputs.get("image_grid_thw")
+        if grid is None:
+            pos = torch.arange(ids.shape[1], device=ids.device).view(1, 1, -1).expand(3, 1, -1)
+            return pos, 0
+        pos, delta = self._rope_index_fn(
+            ids,
+            mm_token_type_ids=inputs.get("mm_token_type_ids"),
+            image_grid_thw=grid,
+            attention_mask=inputs.get("attention_mask"),
+        )
+        return pos, int(delta.reshape(-1)[0])
+
+    @torch.no_grad()
+    def prefill(self, inputs: dict[str, torch.Tensor]) -> tuple[TargetState, ForwardOut]:
+        """Run the prompt (with images). Returns the state and logits/features of the LAST token
+        (logits [1, V]) plus features of every prompt token ([L, H])."""
+        ids = inputs["input_ids"]
+        assert ids.shape[0] == 1, "batch size 1"
+        length = ids.shape[1]
+        if length >= self.max_positions:
+            raise ContextLengthError(
+                f"prompt is {length} tokens but the model's context is {self.max_positions}: shorten the prompt or use fewer images"
+            )
+        position_ids, delta = self._prefill_positions(inputs)
+        cache = KVCache()
+        kwargs = dict(inputs)
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids
+        out = self.model(
+            **kwargs, past_key_values=cache.hf, use_cache=True, output_hidden_states=True, logits_to_keep=1, return_dict=True
+        )
+        state = TargetState(cache=cache, seq_len=length, rope_delta=delta)
+        assert cache.seq_len == length, (cache.seq_len, length)
+        return state, ForwardOut(out.logits[0, -1:].float(), out.hidden_states[-1][0])
+
+    def tree_position_ids(self, state: TargetState, depth: torch.Tensor) -> torch.Tensor:
+        """Per-node positions: committed length + depth (+ rope delta on every M-RoPE axis).
+
+        depth: [N] -> [1, N] (1-D RoPE) or [3, 1, N] (M-RoPE).
+        """
+        pos = (state.seq_len + state.rope_delta + depth).to(self.device)[None]
+        if self.uses_mrope:
+            return pos[None].expand(3, 1, -1)
+        return pos
+
+    @torch.no_grad()
+    def forward_tree(self, state: TargetState, tree: DraftTree) -> ForwardOut:
+        """All N tree nodes in one forward over the cached prefix. Appends N KV entries: call
+        `commit` afterwards. logits [N, V]: row i is the distribution after node i."""
+        if state.seq_len + int(tree.depth.max()) + 1 > self.max_positions:
+            raise ContextLengthError(f"tree reaches past the context of {self.max_positions} tokens")
+        mask = tree_attention_mask(tree.ancestor_mask().to(self.device), state.seq_len, self.dtype)
+        out = self.model(
+            input_ids=tree.tokens[None].to(self.device),
+            attention_mask=mask,
+            position_ids=self.tree_position_ids(state, tree.depth),
+            past_key_values=state.cache.hf,
+            use_cache=True,
+            output_hidden_states=True,
+            return_dict=True,
+        )
+        return ForwardOut(out.logits[0].float(), out.hidden_states[-1][0])
+
+    def commit(self, state: TargetState, path: list[int]) -> None:
+        """Keep the KV entries of the accepted path (root first) and drop the rest of the tree."""
+        state.cache.commit(state.seq_len, torch.tensor(path, dtype=torch.long))
+        state.seq_len += len(path)

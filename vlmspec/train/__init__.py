@@ -1,0 +1,1 @@
+"""Online-logit distillation of draft heads. Not built yet: issue #4."""
