@@ -60,6 +60,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default="ngram", help="a drafter folder, 'ngram' or 'none' (default: ngram)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--attention", default="auto", choices=["auto", "triton", "sdpa", "eager"], help="tree attention: auto = Triton kernel on CUDA, SDPA on CPU")
     p.add_argument("--tree-depth", type=_positive_int("--tree-depth"), default=None)
     p.add_argument("--tree-topk", type=_positive_int("--tree-topk"), default=None)
     p.add_argument("--tree-tokens", type=_positive_int("--tree-tokens"), default=None)
@@ -80,7 +81,38 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    t = sub.add_parser("train-target", help="train the bundled target VLM from scratch on ToyWorld (resumable)")
+    t.add_argument("--out", required=True, help="run folder: checkpoint/, model/, loss.png")
+    t.add_argument("--steps", type=_positive_int("--steps"), default=1300)
+    t.add_argument("--batch-size", type=_positive_int("--batch-size"), default=16)
+    t.add_argument("--lr", type=_float_in("--lr", 0.0, 1.0, low_open=True), default=1e-3)
+    t.add_argument("--minutes", type=_float_in("--minutes", 0.0, 1e6, low_open=True), default=None, help="wall-clock budget of this run")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+
+    b = sub.add_parser("bench", help="benchmarks: verify-cost (tree forward vs one-token step), kernel (Triton vs SDPA)")
+    b.add_argument("which", choices=sorted(BENCHES), help="which benchmark")
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="its own options (see vlmspec bench WHICH --help)")
     return parser
+
+
+def _bench_verify_cost(argv: list[str]) -> int:
+    from vlmspec.bench.verify_cost import main as run
+
+    return run(argv)
+
+
+def _bench_kernel(argv: list[str]) -> int:
+    from vlmspec.verify.kernel_bench import main as run
+
+    return run(argv)
+
+
+BENCHES = {"verify-cost": _bench_verify_cost, "kernel": _bench_kernel}
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    return BENCHES[args.which](args.rest)
 
 
 def _load_images(paths: Sequence[str]) -> list[Any]:
@@ -137,7 +169,7 @@ def load_engine(args: argparse.Namespace):
         total_tokens=args.tree_tokens or base.total_tokens,
     )
     try:
-        target = Target.load(args.model, device=device, dtype=dtype)
+        target = Target.load(args.model, device=device, dtype=dtype, attention=args.attention)
         drafter = load_drafter(args.drafter, target, tree)
     except (TargetLoadError, DrafterLoadError) as exc:
         raise UsageError(str(exc)) from None
@@ -179,7 +211,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate}
+def cmd_train_target(args: argparse.Namespace) -> int:
+    from vlmspec.train.target_sft import SFTConfig, train
+
+    if args.resume and not (Path(args.out) / "checkpoint").is_dir():
+        raise UsageError(f"--resume: no checkpoint in {args.out}/checkpoint")
+    cfg = SFTConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, minutes=args.minutes, seed=args.seed)
+    train(args.out, cfg, resume=args.resume)
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "train-target": cmd_train_target}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -24,6 +24,9 @@ from vlmspec.kv_cache import KVCache
 from vlmspec.verify.tree import DraftTree, tree_attention_mask
 
 
+ATTENTION_MODES = ("auto", "triton", "sdpa", "eager")
+
+
 class TargetLoadError(RuntimeError):
     """The target could not be loaded; the message says what to do."""
 
@@ -83,6 +86,28 @@ class Target:
         eos = gen_eos if gen_eos is not None else getattr(self.text_config, "eos_token_id", None)
         self.eos_token_ids: set[int] = set() if eos is None else set(eos if isinstance(eos, list) else [eos])
 
+    # ---------------------------------------------------------------- attention
+    @property
+    def attention(self) -> str:
+        """The attention implementation the language model runs ('sdpa', 'eager', 'vlmspec_tree', ...)."""
+        return str(self.text_config._attn_implementation)
+
+    def set_attention(self, mode: str = "auto") -> str:
+        """Pick the language model's attention: 'auto' (the Triton tree kernel on CUDA when Triton is
+        importable, else SDPA), 'triton', 'sdpa' or 'eager'. The vision tower keeps its own."""
+        if mode not in ATTENTION_MODES:
+            raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {mode!r}")
+        from vlmspec.verify import triton_attention
+
+        use_kernel = mode == "triton" or (mode == "auto" and self.device.type == "cuda" and triton_attention.kernel_available())
+        if mode == "triton" and not triton_attention.kernel_available():
+            raise TargetLoadError("attention 'triton' needs CUDA and Triton (or TRITON_INTERPRET=1); use 'sdpa'")
+        impl = triton_attention.register() if use_kernel else ("eager" if mode == "eager" else "sdpa")
+        has_text = "text_config" in getattr(self.model.config, "sub_configs", {})
+        self.model.set_attn_implementation({"text_config": impl} if has_text else impl)
+        self.text_config = _text_config(self.model.config)
+        return self.attention
+
     # ---------------------------------------------------------------- loading
     @classmethod
     def load(
@@ -91,16 +116,18 @@ class Target:
         *,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
-        attn_implementation: str = "sdpa",
+        attention: str = "auto",
     ) -> "Target":
-        """Load a VLM with AutoModelForImageTextToText + AutoProcessor from a folder or a hub id."""
+        """Load a VLM with AutoModelForImageTextToText + AutoProcessor from a folder or a hub id.
+        `attention`: see set_attention."""
         from transformers import AutoModelForImageTextToText, AutoProcessor
+
 
         src = str(path_or_id)
         is_dir = Path(src).is_dir()
         if not is_dir and (src.startswith((".", "/", "~")) or src.count("/") > 1):
             raise TargetLoadError(f"model folder not found: {src}")
-        kwargs: dict[str, Any] = {"attn_implementation": attn_implementation}
+        kwargs: dict[str, Any] = {"attn_implementation": "sdpa"}  # the language model's is set below
         if dtype is not None:
             kwargs["dtype"] = dtype
         # a hub id: use the local HF cache when it has the files, the hub only when it answers
@@ -115,7 +142,9 @@ class Target:
                 raise TargetLoadError(f"cannot load a vision-language model from folder {src!r}: {exc}") from exc
             hint = " (the hub is unreachable from here and it is not in the local cache: pass a local folder)" if offline else ""
             raise TargetLoadError(f"cannot load a vision-language model from hub id {src!r}{hint}: {str(exc).splitlines()[0]}") from exc
-        return cls(model.to(device), processor, name=src)
+        target = cls(model.to(device), processor, name=src)
+        target.set_attention(attention)
+        return target
 
     # ---------------------------------------------------------------- properties
     @property

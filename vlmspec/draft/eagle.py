@@ -74,7 +74,7 @@ class EagleConfig:
             target_model_type=str(getattr(target.model.config, "model_type", "")),
         )
 
-    def llama_config(self) -> LlamaConfig:
+    def llama_config(self, attn_implementation: str = "sdpa") -> LlamaConfig:
         cfg = LlamaConfig(
             hidden_size=self.hidden_size,
             vocab_size=self.vocab_size,
@@ -87,7 +87,7 @@ class EagleConfig:
             rms_norm_eps=self.rms_norm_eps,
             num_hidden_layers=1,
         )
-        cfg._attn_implementation = "sdpa"
+        cfg._attn_implementation = attn_implementation
         return cfg
 
     def check_against(self, target: Target) -> None:
@@ -108,10 +108,10 @@ class EagleConfig:
 class EagleHead(nn.Module):
     """The trainable part of the drafter, over the target's shared, frozen embedding and LM head."""
 
-    def __init__(self, config: EagleConfig, embed: nn.Module, lm_head: nn.Module) -> None:
+    def __init__(self, config: EagleConfig, embed: nn.Module, lm_head: nn.Module, attn_implementation: str = "sdpa") -> None:
         super().__init__()
         self.config = config
-        lcfg = config.llama_config()
+        lcfg = config.llama_config(attn_implementation)
         h = config.hidden_size
         self.embed_norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
         self.feat_norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
@@ -169,7 +169,7 @@ class EagleDrafter:
     @classmethod
     def random_init(cls, target: Target, tree: TreeConfig | None = None, seed: int = 0) -> "EagleDrafter":
         torch.manual_seed(seed)
-        head = EagleHead(EagleConfig.from_target(target), target.input_embeddings(), target.output_embeddings())
+        head = EagleHead(EagleConfig.from_target(target), target.input_embeddings(), target.output_embeddings(), target.attention)
         return cls(head.to(device=target.device, dtype=target.dtype), tree)
 
     def save(self, directory: str | Path) -> None:
@@ -191,7 +191,7 @@ class EagleDrafter:
         except (json.JSONDecodeError, TypeError) as exc:
             raise DrafterLoadError(f"{cfg_path}: not a valid EAGLE drafter config ({exc})") from exc
         config.check_against(target)
-        head = EagleHead(config, target.input_embeddings(), target.output_embeddings())
+        head = EagleHead(config, target.input_embeddings(), target.output_embeddings(), target.attention)
         state = load_file(str(w_path))
         expected = set(head.state_dict())
         missing, unexpected = expected - set(state), set(state) - expected

@@ -1,0 +1,214 @@
+"""ToyWorld synthetic data + tokenizer / processor (fast, CPU only)."""
+
+import io
+import json
+from itertools import islice
+
+import pytest
+import torch
+from PIL import Image
+
+from vlmspec.data import (
+    IMAGE_SIZE,
+    SHAPES,
+    SPLITS,
+    TASKS,
+    build_processor,
+    corpus_for_tokenizer,
+    export_split,
+    extract_mentions,
+    iter_split,
+    llava_config_kwargs,
+    make_sample,
+    score,
+    train_tokenizer,
+)
+
+METRIC = {
+    "count": "counting",
+    "attribute": "attribute",
+    "spatial": "spatial",
+    "read_text": "text_reading",
+    "read_chart": "chart_reading",
+    "describe": "description_coverage",
+}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_tokenizer(islice(corpus_for_tokenizer(1000), 2000), vocab_size=2000)
+
+
+def _png(img):
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_determinism():
+    for seed in (0, 17, SPLITS["test"][0] + 5):
+        for task in (None, "describe", "read_chart", "text_only"):
+            a, b = make_sample(seed, task), make_sample(seed, task)
+            assert (a.task, a.prompt, a.answer, a.meta) == (b.task, b.prompt, b.answer, b.meta)
+            assert (a.image is None) == (b.image is None)
+            if a.image is not None:
+                assert a.image.tobytes() == b.image.tobytes() and _png(a.image) == _png(b.image)
+        s = make_sample(seed)
+        assert make_sample(seed, s.task).answer == s.answer
+    # different seeds give different samples
+    assert len({make_sample(s, "describe").answer for s in range(20)}) == 20
+
+
+def test_splits_disjoint():
+    rng = sorted(SPLITS.values())
+    for (lo1, hi1), (lo2, hi2) in zip(rng, rng[1:]):
+        assert lo1 < hi1 <= lo2 < hi2
+    seeds = {split: [s.seed for s in iter_split(split, 3, start=2)] for split in SPLITS}
+    assert seeds["val"] == [SPLITS["val"][0] + i for i in (2, 3, 4)]
+    assert not set(seeds["train"]) & set(seeds["val"]) and not set(seeds["val"]) & set(seeds["test"])
+    with pytest.raises(ValueError):
+        list(iter_split("val", 2, start=SPLITS["val"][1] - SPLITS["val"][0] - 1))
+
+
+def test_every_task_valid():
+    for task in TASKS:
+        for seed in range(8):
+            s = make_sample(seed, task)
+            assert s.task == task and s.prompt and s.answer
+            json.dumps(s.meta)
+            if task == "text_only":
+                assert s.image is None
+                assert score(s, s.answer) == {}
+            else:
+                assert s.image.mode == "RGB" and s.image.size == (IMAGE_SIZE, IMAGE_SIZE)
+                # ground truth gets full marks
+                assert score(s, s.answer) == {METRIC[task]: 1.0}, (s.prompt, s.answer)
+                assert score(s, "") == {METRIC[task]: 0.0}
+    mix = {make_sample(seed).task for seed in range(200)}
+    assert mix == set(TASKS)
+
+
+def test_score_wrong_answers():
+    for seed in range(30):
+        s = make_sample(seed, "count")
+        k = s.meta["target"]["count"]
+        assert score(s, f"There are {k + 1} objects.")["counting"] == 0.0
+        assert score(s, f"There are {['no', 'one', 'two', 'three', 'four', 'five', 'six'][k]} things.")["counting"] == 1.0
+        s = make_sample(seed, "spatial")
+        t = s.meta["target"]
+        wrong = "top left" if (t["row"], t["col"]) != (0, 0) else "bottom right"
+        assert score(s, f"It is in the {wrong} corner.")["spatial"] == 0.0
+        s = make_sample(seed, "read_text")
+        other = "CAT" if s.meta["target"]["value"] != "CAT" else "DOG"
+        assert score(s, f'The sign says "{other}".')["text_reading"] == 0.0
+        assert score(s, s.meta["target"]["value"].lower())["text_reading"] == 1.0
+        s = make_sample(seed, "read_chart")
+        t = s.meta["target"]
+        if t["question"] == "value":
+            assert score(s, f"Bar {t['label']} has a value of {t['value'] % 9 + 1}.")["chart_reading"] == 0.0
+        else:
+            other = next(b["label"] for b in s.meta["scene"]["bars"] if b["label"] != t["value"])
+            assert score(s, f"Bar {other} is the one.")["chart_reading"] == 0.0
+        s = make_sample(seed, "attribute")
+        assert score(s, "It is a blue red green thing, a circle or a square, large and small.")["attribute"] == 0.0
+
+
+def test_description_coverage():
+    for seed in range(20):
+        s = make_sample(seed, "describe")
+        objs = s.meta["scene"]["objects"]
+        assert score(s, s.answer)["description_coverage"] == 1.0
+        # every object mentioned once, in reverse order, different phrasing
+        alt = " ".join(f"The {o['shape']} {o['cell']} is {o['color']}." for o in reversed(objs))
+        assert score(s, alt)["description_coverage"] == 1.0
+        # only the first object
+        o = objs[0]
+        n_same = sum((p["color"], p["shape"]) == (o["color"], o["shape"]) for p in objs)
+        cov = score(s, f"I see a {o['color']} {o['shape']}.")["description_coverage"]
+        assert cov == pytest.approx(1 / len(objs)) and n_same >= 1
+        # the scene's colours, but each with a shape it does not have in the scene
+        pairs = {(o["color"], o["shape"]) for o in objs}
+        swapped = " ".join(
+            f"a {c} {next(sh for sh in SHAPES if (c, sh) not in pairs)}." for c in {o["color"] for o in objs}
+        )
+        assert score(s, swapped)["description_coverage"] == 0.0
+    # one mention cannot cover two identical objects
+    objs2 = [{"color": "red", "shape": "circle"}] * 2
+    from vlmspec.data import description_coverage
+
+    assert description_coverage(objs2, "A red circle.") == 0.5
+    assert description_coverage(objs2, "Two red circles.") == 1.0
+    assert extract_mentions("The circle is red and the square is blue.") == {("red", "circle"): 1, ("blue", "square"): 1}
+
+
+def test_description_lengths(tok):
+    lens = [len(tok(s.answer)["input_ids"]) for s in iter_split("val", 50, task="describe")]
+    assert 60 <= min(lens) and max(lens) <= 200, lens
+    lens = [len(tok(s.answer)["input_ids"]) for s in iter_split("val", 30, task="text_only")]
+    assert 15 <= min(lens) and max(lens) <= 80, lens
+
+
+def test_export_split(tmp_path):
+    path = export_split("val", 12, tmp_path / "val", start=3)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == 12
+    for r, s in zip(rows, iter_split("val", 12, start=3)):
+        assert r["task"] == s.task and r["conversations"][1] == {"from": "gpt", "value": s.answer}
+        human = r["conversations"][0]
+        assert human["from"] == "human"
+        if s.image is None:
+            assert r["images"] == [] and "<image>" not in human["value"]
+        else:
+            assert r["images"] == [f"images/{s.seed}.png"]
+            assert human["value"] == "<image>\n" + s.prompt
+            img = Image.open(tmp_path / "val" / r["images"][0])
+            assert img.convert("RGB").tobytes() == s.image.tobytes()
+        assert r["meta"]["target"] == s.meta["target"]
+
+
+def test_tokenizer_roundtrip(tok):
+    for i, s in enumerate(iter_split("test", 20)):
+        for x in (s.prompt, s.answer, "  odd  spacing\n\tand ünïcode 42!"):
+            assert tok.decode(tok(x)["input_ids"]) == x
+    assert tok.convert_ids_to_tokens([0, 1, 2, 3]) == ["<pad>", "<s>", "</s>", "<image>"]
+    assert tok("<image>\nhi")["input_ids"][0] == 3
+    tok2 = train_tokenizer(islice(corpus_for_tokenizer(1000), 2000), vocab_size=2000)
+    assert tok2.get_vocab() == tok.get_vocab()
+
+
+def test_processor_roundtrip(tok, tmp_path):
+    from transformers import AutoProcessor, LlavaConfig, LlavaForConditionalGeneration
+
+    proc = build_processor(tok)
+    s = make_sample(3, "describe")
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": s.prompt}]}]
+    text = proc.apply_chat_template(msgs, add_generation_prompt=True)
+    assert text == f"<s><|user|>\n<image>\n{s.prompt}\n<|assistant|>\n"
+    full = proc.apply_chat_template(msgs + [{"role": "assistant", "content": [{"type": "text", "text": s.answer}]}])
+    assert full.startswith(text) and full.endswith(s.answer + "</s>\n")
+    enc = proc(images=s.image, text=text, return_tensors="pt")
+    assert enc["pixel_values"].shape == (1, 3, IMAGE_SIZE, IMAGE_SIZE)
+    assert int((enc["input_ids"] == tok.convert_tokens_to_ids("<image>")).sum()) == 64
+
+    proc.save_pretrained(tmp_path)
+    p2 = AutoProcessor.from_pretrained(tmp_path)
+    assert p2.apply_chat_template(msgs, add_generation_prompt=True) == text
+    enc2 = p2(images=s.image, text=text, return_tensors="pt")
+    assert torch.equal(enc["input_ids"], enc2["input_ids"])
+    assert torch.equal(enc["pixel_values"], enc2["pixel_values"])
+    assert p2.tokenizer.eos_token == "</s>" and p2.tokenizer.pad_token_id == 0
+
+    # a LlavaConfig built from llava_config_kwargs accepts the processor's output
+    kw = llava_config_kwargs(proc)
+    vc, tc = kw.pop("vision_config"), kw.pop("text_config")
+    small = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    cfg = LlavaConfig(
+        vision_config={**vc, **small},
+        text_config={"model_type": "llama", **tc, **small, "num_key_value_heads": 2},
+        **kw,
+    )
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        out = model(**enc)
+    assert out.logits.shape[:2] == enc["input_ids"].shape

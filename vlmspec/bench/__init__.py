@@ -1,0 +1,1 @@
+"""Benchmarks: every speed figure vlmspec reports comes from here (`vlmspec bench ...`)."""

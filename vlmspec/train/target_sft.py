@@ -1,0 +1,295 @@
+"""`vlmspec train-target`: train the bundled LLaVA-architecture target from scratch on ToyWorld.
+
+Next-token SFT on the answers only (prompt and image positions are masked), AdamW with linear
+warm-up and cosine decay, batches bucketed by length, safetensors checkpoints with exact resume
+(model, optimizer, step; the data order is a pure function of the step), a loss curve PNG.
+
+    vlmspec train-target --out runs/target --steps 3000 --batch-size 16 [--minutes 80] [--resume]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from vlmspec.data import toyworld
+from vlmspec.data.processor import build_processor, corpus_for_tokenizer, llava_config_kwargs, train_tokenizer
+
+
+@dataclass
+class TargetArch:
+    """Sizes of the bundled target: a CLIP-style vision tower, an MLP projector, a Llama decoder."""
+
+    vision_hidden: int = 128
+    vision_layers: int = 4
+    vision_heads: int = 4
+    hidden: int = 256
+    layers: int = 8
+    heads: int = 8
+    kv_heads: int = 4
+    intermediate: int = 704
+    max_positions: int = 1024
+    tokenizer_vocab: int = 3000
+    tokenizer_corpus: int = 20000
+
+
+@dataclass
+class SFTConfig:
+    steps: int = 3000
+    batch_size: int = 16
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 100
+    weight_decay: float = 0.05
+    grad_clip: float = 1.0
+    seed: int = 0
+    bucket: int = 4  # samples for `bucket` batches are drawn together and sorted by length
+    ckpt_every: int = 100
+    eval_every: int = 100
+    eval_samples: int = 64
+    minutes: float | None = None  # wall-clock budget of this run; checkpoint and stop when spent
+    arch: TargetArch = field(default_factory=TargetArch)
+
+
+def build_model(processor: Any, arch: TargetArch, seed: int = 0) -> torch.nn.Module:
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    kw = llava_config_kwargs(processor)
+    vcfg = kw.pop("vision_config")
+    vcfg.pop("model_type", None)
+    vision = CLIPVisionConfig(
+        **vcfg,
+        hidden_size=arch.vision_hidden,
+        intermediate_size=4 * arch.vision_hidden,
+        num_hidden_layers=arch.vision_layers,
+        num_attention_heads=arch.vision_heads,
+        projection_dim=arch.vision_hidden,
+    )
+    text = LlamaConfig(
+        **kw.pop("text_config"),
+        hidden_size=arch.hidden,
+        intermediate_size=arch.intermediate,
+        num_hidden_layers=arch.layers,
+        num_attention_heads=arch.heads,
+        num_key_value_heads=arch.kv_heads,
+        max_position_embeddings=arch.max_positions,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    config = LlavaConfig(vision_config=vision, text_config=text, vision_feature_layer=-1, **kw)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config)
+    model.config._attn_implementation = "sdpa"
+    model.generation_config.eos_token_id = text.eos_token_id
+    model.generation_config.pad_token_id = text.pad_token_id
+    model.generation_config.bos_token_id = text.bos_token_id
+    return model
+
+
+# ---------------------------------------------------------------------------------------- data
+def messages_for(sample: toyworld.Sample) -> list[dict[str, Any]]:
+    content: list[dict[str, Any]] = [{"type": "image"}] if sample.image is not None else []
+    content.append({"type": "text", "text": sample.prompt})
+    return [{"role": "user", "content": content}]
+
+
+def encode_batch(samples: list[toyworld.Sample], processor: Any) -> dict[str, torch.Tensor]:
+    """Chat-formatted prompt + answer -> padded tensors; labels are -100 outside the answer."""
+    tok = processor.tokenizer
+    assistant = tok.convert_tokens_to_ids("<|assistant|>")
+    texts, images = [], []
+    for s in samples:
+        prompt = processor.apply_chat_template(messages_for(s), add_generation_prompt=True)
+        texts.append(prompt + s.answer + tok.eos_token + "\n")
+        if s.image is not None:
+            images.append(s.image)
+    enc = processor(text=texts, images=images or None, return_tensors="pt", padding=True)
+    ids = enc["input_ids"]
+    labels = ids.clone()
+    for row in range(ids.shape[0]):
+        starts = (ids[row] == assistant).nonzero()
+        assert starts.numel() == 1, "one assistant turn per sample"
+        labels[row, : int(starts[0]) + 2] = -100  # <|assistant|> and the newline after it
+    labels[enc["attention_mask"] == 0] = -100
+    enc["labels"] = labels
+    return dict(enc)
+
+
+def batch_seeds(step: int, cfg: SFTConfig) -> tuple[list[int], int]:
+    """The train-split seeds of batch `step`: a pure function of the step (exact resume)."""
+    chunk, part = divmod(step, cfg.bucket)
+    first = toyworld.SPLITS["train"][0] + cfg.seed * 10**7 + chunk * cfg.bucket * cfg.batch_size
+    return list(range(first, first + cfg.bucket * cfg.batch_size)), part
+
+
+def batches(start_step: int, cfg: SFTConfig, processor: Any) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    step = start_step
+    while True:
+        seeds, part = batch_seeds(step, cfg)
+        samples = [toyworld.make_sample(s) for s in seeds]
+        lengths = [len(s.prompt) + len(s.answer) + (1000 if s.image is not None else 0) for s in samples]
+        order = sorted(range(len(samples)), key=lambda i: (lengths[i], i))
+        while part < cfg.bucket:
+            idx = order[part * cfg.batch_size : (part + 1) * cfg.batch_size]
+            yield step, encode_batch([samples[i] for i in idx], processor)
+            step += 1
+            part += 1
+
+
+def lr_at(step: int, cfg: SFTConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    t = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+# ---------------------------------------------------------------------------------------- checkpoints
+CKPT = "checkpoint"
+
+
+def save_checkpoint(out: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    d = out / CKPT
+    tmp = out / (CKPT + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp / "model.safetensors"))
+    torch.save(opt.state_dict(), tmp / "optimizer.pt")
+    (tmp / "trainer_state.json").write_text(json.dumps(state))
+    if d.exists():
+        for f in d.iterdir():
+            f.unlink()
+        d.rmdir()
+    tmp.rename(d)
+
+
+def load_checkpoint(out: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    d = out / CKPT
+    state = load_file(str(d / "model.safetensors"))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{d}: checkpoint does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    opt.load_state_dict(torch.load(d / "optimizer.pt", weights_only=True))
+    return json.loads((d / "trainer_state.json").read_text())
+
+
+# ---------------------------------------------------------------------------------------- loop
+def _processor(out: Path, arch: TargetArch, resume: bool) -> Any:
+    from transformers import AutoProcessor
+
+    pdir = out / "processor"
+    if resume and pdir.is_dir():
+        return AutoProcessor.from_pretrained(pdir)
+    tok = train_tokenizer(corpus_for_tokenizer(arch.tokenizer_corpus), vocab_size=arch.tokenizer_vocab)
+    processor = build_processor(tok)
+    processor.save_pretrained(pdir)
+    return AutoProcessor.from_pretrained(pdir)
+
+
+@torch.no_grad()
+def eval_loss(model: torch.nn.Module, processor: Any, cfg: SFTConfig) -> float:
+    model.eval()
+    lo = toyworld.SPLITS["val"][0]
+    samples = [toyworld.make_sample(s) for s in range(lo, lo + cfg.eval_samples)]
+    total, count = 0.0, 0
+    for i in range(0, len(samples), cfg.batch_size):
+        b = encode_batch(samples[i : i + cfg.batch_size], processor)
+        n = int((b["labels"][:, 1:] != -100).sum())
+        total += float(model(**b).loss) * n
+        count += n
+    model.train()
+    return total / max(1, count)
+
+
+def plot_curve(history: list[dict[str, float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [h["step"] for h in history if "loss" in h]
+    ax.plot(steps, [h["loss"] for h in history if "loss" in h], lw=0.8, alpha=0.6, label="train loss (answers)")
+    ev = [h for h in history if "val_loss" in h]
+    if ev:
+        ax.plot([h["step"] for h in ev], [h["val_loss"] for h in ev], "o-", label="held-out loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def train(out: str | Path, cfg: SFTConfig, resume: bool = False, progress: bool = True) -> Path:
+    """Train (or resume) into `out`; returns the exported model folder `out/model`."""
+    from tqdm import tqdm
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if resume and not (out / CKPT).is_dir():
+        raise FileNotFoundError(f"--resume: no checkpoint in {out / CKPT}")
+    if resume:
+        saved = json.loads((out / CKPT / "trainer_state.json").read_text())
+        cfg = SFTConfig(**{**saved["config"], "arch": TargetArch(**saved["config"]["arch"]), "steps": cfg.steps, "minutes": cfg.minutes})
+    torch.manual_seed(cfg.seed)
+    processor = _processor(out, cfg.arch, resume)
+    model = build_model(processor, cfg.arch, cfg.seed)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.98),
+    )
+    state: dict[str, Any] = {"step": 0, "history": [], "elapsed_s": 0.0}
+    if resume:
+        state = load_checkpoint(out, model, opt)
+    state["config"] = asdict(cfg)
+    model.train()
+    t0, elapsed0 = time.perf_counter(), state["elapsed_s"]
+    bar = tqdm(total=cfg.steps, initial=state["step"], disable=not progress, desc="train-target", dynamic_ncols=True)
+    stop_reason = "steps"
+    for step, batch in batches(state["step"], cfg, processor):
+        if step >= cfg.steps:
+            break
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        state["step"] = step + 1
+        state["elapsed_s"] = elapsed0 + time.perf_counter() - t0
+        state["history"].append({"step": step, "loss": float(loss.detach())})
+        bar.update(1)
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", lr=f"{lr_at(step, cfg):.1e}")
+        if state["step"] % cfg.eval_every == 0 or state["step"] == cfg.steps:
+            state["history"].append({"step": step, "val_loss": eval_loss(model, processor, cfg)})
+            bar.write(f"step {state['step']}: held-out loss {state['history'][-1]['val_loss']:.4f}")
+        out_of_time = cfg.minutes is not None and (time.perf_counter() - t0) > cfg.minutes * 60
+        if state["step"] % cfg.ckpt_every == 0 or state["step"] == cfg.steps or out_of_time:
+            save_checkpoint(out, model, opt, state)
+            plot_curve(state["history"], out / "loss.png")
+        if out_of_time:
+            stop_reason = "time budget"
+            break
+    bar.close()
+    save_checkpoint(out, model, opt, state)
+    plot_curve(state["history"], out / "loss.png")
+    export = out / "model"
+    model.save_pretrained(export)
+    processor.save_pretrained(export)
+    (out / "train_summary.json").write_text(
+        json.dumps({"step": state["step"], "elapsed_s": state["elapsed_s"], "stopped_by": stop_reason, "config": state["config"]}, indent=2)
+    )
+    print(f"train-target: step {state['step']}/{cfg.steps} ({stop_reason}), {state['elapsed_s'] / 60:.1f} min total; model in {export}")
+    return export
