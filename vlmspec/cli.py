@@ -56,8 +56,8 @@ def _non_negative_int(name: str):
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="target VLM: a local folder or a hub id (required until a bundled model ships)")
-    p.add_argument("--drafter", default="ngram", help="a drafter folder, 'ngram' or 'none' (default: ngram)")
+    p.add_argument("--model", help="target VLM: a local folder or a hub id (default: the bundled ToyWorld VLM)")
+    p.add_argument("--drafter", default="auto", help="a drafter folder, 'ngram' or 'none' (default: the bundled drafter with the bundled model, else ngram)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--attention", default="auto", choices=["auto", "triton", "sdpa", "eager"], help="tree attention: auto = Triton kernel on CUDA, SDPA on CPU")
@@ -90,9 +90,35 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
 
-    b = sub.add_parser("bench", help="benchmarks: verify-cost (tree forward vs one-token step), kernel (Triton vs SDPA)")
-    b.add_argument("which", choices=sorted(BENCHES), help="which benchmark")
-    b.add_argument("rest", nargs=argparse.REMAINDER, help="its own options (see vlmspec bench WHICH --help)")
+    d = sub.add_parser("train", help="distil an EAGLE-style draft head from a frozen target (online logits)")
+    d.add_argument("--target", help="target VLM folder or hub id (default: the bundled model)")
+    d.add_argument("--data", default="toyworld", help="'toyworld' or a LLaVA-style JSONL file")
+    d.add_argument("--out", required=True, help="run folder: checkpoint/, drafter/, train_curve.png")
+    d.add_argument("--steps", type=_positive_int("--steps"), default=1000)
+    d.add_argument("--batch-size", type=_positive_int("--batch-size"), default=8)
+    d.add_argument("--lr", type=_float_in("--lr", 0.0, 1.0, low_open=True), default=3e-4)
+    d.add_argument("--w-ce", type=_float_in("--w-ce", 0.0, 1e3), default=0.1)
+    d.add_argument("--w-feat", type=_float_in("--w-feat", 0.0, 1e3), default=1.0)
+    d.add_argument("--ttt-steps", type=_positive_int("--ttt-steps"), default=2, help="training-time test unroll (1 = off)")
+    d.add_argument("--curriculum-steps", type=_non_negative_int("--curriculum-steps"), default=0, help="text-only -> multimodal ramp")
+    d.add_argument("--eval-every", type=_positive_int("--eval-every"), default=200)
+    d.add_argument("--minutes", type=_float_in("--minutes", 0.0, 1e6, low_open=True), default=None)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--device", default=None)
+    d.add_argument("--resume", action="store_true")
+    d.add_argument("--json", action="store_true", help="print one JSON summary at the end")
+
+    e = sub.add_parser("eval-target", help="score a target on held-out ToyWorld items, with real and with noise images")
+    e.add_argument("--model", help="target folder (default: the bundled model)")
+    e.add_argument("--n", type=_positive_int("--n"), default=600)
+    e.add_argument("--seed", type=_non_negative_int("--seed"), default=0)
+    e.add_argument("--json", action="store_true")
+
+    b = sub.add_parser(
+        "bench",
+        help="speed of every method side by side (default), or: verify-cost (tree forward vs one-token step), kernel (Triton vs SDPA)",
+    )
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="[run|verify-cost|kernel] and its own options (vlmspec bench [WHICH] --help)")
     return parser
 
 
@@ -108,11 +134,19 @@ def _bench_kernel(argv: list[str]) -> int:
     return run(argv)
 
 
-BENCHES = {"verify-cost": _bench_verify_cost, "kernel": _bench_kernel}
+def _bench_run(argv: list[str]) -> int:
+    from vlmspec.bench.harness import main as run
+
+    return run(argv)
+
+
+BENCHES = {"run": _bench_run, "verify-cost": _bench_verify_cost, "kernel": _bench_kernel}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    return BENCHES[args.which](args.rest)
+    rest = list(args.rest)
+    which = rest.pop(0) if rest and rest[0] in BENCHES else "run"
+    return BENCHES[which](rest)
 
 
 def _load_images(paths: Sequence[str]) -> list[Any]:
@@ -144,6 +178,22 @@ def _resolve_device(arg: str | None) -> str:
     return arg
 
 
+def resolve_model_and_drafter(model: str | None, drafter: str) -> tuple[str, str]:
+    """--model default: the bundled target; --drafter auto: its bundled drafter, else ngram."""
+    from vlmspec import assets
+
+    if not model:
+        bundled = assets.bundled_target()
+        if bundled is None:
+            raise UsageError(f"no --model given and the bundled model is missing ({assets.BUNDLED_TARGET}): pass --model DIR|HUB_ID")
+        model = str(bundled)
+    if drafter == "auto":
+        bundled_drafter = assets.bundled_drafter()
+        same = assets.bundled_target() is not None and Path(model).resolve() == assets.BUNDLED_TARGET.resolve()
+        drafter = str(bundled_drafter) if same and bundled_drafter is not None else "ngram"
+    return model, drafter
+
+
 def load_engine(args: argparse.Namespace):
     """Target + drafter from the CLI options (shared by generate / serve / bench)."""
     import torch
@@ -153,8 +203,7 @@ def load_engine(args: argparse.Namespace):
     from vlmspec.engine import SpecEngine
     from vlmspec.target import Target, TargetLoadError
 
-    if not args.model:
-        raise UsageError("--model is required (a local model folder or a hub id)")
+    model, drafter_spec = resolve_model_and_drafter(args.model, args.drafter)
     device = _resolve_device(args.device)
     dtype = {
         "auto": torch.bfloat16 if device.startswith("cuda") else torch.float32,
@@ -169,8 +218,8 @@ def load_engine(args: argparse.Namespace):
         total_tokens=args.tree_tokens or base.total_tokens,
     )
     try:
-        target = Target.load(args.model, device=device, dtype=dtype, attention=args.attention)
-        drafter = load_drafter(args.drafter, target, tree)
+        target = Target.load(model, device=device, dtype=dtype, attention=args.attention)
+        drafter = load_drafter(drafter_spec, target, tree)
     except (TargetLoadError, DrafterLoadError) as exc:
         raise UsageError(str(exc)) from None
     return SpecEngine(target, drafter)
@@ -221,12 +270,70 @@ def cmd_train_target(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "train-target": cmd_train_target}
+def cmd_train(args: argparse.Namespace) -> int:
+    from vlmspec.target import Target, TargetLoadError
+    from vlmspec.train.data import DataError
+    from vlmspec.train.distill import DistillConfig, train_drafter
+
+    model, _ = resolve_model_and_drafter(args.target, "none")
+    if args.data != "toyworld" and not Path(args.data).is_file():
+        raise UsageError(f"data file not found: {args.data} (use 'toyworld' or a JSONL file)")
+    if args.resume and not (Path(args.out) / "checkpoint").is_dir():
+        raise UsageError(f"--resume: no checkpoint in {args.out}/checkpoint")
+    try:
+        target = Target.load(model, device=_resolve_device(args.device))
+    except TargetLoadError as exc:
+        raise UsageError(str(exc)) from None
+    cfg = DistillConfig(
+        steps=args.steps, batch_size=args.batch_size, lr=args.lr, w_ce=args.w_ce, w_feat=args.w_feat,
+        ttt_steps=args.ttt_steps, curriculum_steps=args.curriculum_steps, eval_every=args.eval_every,
+        minutes=args.minutes, seed=args.seed,
+    )
+    try:
+        train_drafter(target, args.data, args.out, cfg, resume=args.resume, progress=not args.json)
+    except DataError as exc:
+        raise UsageError(str(exc)) from None
+    summary = json.loads((Path(args.out) / "train_summary.json").read_text())
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"train: {summary['step']} steps in {summary['elapsed_s'] / 60:.1f} min; drafter in {args.out}/drafter")
+    return 0
+
+
+def cmd_eval_target(args: argparse.Namespace) -> int:
+    from vlmspec.target import Target, TargetLoadError
+    from vlmspec.train.target_eval import evaluate, format_table
+
+    model, _ = resolve_model_and_drafter(args.model, "none")
+    try:
+        target = Target.load(model)
+    except TargetLoadError as exc:
+        raise UsageError(str(exc)) from None
+    result = evaluate(target, n=args.n, seed=args.seed, progress=not args.json)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(format_table(result))
+    return 0
+
+
+COMMANDS = {
+    "generate": cmd_generate,
+    "bench": cmd_bench,
+    "train-target": cmd_train_target,
+    "eval-target": cmd_eval_target,
+    "train": cmd_train,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)  # argparse itself exits 2 with a one-line usage error
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"] and not {"-h", "--help"} & set(argv[1:2]):
+        args = argparse.Namespace(command="bench", rest=argv[1:])  # each benchmark parses its own options
+    else:
+        args = parser.parse_args(argv)  # argparse itself exits 2 with a one-line usage error
     try:
         return COMMANDS[args.command](args)
     except UsageError as exc:

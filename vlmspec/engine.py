@@ -59,9 +59,15 @@ class GenerationResult:
     num_drafted: int
     num_accepted: int
     mean_accepted_length: float  # tokens per verify forward, bonus included (1.0 for plain decoding)
-    acceptance_by_position: list[float]  # P(draft token at depth d accepted | reached), d = 1, 2, ...
+    depth_reached: list[int]  # [d-1]: verify passes whose tree had a drafted node at depth d
+    depth_accepted: list[int]  # [d-1]: verify passes that accepted a token at depth d
     elapsed_s: float
     timings: dict[str, float]  # seconds: prefill, draft, verify, commit, other
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """P(the drafted token at depth d is accepted | the tree reached depth d), d = 1, 2, ..."""
+        return [h / r for h, r in zip(self.depth_accepted, self.depth_reached)]
 
     @property
     def tokens_per_s(self) -> float:
@@ -221,7 +227,8 @@ class SpecEngine:
             num_drafted=drafted,
             num_accepted=accepted,
             mean_accepted_length=(accepted + verify_forwards) / verify_forwards if verify_forwards else 1.0,
-            acceptance_by_position=[h / r for h, r in zip(hits, reached)],
+            depth_reached=reached,
+            depth_accepted=hits,
             elapsed_s=elapsed,
             timings=dict(clock.t),
         )

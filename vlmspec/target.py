@@ -252,7 +252,8 @@ class Target:
         `commit` afterwards. logits [N, V]: row i is the distribution after node i."""
         if state.seq_len + int(tree.depth.max()) + 1 > self.max_positions:
             raise ContextLengthError(f"tree reaches past the context of {self.max_positions} tokens")
-        mask = tree_attention_mask(tree.ancestor_mask().to(self.device), state.seq_len, self.dtype)
+        # a lone root is a plain decode step: the causal default is exact and takes the fast kernels
+        mask = None if tree.size == 1 else tree_attention_mask(tree.ancestor_mask().to(self.device), state.seq_len, self.dtype)
         out = self.model(
             input_ids=tree.tokens[None].to(self.device),
             attention_mask=mask,

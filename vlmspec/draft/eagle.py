@@ -131,25 +131,27 @@ class EagleHead(nn.Module):
 
     def forward(
         self,
-        token_ids: torch.Tensor,  # [n] next tokens of each pair
-        features: torch.Tensor,  # [n, H] target (or predicted) features
-        position_ids: torch.Tensor,  # [n]
-        attention_mask: torch.Tensor | None,  # [1, 1, n, cache + n] additive, None = causal
+        token_ids: torch.Tensor,  # [n] or [B, n]: the token that follows each feature
+        features: torch.Tensor,  # [n, H] or [B, n, H]: target (or predicted) features
+        position_ids: torch.Tensor,  # [n] or [B, n]
+        attention_mask: torch.Tensor | None,  # [1|B, 1, n, cache + n] additive; None = causal
         cache: DynamicCache | None,
-    ) -> torch.Tensor:  # [n, H] predicted next features
+    ) -> torch.Tensor:  # [n, H] or [B, n, H]: predicted next features
+        batched = token_ids.ndim == 2
+        if not batched:
+            token_ids, features, position_ids = token_ids[None], features[None], position_ids[None]
         emb = self.embed(token_ids)
-        x = self.fc(torch.cat([self.embed_norm(emb), self.feat_norm(features.to(emb.dtype))], dim=-1))[None]
-        pos = position_ids[None]
+        x = self.fc(torch.cat([self.embed_norm(emb), self.feat_norm(features.to(emb.dtype))], dim=-1))
         out = self.layer(
             x,
             attention_mask=attention_mask,
-            position_ids=pos,
+            position_ids=position_ids,
             past_key_values=cache,
             use_cache=cache is not None,
-            position_embeddings=self.rotary(x, pos),
+            position_embeddings=self.rotary(x, position_ids),
         )
         out = out[0] if isinstance(out, tuple) else out
-        return out[0]
+        return out if batched else out[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from vlmspec.data import toyworld
 from vlmspec.data.processor import build_processor, corpus_for_tokenizer, llava_config_kwargs, train_tokenizer
+from vlmspec.train.data import Conversation, encode_conversations
 
 
 @dataclass
@@ -94,32 +95,10 @@ def build_model(processor: Any, arch: TargetArch, seed: int = 0) -> torch.nn.Mod
 
 
 # ---------------------------------------------------------------------------------------- data
-def messages_for(sample: toyworld.Sample) -> list[dict[str, Any]]:
-    content: list[dict[str, Any]] = [{"type": "image"}] if sample.image is not None else []
-    content.append({"type": "text", "text": sample.prompt})
-    return [{"role": "user", "content": content}]
-
-
 def encode_batch(samples: list[toyworld.Sample], processor: Any) -> dict[str, torch.Tensor]:
-    """Chat-formatted prompt + answer -> padded tensors; labels are -100 outside the answer."""
-    tok = processor.tokenizer
-    assistant = tok.convert_tokens_to_ids("<|assistant|>")
-    texts, images = [], []
-    for s in samples:
-        prompt = processor.apply_chat_template(messages_for(s), add_generation_prompt=True)
-        texts.append(prompt + s.answer + tok.eos_token + "\n")
-        if s.image is not None:
-            images.append(s.image)
-    enc = processor(text=texts, images=images or None, return_tensors="pt", padding=True)
-    ids = enc["input_ids"]
-    labels = ids.clone()
-    for row in range(ids.shape[0]):
-        starts = (ids[row] == assistant).nonzero()
-        assert starts.numel() == 1, "one assistant turn per sample"
-        labels[row, : int(starts[0]) + 2] = -100  # <|assistant|> and the newline after it
-    labels[enc["attention_mask"] == 0] = -100
-    enc["labels"] = labels
-    return dict(enc)
+    """ToyWorld samples -> padded tensors with labels on the answers only."""
+    convs = [Conversation(s.prompt, s.answer, [s.image] if s.image is not None else [], s.task) for s in samples]
+    return encode_conversations(processor, convs)
 
 
 def batch_seeds(step: int, cfg: SFTConfig) -> tuple[list[int], int]:

@@ -1,0 +1,73 @@
+"""vlmspec train: the distillation loss falls, checkpoints round-trip, resume is exact, bad data is reported."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import tiny_target
+from vlmspec.draft.eagle import EagleDrafter
+from vlmspec.testing.tiny import tiny_image
+from vlmspec.train.data import DataError, load_jsonl
+from vlmspec.train.distill import DistillConfig, train_drafter
+
+
+def _cfg(**kw):
+    base = dict(steps=8, batch_size=4, lr=3e-3, warmup=2, eval_every=10**6, eval_n=1, ckpt_every=4)
+    base.update(kw)
+    return DistillConfig(**base)
+
+
+def _history(out):
+    return json.loads((out / "checkpoint" / "trainer_state.json").read_text())["history"]
+
+
+def test_loss_falls_on_tiny_target(tmp_path):
+    target = tiny_target("llava")
+    train_drafter(target, "toyworld", tmp_path, _cfg(steps=24, ttt_steps=2), progress=False)
+    losses = [h["loss"] for h in _history(tmp_path) if "loss" in h]
+    assert len(losses) == 24
+    assert sum(losses[-5:]) / 5 < 0.9 * sum(losses[:5]) / 5, losses
+    # the exported drafter loads back against the same target
+    drafter = EagleDrafter.load(tmp_path / "drafter", target)
+    assert drafter.head.config.hidden_size == target.hidden_size
+    assert (tmp_path / "train_curve.png").stat().st_size > 0
+
+
+def test_resume_is_exact(tmp_path):
+    target = tiny_target("llava")
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train_drafter(target, "toyworld", straight, _cfg(), progress=False)
+    train_drafter(target, "toyworld", split, _cfg(), progress=False, stop_at=4)
+    saved = torch.load(split / "checkpoint" / "optimizer.pt", weights_only=True)
+    assert json.loads((split / "checkpoint" / "trainer_state.json").read_text())["step"] == 4
+    # resuming restores the optimizer state it saved, then continues from step 4
+    train_drafter(target, "toyworld", split, _cfg(), resume=True, progress=False)
+    assert [h["step"] for h in _history(split) if "loss" in h] == list(range(8))
+    assert saved["state"]  # Adam moments were saved and reloaded
+    a = load_file(str(straight / "checkpoint" / "head.safetensors"))
+    b = load_file(str(split / "checkpoint" / "head.safetensors"))
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-6), k
+
+
+def test_bad_jsonl_lines_are_reported_and_skipped(tmp_path):
+    tiny_image(0).save(tmp_path / "ok.png")
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG not really")
+    good = {"images": ["ok.png"], "conversations": [{"from": "human", "value": "<image>\nhi"}, {"from": "gpt", "value": "hello"}]}
+    lines = [
+        json.dumps(good),
+        "{not json",
+        json.dumps({"images": ["missing.png"], "conversations": good["conversations"]}),
+        json.dumps({"images": ["broken.png"], "conversations": good["conversations"]}),
+        json.dumps({"conversations": [{"from": "human", "value": "only a question"}]}),
+    ]
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    convs, problems = load_jsonl(path)
+    assert len(convs) == 1 and len(problems) == 4
+    assert [p.split(":")[1] for p in problems] == ["2", "3", "4", "5"]  # file:line in every report
+    with pytest.raises(DataError, match=r"data.jsonl:2"):
+        load_jsonl(path, skip_bad=False)
+    with pytest.raises(DataError, match="not found"):
+        load_jsonl(tmp_path / "nope.jsonl")

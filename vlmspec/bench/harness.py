@@ -1,0 +1,383 @@
+"""`vlmspec bench run`: speed side by side, in one process, interleaved, on the same prompts.
+
+Methods: (a) hf_generate: plain HF `generate`; (b) hf_prompt_lookup: HF with
+`prompt_lookup_num_tokens`; (c) vlmspec_none; (d) vlmspec_ngram; (e) vlmspec_eagle (when a
+drafter is given or bundled). Per method: end-to-end and decode-only tokens/s, speedups vs (a)
+and (c), mean accepted length (bonus included), acceptance per draft position, a time breakdown,
+peak memory; at T=0 every method's tokens must equal (a)'s, else the run reports an error.
+
+    vlmspec bench run [--model DIR|HUB_ID] [--drafter DIR] [--prompts test|FILE.jsonl] [-n 12]
+                      [--temperature 0] [--max-new-tokens 96] [--warmup 1] [--repeats 1]
+                      [--json PATH] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from vlmspec.draft import NgramDrafter, NoDrafter, TreeConfig, load_drafter
+from vlmspec.engine import GenerationConfig, SpecEngine
+from vlmspec.sampling import SamplingParams
+from vlmspec.target import Target
+from vlmspec.train.data import Conversation, load_jsonl, toyworld_conversation
+
+BREAKDOWN = ("vision", "prefill", "draft", "verify", "commit", "other")
+
+
+@dataclass
+class MethodStats:
+    tokens: int = 0
+    seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+    verify_forwards: int = 0
+    accepted: int = 0
+    reached: list[int] = field(default_factory=list)
+    hits: list[int] = field(default_factory=list)
+    breakdown: dict[str, float] = field(default_factory=lambda: dict.fromkeys(BREAKDOWN, 0.0))
+    peak_mem_mb: float = 0.0
+    mismatches: list[int] = field(default_factory=list)
+    error: str | None = None
+
+    def add(self, ids: list[int], seconds: float, vision_s: float, result: Any, hf_prefill_s: float, peak_mb: float) -> None:
+        """One measured generation. result: the engine's GenerationResult, None for HF methods."""
+        self.tokens += len(ids)
+        self.seconds += seconds
+        self.peak_mem_mb = max(self.peak_mem_mb, peak_mb)
+        self.breakdown["vision"] += vision_s
+        if result is None:  # HF: prefill measured separately, the rest is its decode loop
+            prefill = hf_prefill_s
+            self.breakdown["prefill"] += max(0.0, prefill - vision_s)
+            self.breakdown["other"] += max(0.0, seconds - prefill)
+        else:
+            prefill = result.timings["prefill"]
+            self.breakdown["prefill"] += max(0.0, prefill - vision_s)
+            for k in ("draft", "verify", "commit", "other"):
+                self.breakdown[k] += result.timings[k]
+            self.verify_forwards += result.num_target_forwards - 1
+            self.accepted += result.num_accepted
+            for d, (r, h) in enumerate(zip(result.depth_reached, result.depth_accepted)):
+                if d >= len(self.reached):
+                    self.reached.append(0)
+                    self.hits.append(0)
+                self.reached[d] += r
+                self.hits[d] += h
+        self.decode_tokens += max(0, len(ids) - 1)
+        self.decode_seconds += max(1e-9, seconds - prefill)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens,
+            "seconds": self.seconds,
+            "tokens_per_s": self.tokens / self.seconds if self.seconds else 0.0,
+            "decode_tokens_per_s": self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0,
+            "mean_accepted_length": (self.accepted + self.verify_forwards) / self.verify_forwards if self.verify_forwards else None,
+            "acceptance_by_position": [h / r for h, r in zip(self.hits, self.reached) if r],
+            "time_breakdown_s": self.breakdown,
+            "peak_memory_mb": self.peak_mem_mb,
+            "matches_reference": not self.mismatches,
+            "mismatched_prompts": self.mismatches,
+            "error": self.error,
+        }
+
+
+class VisionTimer:
+    """Times the target's vision tower with forward hooks (the engine and HF both call it)."""
+
+    NAMES = ("vision_tower", "visual", "vision_model")
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        base = getattr(model, "model", model)
+        self.module = next((getattr(base, n) for n in self.NAMES if hasattr(base, n)), None)
+        self.total = 0.0
+        self._t0 = 0.0
+        if self.module is not None:
+            self.module.register_forward_pre_hook(self._start)
+            self.module.register_forward_hook(self._stop)
+
+    def _start(self, *_: Any) -> None:
+        _sync()
+        self._t0 = time.perf_counter()
+
+    def _stop(self, *_: Any) -> None:
+        _sync()
+        self.total += time.perf_counter() - self._t0
+
+    @contextmanager
+    def measure(self) -> Iterator[Callable[[], float]]:
+        start = self.total
+        yield lambda: self.total - start
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _peak_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # process peak RSS (Linux: KiB)
+
+
+def load_prompts(spec: str, n: int) -> list[Conversation]:
+    """'test' / 'val': held-out ToyWorld items (mixed tasks); else a LLaVA-style JSONL file."""
+    if spec in ("test", "val"):
+        from vlmspec.data import toyworld
+
+        lo = toyworld.SPLITS[spec][0] + 7 * 10**5
+        return [toyworld_conversation(lo + i) for i in range(n)]
+    convs, _ = load_jsonl(spec)
+    return convs[:n]
+
+
+def _hf_run(target: Target, inputs: dict[str, torch.Tensor], cfg: GenerationConfig, lookup: int | None) -> list[int]:
+    kw: dict[str, Any] = {"max_new_tokens": cfg.max_new_tokens}
+    if cfg.sampling.greedy:
+        kw["do_sample"] = False
+    else:
+        kw.update(do_sample=True, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k or None)
+    if lookup:
+        kw["prompt_lookup_num_tokens"] = lookup
+    if cfg.seed is not None:
+        torch.manual_seed(cfg.seed)
+    out = target.model.generate(**inputs, **kw)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def run_bench(
+    target: Target,
+    drafters: dict[str, Any],
+    prompts: list[Conversation],
+    temperature: float = 0.0,
+    max_new_tokens: int = 96,
+    warmup: int = 1,
+    repeats: int = 1,
+    hf_lookup: int = 10,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """drafters: name -> Drafter for the vlmspec methods. Returns {"methods": {...}, "env": {...}}."""
+    from tqdm import tqdm
+
+    sampling = SamplingParams(temperature=temperature)
+    vision = VisionTimer(target.model)
+    methods: dict[str, Callable[[dict[str, torch.Tensor], GenerationConfig], tuple[list[int], Any]]] = {}
+
+    def hf(lookup: int | None):
+        def call(inputs, cfg):
+            return _hf_run(target, inputs, cfg, lookup), None
+
+        return call
+
+    def spec(drafter):
+        engine = SpecEngine(target, drafter)
+
+        def call(inputs, cfg):
+            r = engine.generate(inputs, cfg)
+            return r.token_ids, r
+
+        return call
+
+    methods["hf_generate"] = hf(None)
+    methods["hf_prompt_lookup"] = hf(hf_lookup)
+    for name, d in drafters.items():
+        methods[f"vlmspec_{name}"] = spec(d)
+    stats = {m: MethodStats() for m in methods}
+    names = list(methods)
+    encoded = [target.encode(c.prompt, c.images) for c in prompts]
+    total = len(encoded) * (warmup + repeats) * len(names)
+    bar = tqdm(total=total, desc="bench", disable=not progress, dynamic_ncols=True)
+    for pi, inputs in enumerate(encoded):
+        hf_prefill = _hf_prefill_seconds(target, inputs)
+        last_ids: dict[str, list[int]] = {}
+        for rep in range(warmup + repeats):
+            order = names[rep % len(names) :] + names[: rep % len(names)]  # rotate: no method always first
+            for m in order:
+                bar.update(1)
+                st = stats[m]
+                if st.error:
+                    continue
+                cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, seed=1000 * pi + rep)
+                if target.device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(target.device)
+                try:
+                    with vision.measure() as vis:
+                        _sync()
+                        t0 = time.perf_counter()
+                        ids, result = methods[m](inputs, cfg)
+                        _sync()
+                        dt = time.perf_counter() - t0
+                        vis_s = vis()
+                except (RuntimeError, ValueError, TypeError, NotImplementedError) as exc:
+                    st.error = f"{exc.__class__.__name__}: {str(exc).splitlines()[0][:300]}"
+                    continue
+                if rep < warmup:
+                    continue
+                last_ids[m] = ids
+                st.add(ids, dt, vis_s, result, hf_prefill, _peak_mb(target.device))
+        reference = last_ids.get("hf_generate")
+        if temperature == 0 and reference is not None:
+            for m, ids in last_ids.items():
+                if ids != reference:
+                    stats[m].mismatches.append(pi)
+    bar.close()
+    out = {m: s.summary() for m, s in stats.items()}
+    base_a = out["hf_generate"]["tokens_per_s"]
+    base_c = out.get("vlmspec_none", {}).get("tokens_per_s", 0.0)
+    for m, s in out.items():
+        s["speedup_vs_hf_generate"] = s["tokens_per_s"] / base_a if base_a else None
+        s["speedup_vs_vlmspec_none"] = s["tokens_per_s"] / base_c if base_c else None
+        if temperature != 0:
+            s["matches_reference"] = None  # sampled outputs differ by design; losslessness is tested statistically
+    return {"methods": out, "env": environment(target, temperature, max_new_tokens, len(prompts), warmup, repeats)}
+
+
+def _hf_prefill_seconds(target: Target, inputs: dict[str, torch.Tensor]) -> float:
+    """HF's prefill cost for a prompt (a one-token greedy generate), for HF's decode-only rate."""
+    one = GenerationConfig(max_new_tokens=1)
+    _hf_run(target, inputs, one, None)  # warm
+    _sync()
+    t0 = time.perf_counter()
+    _hf_run(target, inputs, one, None)
+    _sync()
+    return time.perf_counter() - t0
+
+
+def environment(target: Target, temperature: float, max_new: int, n: int, warmup: int, repeats: int) -> dict[str, Any]:
+    import transformers
+
+    dev = target.device
+    return {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})",
+        "dtype": str(target.dtype),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "target": target.name,
+        "attention": target.attention,
+        "temperature": temperature,
+        "max_new_tokens": max_new,
+        "prompts": n,
+        "warmup": warmup,
+        "repeats": repeats,
+    }
+
+
+# ------------------------------------------------------------------------------------ reports
+def markdown_table(report: dict[str, Any]) -> str:
+    env = report["env"]
+    lines = [
+        f"device: {env['device']} | dtype {env['dtype']} | {env['threads']} threads | torch {env['torch']} | "
+        f"transformers {env['transformers']} | T={env['temperature']} | {env['prompts']} prompts x {env['repeats']} repeats | "
+        f"max {env['max_new_tokens']} new tokens",
+        "",
+        "| method | tok/s (e2e) | tok/s (decode) | vs hf_generate | vs vlmspec_none | tau | accept@1..3 | "
+        + " | ".join(f"{k} s" for k in BREAKDOWN)
+        + " | peak MB | matches |",
+        "|---|---:|---:|---:|---:|---:|---|" + "---:|" * len(BREAKDOWN) + "---:|---|",
+    ]
+    for m, s in report["methods"].items():
+        if s.get("error"):
+            lines.append(f"| {m} | error: {s['error']} |" + " |" * (7 + len(BREAKDOWN)))
+            continue
+        fmt = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
+        acc = ", ".join(f"{a:.2f}" for a in s["acceptance_by_position"][:3]) or "-"
+        match = {True: "yes", False: f"NO ({len(s['mismatched_prompts'])})", None: "n/a (T>0)"}[s["matches_reference"]]
+        lines.append(
+            f"| {m} | {fmt(s['tokens_per_s'], 1)} | {fmt(s['decode_tokens_per_s'], 1)} | {fmt(s['speedup_vs_hf_generate'])}x | "
+            f"{fmt(s['speedup_vs_vlmspec_none'])}x | {fmt(s['mean_accepted_length'])} | {acc} | "
+            + " | ".join(f"{s['time_breakdown_s'][k]:.2f}" for k in BREAKDOWN)
+            + f" | {s['peak_memory_mb']:.0f} | {match} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = [m for m, s in report["methods"].items() if not s.get("error")]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
+    rates = [report["methods"][m]["tokens_per_s"] for m in methods]
+    bars = a.bar(methods, rates, color=["#999999" if m.startswith("hf") else "#3a76c4" for m in methods])
+    for bar, m in zip(bars, methods):
+        sp = report["methods"][m]["speedup_vs_hf_generate"]
+        a.annotate(f"{sp:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=9)
+    a.set_ylabel("tokens / s (end to end)")
+    a.set_title(f"T={report['env']['temperature']}  ({report['env']['device']})", fontsize=10)
+    a.tick_params(axis="x", rotation=20)
+    bottom = [0.0] * len(methods)
+    for k in BREAKDOWN:
+        vals = [report["methods"][m]["time_breakdown_s"][k] for m in methods]
+        b.bar(methods, vals, bottom=bottom, label=k)
+        bottom = [x + y for x, y in zip(bottom, vals)]
+    b.set_ylabel("seconds (all prompts)")
+    b.set_title("where the time goes", fontsize=10)
+    b.tick_params(axis="x", rotation=20)
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="vlmspec bench", description="speed of every method, side by side")
+    p.add_argument("--model", help="target folder or hub id (default: the bundled model)")
+    p.add_argument("--drafter", action="append", default=[], help="EAGLE drafter folder(s) (default: the bundled drafter)")
+    p.add_argument("--prompts", default="test", help="'test' / 'val' (held-out ToyWorld) or a LLaVA-style JSONL")
+    p.add_argument("-n", type=int, default=12, help="number of prompts")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--tree-depth", type=int)
+    p.add_argument("--tree-topk", type=int)
+    p.add_argument("--tree-tokens", type=int)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--json", dest="json_path", help="write the results JSON here")
+    p.add_argument("--out", help="folder for results.json, results.md and results.png")
+    a = p.parse_args(argv)
+    from vlmspec.cli import UsageError, resolve_model_and_drafter
+
+    if a.n < 1 or a.max_new_tokens < 1 or a.temperature < 0 or a.warmup < 0 or a.repeats < 1:
+        raise UsageError("-n, --max-new-tokens, --repeats must be >= 1; --warmup and --temperature >= 0")
+    model, auto_drafter = resolve_model_and_drafter(a.model, "auto")
+    target = Target.load(model, device=a.device, dtype=torch.bfloat16 if a.device.startswith("cuda") else torch.float32)
+    base = TreeConfig.for_device(a.device)
+    tree = TreeConfig(a.tree_depth or base.depth, a.tree_topk or base.top_k, a.tree_tokens or base.total_tokens)
+    drafters: dict[str, Any] = {"none": NoDrafter(), "ngram": NgramDrafter(tree)}
+    eagle_dirs = a.drafter or ([auto_drafter] if auto_drafter not in ("ngram", "none") else [])
+    for i, d in enumerate(eagle_dirs):
+        drafters["eagle" if i == 0 else f"eagle_{Path(d).name}"] = load_drafter(d, target, tree)
+    prompts = load_prompts(a.prompts, a.n)
+    report = run_bench(target, drafters, prompts, a.temperature, a.max_new_tokens, a.warmup, a.repeats)
+    report["env"]["tree"] = {"depth": tree.depth, "top_k": tree.top_k, "total_tokens": tree.total_tokens}
+    report["env"]["command"] = "vlmspec bench " + " ".join(argv or [])
+    table = markdown_table(report)
+    print(table)
+    if a.json_path:
+        Path(a.json_path).write_text(json.dumps(report, indent=2))
+    if a.out:
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(report, indent=2))
+        (out / "results.md").write_text(table + "\n")
+        plot(report, out / "results.png")
+    bad = [m for m, s in report["methods"].items() if s["matches_reference"] is False]
+    if bad:
+        print(f"ERROR: at T=0 these methods did not reproduce hf_generate's tokens: {bad}")
+        return 1
+    return 0

@@ -1,0 +1,306 @@
+"""`vlmspec train`: online-logit distillation of an EAGLE-style draft head against a frozen target.
+
+No stored hidden-state corpus: every batch runs the target (the teacher) on the fly for its
+features F [B, T, H] and logits. The head reads pairs (F_t, x_{t+1}) and is trained with
+
+    loss = w_ce * CE(lm_head(h_t), softmax(teacher_logits_{t+1}))  +  w_feat * SmoothL1(h_t, F_{t+1})
+
+(SpecVLM's online-logit distillation, defaults 0.1 / 1.0), plus training-time test: the head is
+unrolled `ttt_steps` times, step j reading its OWN predictions of step j-1 as features, so it
+learns to draft from what it will really see at depth j. (An approximation of EAGLE-3's TTT:
+within step j the head attends causally over that step's sequence of predicted features.)
+
+Only answer positions are trained (labels != -100). Data: ToyWorld (with a text-only-first
+curriculum) or a LLaVA-style JSONL. Checkpoints are safetensors with exact resume; under
+torchrun each rank draws its own data and the head's gradients are averaged (all-reduce).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from vlmspec.data import toyworld
+from vlmspec.draft.base import TreeConfig
+from vlmspec.draft.eagle import EagleConfig, EagleDrafter, EagleHead
+from vlmspec.engine import GenerationConfig, SpecEngine
+from vlmspec.sampling import SamplingParams
+from vlmspec.target import Target
+from vlmspec.train.data import Conversation, encode_conversations, load_jsonl, toyworld_conversation, toyworld_stream
+
+
+@dataclass
+class DistillConfig:
+    steps: int = 1000
+    batch_size: int = 8
+    lr: float = 3e-4
+    warmup: int = 50
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    w_ce: float = 0.1
+    w_feat: float = 1.0
+    ttt_steps: int = 2  # 1 = no training-time test
+    curriculum_steps: int = 0  # text-only share ramps from 1 to 0 over these steps (ToyWorld); 0 = off
+    seed: int = 0
+    eval_every: int = 200
+    eval_n: int = 12
+    ckpt_every: int = 100
+    minutes: float | None = None
+
+
+# ------------------------------------------------------------------------------------ losses
+def soft_ce(draft_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """[..., V] x [..., V] -> [...]: cross-entropy against the teacher's distribution."""
+    return -(teacher_logits.float().softmax(-1) * draft_logits.float().log_softmax(-1)).sum(-1)
+
+
+def distill_losses(
+    head: EagleHead,
+    input_ids: torch.Tensor,  # [B, T]
+    feats: torch.Tensor,  # [B, T, H] teacher features (last hidden state)
+    teacher_logits: torch.Tensor,  # [B, T, V]
+    labels: torch.Tensor,  # [B, T], -100 = not trained
+    cfg: DistillConfig,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The unrolled distillation loss. Step j (1-based) reads pairs (feature for position t+j-1,
+    token x_{t+j}) and predicts F_{t+j} and the teacher's next-token distribution there."""
+    B, T, _ = feats.shape
+    total = feats.new_zeros(())
+    stats: dict[str, float] = {}
+    prev = feats  # step 1 reads the teacher's own features
+    for j in range(1, cfg.ttt_steps + 1):
+        n = T - j
+        if n <= 1:
+            break
+        toks = input_ids[:, j:]  # [B, n]
+        inp = prev[:, :n]  # [B, n, H]
+        pos = torch.arange(n, device=feats.device).expand(B, n)
+        h = head(toks, inp, pos, None, None)  # [B, n, H]
+        target_f = feats[:, j:]  # F_{t+j}
+        target_l = teacher_logits[:, j:]  # p(x_{t+j+1} | ...)
+        mask = torch.zeros(B, n, dtype=torch.bool, device=feats.device)
+        mask[:, :-1] = labels[:, j + 1 :] != -100  # the next token is an answer token
+        if not mask.any():
+            break
+        ce = soft_ce(head.logits(h[mask]), target_l[mask]).mean()
+        fl = F.smooth_l1_loss(h[mask].float(), target_f[mask].float())
+        total = total + (cfg.w_ce * ce + cfg.w_feat * fl) / cfg.ttt_steps
+        with torch.no_grad():
+            acc = (head.logits(h[mask]).argmax(-1) == target_l[mask].argmax(-1)).float().mean()
+        stats.update({f"ce{j}": float(ce.detach()), f"feat{j}": float(fl.detach()), f"acc{j}": float(acc)})
+        # step j+1 reads, for position t+j, this step's prediction h[t] of F_{t+j}
+        prev = F.pad(h, (0, 0, 0, T - n))
+    return total, stats
+
+
+@torch.no_grad()
+def teacher(target: Target, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Frozen target forward: (features [B, T, H], logits [B, T, V])."""
+    kwargs = {k: v for k, v in batch.items() if k != "labels"}
+    # (M-RoPE targets compute their 3-axis positions from mm_token_type_ids inside this forward)
+    out = target.model(**kwargs, output_hidden_states=True, return_dict=True)
+    return out.hidden_states[-1], out.logits
+
+
+# ------------------------------------------------------------------------------------ data
+def conversations(data: str, cfg: DistillConfig, rank: int, start_step: int) -> Iterator[list[Conversation]]:
+    """Batches of conversations; a pure function of (data, seed, rank, step) for exact resume."""
+    if data == "toyworld":
+        first = toyworld.SPLITS["train"][0] + 5 * 10**8 + cfg.seed * 10**7 + rank * 10**6 + start_step * cfg.batch_size
+        ramp = cfg.curriculum_steps * cfg.batch_size
+
+        def share(i: int) -> float:
+            return 1.0 if ramp == 0 else min(1.0, (start_step * cfg.batch_size + i) / ramp)
+
+        stream = toyworld_stream(first, share)
+        while True:
+            yield [next(stream) for _ in range(cfg.batch_size)]
+    convs, problems = load_jsonl(data)
+    if problems:
+        print(f"train: skipped {len(problems)} bad lines in {data}; first: {problems[0]}")
+    g = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
+    step = 0
+    while True:
+        order = torch.randperm(len(convs), generator=g).tolist()
+        for i in range(0, len(order) - cfg.batch_size + 1, cfg.batch_size):
+            if step >= start_step:
+                yield [convs[k] for k in order[i : i + cfg.batch_size]]
+            step += 1
+
+
+# ------------------------------------------------------------------------------------ eval
+def eval_prompts(n: int, seed: int = 0) -> list[Conversation]:
+    """Held-out ToyWorld prompts (val split), mixed tasks."""
+    lo = toyworld.SPLITS["val"][0] + 5 * 10**5 + seed * 10**4
+    return [toyworld_conversation(lo + i) for i in range(n)]
+
+
+@torch.no_grad()
+def accepted_length(
+    target: Target,
+    drafter: Any,
+    prompts: list[Conversation],
+    temperature: float = 0.0,
+    max_new_tokens: int = 96,
+) -> dict[str, float]:
+    """Mean accepted length (bonus included) per task and overall, over the given prompts."""
+    engine = SpecEngine(target, drafter)
+    per: dict[str, list[tuple[int, int]]] = {}
+    for i, c in enumerate(prompts):
+        cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature=temperature), seed=i)
+        r = engine.generate(target.encode(c.prompt, c.images), cfg)
+        verify_forwards = r.num_target_forwards - 1
+        emitted = r.num_accepted + verify_forwards
+        per.setdefault(c.task, []).append((emitted, verify_forwards))
+    out = {task: sum(e for e, _ in v) / max(1, sum(f for _, f in v)) for task, v in per.items()}
+    all_e = sum(e for v in per.values() for e, _ in v)
+    all_f = sum(f for v in per.values() for _, f in v)
+    out["all"] = all_e / max(1, all_f)
+    return out
+
+
+# ------------------------------------------------------------------------------------ loop
+CKPT = "checkpoint"
+
+
+def _lr(step: int, cfg: DistillConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    t = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def _save(out: Path, head: EagleHead, opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    tmp = out / (CKPT + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file(head.head_state_dict(), str(tmp / "head.safetensors"))
+    torch.save(opt.state_dict(), tmp / "optimizer.pt")
+    (tmp / "trainer_state.json").write_text(json.dumps(state))
+    final = out / CKPT
+    if final.exists():
+        for f in final.iterdir():
+            f.unlink()
+        final.rmdir()
+    tmp.rename(final)
+
+
+def _plot(history: list[dict[str, float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    tr = [h for h in history if "loss" in h]
+    a.plot([h["step"] for h in tr], [h["loss"] for h in tr], lw=0.8)
+    a.set_xlabel("step")
+    a.set_ylabel("distillation loss")
+    a.set_yscale("log")
+    a.grid(alpha=0.3)
+    ev = [h for h in history if "tau" in h]
+    if ev:
+        b.plot([h["step"] for h in ev], [h["tau"] for h in ev], "o-")
+    b.set_xlabel("step")
+    b.set_ylabel("mean accepted length (T=0, held out)")
+    b.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def train_drafter(
+    target: Target,
+    data: str,
+    out: str | Path,
+    cfg: DistillConfig,
+    resume: bool = False,
+    tree: TreeConfig | None = None,
+    progress: bool = True,
+    stop_at: int | None = None,
+) -> EagleDrafter:
+    """Train (or resume) an EAGLE head for `target`; saves the drafter folder `out/drafter`.
+    stop_at: end this run after that step (the schedule still spans cfg.steps; resume later)."""
+    from tqdm import tqdm
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if target.device.type == "cuda" else "gloo")
+    for p in target.model.parameters():
+        p.requires_grad_(False)
+    target.model.eval()
+    torch.manual_seed(cfg.seed)
+    head = EagleHead(EagleConfig.from_target(target), target.input_embeddings(), target.output_embeddings(), target.attention)
+    head.to(device=target.device, dtype=torch.float32)
+    if world > 1:  # every rank starts from rank 0's weights; gradients are averaged below
+        for p in head.parameters():
+            torch.distributed.broadcast(p.data, 0)
+    state: dict[str, Any] = {"step": 0, "history": [], "elapsed_s": 0.0}
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    if resume:
+        ck = out / CKPT
+        if not ck.is_dir():
+            raise FileNotFoundError(f"--resume: no checkpoint in {ck}")
+        head.load_state_dict(load_file(str(ck / "head.safetensors")), strict=True)
+        opt.load_state_dict(torch.load(ck / "optimizer.pt", weights_only=True))
+        state = json.loads((ck / "trainer_state.json").read_text())
+    state["config"] = asdict(cfg)
+    drafter = EagleDrafter(head, tree)
+    held_out = eval_prompts(cfg.eval_n)
+    bar = tqdm(total=cfg.steps, initial=state["step"], disable=not progress or rank != 0, desc="train", dynamic_ncols=True)
+    t0, elapsed0 = time.perf_counter(), state["elapsed_s"]
+    tau_text = "-"
+    for convs in conversations(data, cfg, rank, state["step"]):
+        step = state["step"]
+        if step >= cfg.steps or (stop_at is not None and step >= stop_at):
+            break
+        batch = {k: v.to(target.device) if isinstance(v, torch.Tensor) else v for k, v in encode_conversations(target.processor, convs).items()}
+        feats, logits = teacher(target, batch)
+        head.train()
+        for g in opt.param_groups:
+            g["lr"] = _lr(step, cfg)
+        loss, stats = distill_losses(head, batch["input_ids"], feats.float(), logits, batch["labels"], cfg)
+        loss.backward()
+        if world > 1:  # data parallel: average the head's gradients over the ranks
+            for p in head.parameters():
+                if p.grad is not None:
+                    torch.distributed.all_reduce(p.grad)
+                    p.grad /= world
+        torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        head.eval()
+        state["step"] = step + 1
+        state["elapsed_s"] = elapsed0 + time.perf_counter() - t0
+        state["history"].append({"step": step, "loss": float(loss.detach()), **stats})
+        if rank == 0 and (state["step"] % cfg.eval_every == 0 or state["step"] == cfg.steps):
+            tau = accepted_length(target, drafter, held_out)["all"]
+            state["history"].append({"step": step, "tau": tau})
+            tau_text = f"{tau:.2f}"
+        bar.update(1)
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc1=f"{stats.get('acc1', 0):.2f}", tau=tau_text)
+        out_of_time = cfg.minutes is not None and (time.perf_counter() - t0) > cfg.minutes * 60
+        if rank == 0 and (state["step"] % cfg.ckpt_every == 0 or state["step"] == cfg.steps or out_of_time):
+            _save(out, head, opt, state)
+            _plot(state["history"], out / "train_curve.png")
+        if out_of_time:
+            break
+    bar.close()
+    if rank == 0:
+        _save(out, head, opt, state)
+        _plot(state["history"], out / "train_curve.png")
+        head.to(target.dtype)
+        drafter.save(out / "drafter")
+        (out / "train_summary.json").write_text(json.dumps({"step": state["step"], "elapsed_s": state["elapsed_s"], "config": state["config"]}, indent=2))
+    return drafter
