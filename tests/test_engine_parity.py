@@ -121,3 +121,14 @@ def test_prompt_beyond_context_is_refused():
     with pytest.raises(ContextLengthError, match="context"):
         SpecEngine(target, NoDrafter()).generate(long, GenerationConfig(max_new_tokens=4))
     assert inputs  # the normal prompt is unaffected
+
+
+def test_streamed_text_concatenates_to_the_final_text():
+    target = tiny_target("llava")
+    inputs = _inputs(target, "one_image")
+    ref_text = target.decode(_hf_greedy(target, inputs))
+    for stop in ((), (ref_text[30:34],)):
+        gen = SpecEngine(target, NgramDrafter()).stream(inputs, GenerationConfig(max_new_tokens=NEW, ignore_eos=True, stop=stop))
+        streamed = "".join(event.text for event in gen)
+        assert streamed == gen.result.text
+        assert gen.result.text == (ref_text if not stop else ref_text[: ref_text.find(stop[0])])

@@ -143,15 +143,17 @@ class SpecEngine:
         clock.lap("draft")
 
         emitted: list[int] = []
-        text_sent = ""
+        text_sent = full_text = ""
         finish = "length"
         forwards, drafted, accepted = 1, 0, 0
         reached: list[int] = []  # reached[d-1]: passes whose tree had a drafted node at depth d
         hits: list[int] = []  # hits[d-1]: passes that accepted a token at depth d
 
+        hold_back = max((len(s) for s in config.stop), default=1) - 1
+
         def emit(new: list[int], n_drafted: int, n_acc: int) -> tuple[StepEvent, bool]:
             """Append tokens, apply EOS / stop strings / max tokens -> (event, finished)."""
-            nonlocal finish, text_sent
+            nonlocal finish, text_sent, full_text
             stop_now = False
             keep: list[int] = []
             for tok in new:
@@ -168,8 +170,13 @@ class SpecEngine:
                 cut = min((i for i in (text.find(s) for s in config.stop) if i >= 0), default=-1)
                 if cut >= 0:
                     text, finish, stop_now = text[:cut], "stop", True
-            delta = text[len(text_sent) :] if text.startswith(text_sent) else text
-            text_sent = text
+            full_text = visible = text
+            if not stop_now:
+                # hold back a half-decoded character and what could be the start of a stop string
+                visible = visible.rstrip("\ufffd")
+                visible = visible[: max(len(text_sent), len(visible) - hold_back)]
+            delta = visible[len(text_sent) :] if visible.startswith(text_sent) else ""
+            text_sent = visible if visible.startswith(text_sent) else text_sent
             return StepEvent(keep, n_drafted, n_acc, delta), stop_now
 
         root = next_token(out.logits[0], params, rng)
@@ -216,11 +223,13 @@ class SpecEngine:
                 finish = "length"
                 break
 
+        if full_text != text_sent and full_text.startswith(text_sent):  # flush what was held back
+            yield StepEvent([], 0, 0, full_text[len(text_sent) :])
         elapsed = time.perf_counter() - t_start
         verify_forwards = forwards - 1
         gen.result = GenerationResult(
             token_ids=emitted,
-            text=text_sent,
+            text=full_text,
             finish_reason=finish,
             prompt_tokens=prompt_len,
             num_target_forwards=forwards,
