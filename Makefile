@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.vlmspec-installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: setup test test-all serve clean
+.PHONY: setup test test-all serve demo clean
 
 setup: $(STAMP)
 
@@ -27,9 +27,11 @@ test: setup
 test-all: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# Until the bundled model (issue #3) and the HTTP service (issue #7) land, this runs a CLI demo on a
-# tiny randomly initialised LLaVA built in process: the engine is real, the words are noise.
+# the OpenAI-compatible API on the bundled model (prints its URLs); `make demo` runs a terminal demo
 serve: setup
+	$(VENV)/bin/vlmspec serve --host $(HOST) --port $(PORT)
+
+demo: setup
 	$(PY) -m vlmspec.demo
 
 clean:

@@ -1,1 +1,1 @@
-"""The HTTP service (OpenAI-compatible API) and the demo. Not built yet: issue #7."""
+"""The HTTP service: an OpenAI-compatible REST API over the vlmspec engine (app.server)."""

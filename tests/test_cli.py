@@ -4,7 +4,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from vlmspec.cli import main
 from vlmspec.testing.tiny import build_tiny, tiny_image

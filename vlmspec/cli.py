@@ -15,17 +15,25 @@ class UsageError(Exception):
     """Bad input from the user: reported as one line, exit code 2."""
 
 
-def _positive_int(name: str):
+def _int_at_least(name: str, low: int):
     def parse(value: str) -> int:
         try:
             n = int(value)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be an integer, got {value!r}") from None
-        if n < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {n}")
+        if n < low:
+            raise argparse.ArgumentTypeError(f"{name} must be >= {low}, got {n}")
         return n
 
     return parse
+
+
+def _positive_int(name: str):
+    return _int_at_least(name, 1)
+
+
+def _non_negative_int(name: str):
+    return _int_at_least(name, 0)
 
 
 def _float_in(name: str, low: float, high: float, low_open: bool = False):
@@ -38,19 +46,6 @@ def _float_in(name: str, low: float, high: float, low_open: bool = False):
             bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
             raise argparse.ArgumentTypeError(f"{name} must be in {bound}, got {value}")
         return x
-
-    return parse
-
-
-def _non_negative_int(name: str):
-    def parse(value: str) -> int:
-        try:
-            n = int(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {value!r}") from None
-        if n < 0:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {n}")
-        return n
 
     return parse
 
@@ -89,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--minutes", type=_float_in("--minutes", 0.0, 1e6, low_open=True), default=None, help="wall-clock budget of this run")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    t.add_argument("--init-lm-from", help="model.safetensors whose language model starts this run (vision tower and projector start fresh)")
 
     d = sub.add_parser("train", help="distil an EAGLE-style draft head from a frozen target (online logits)")
     d.add_argument("--target", help="target VLM folder or hub id (default: the bundled model)")
@@ -114,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seed", type=_non_negative_int("--seed"), default=0)
     e.add_argument("--json", action="store_true")
 
+    sub.add_parser("serve", help="the OpenAI-compatible REST API on the bundled model or --model (vlmspec serve --help)", add_help=False)
     b = sub.add_parser(
         "bench",
         help="speed of every method side by side (default), or: verify-cost (tree forward vs one-token step), kernel (Triton vs SDPA)",
@@ -266,7 +263,9 @@ def cmd_train_target(args: argparse.Namespace) -> int:
     if args.resume and not (Path(args.out) / "checkpoint").is_dir():
         raise UsageError(f"--resume: no checkpoint in {args.out}/checkpoint")
     cfg = SFTConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, minutes=args.minutes, seed=args.seed)
-    train(args.out, cfg, resume=args.resume)
+    if args.init_lm_from and not Path(args.init_lm_from).is_file():
+        raise UsageError(f"--init-lm-from: no such file {args.init_lm_from}")
+    train(args.out, cfg, resume=args.resume, init_lm_from=args.init_lm_from)
     return 0
 
 
@@ -330,6 +329,10 @@ COMMANDS = {
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        from app.server import main as serve_main  # parses its own options (vlmspec serve --help)
+
+        return serve_main(argv[1:])
     if argv[:1] == ["bench"] and not {"-h", "--help"} & set(argv[1:2]):
         args = argparse.Namespace(command="bench", rest=argv[1:])  # each benchmark parses its own options
     else:

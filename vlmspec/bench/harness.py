@@ -234,7 +234,7 @@ def run_bench(
     out = {m: s.summary() for m, s in stats.items()}
     base_a = out["hf_generate"]["tokens_per_s"]
     base_c = out.get("vlmspec_none", {}).get("tokens_per_s", 0.0)
-    for m, s in out.items():
+    for s in out.values():
         s["speedup_vs_hf_generate"] = s["tokens_per_s"] / base_a if base_a else None
         s["speedup_vs_vlmspec_none"] = s["tokens_per_s"] / base_c if base_c else None
         if temperature != 0:

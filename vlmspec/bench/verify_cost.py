@@ -17,8 +17,7 @@ from typing import Any
 
 import torch
 
-from vlmspec.kv_cache import KVCache
-from vlmspec.target import Target, TargetState
+from vlmspec.target import Target
 from vlmspec.verify.tree import DraftTree
 
 SHAPES: dict[str, dict[str, int]] = {

@@ -654,7 +654,7 @@ def _task_text_only(rng: random.Random):
                               f"There once was a little {c} {s} that lived on a plain white page."))
         middle = rng.choice((f"Every day it looked at a sign that said \"{word}\" and wondered what it meant.",
                              f"One day it met {_a(c2)} {s2}, and they became good friends.",
-                             f"It wanted to move to the center of the picture, where everyone could see it."))
+                             "It wanted to move to the center of the picture, where everyone could see it."))
         end = rng.choice((f"In the end, the {c} {s} was happy, because it had found its place.",
                           f"From then on, the {c} {s} was never lonely again.",
                           f"And so the {c} {s} smiled, and the picture was complete."))

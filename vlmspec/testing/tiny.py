@@ -20,7 +20,6 @@ import copy
 
 import numpy as np
 import torch
-import transformers
 from PIL import Image
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast

@@ -18,7 +18,6 @@ torchrun each rank draws its own data and the head's gradients are averaged (all
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -27,7 +26,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from vlmspec.data import toyworld
 from vlmspec.draft.base import TreeConfig
@@ -35,6 +34,7 @@ from vlmspec.draft.eagle import EagleConfig, EagleDrafter, EagleHead
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.sampling import SamplingParams
 from vlmspec.target import Target
+from vlmspec.train.common import save_checkpoint_dir, warmup_cosine
 from vlmspec.train.data import Conversation, encode_conversations, load_jsonl, toyworld_conversation, toyworld_stream
 
 
@@ -173,24 +173,11 @@ CKPT = "checkpoint"
 
 
 def _lr(step: int, cfg: DistillConfig) -> float:
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    t = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+    return warmup_cosine(step, cfg.steps, cfg.lr, cfg.warmup, 0.1)
 
 
 def _save(out: Path, head: EagleHead, opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    tmp = out / (CKPT + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    save_file(head.head_state_dict(), str(tmp / "head.safetensors"))
-    torch.save(opt.state_dict(), tmp / "optimizer.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps(state))
-    final = out / CKPT
-    if final.exists():
-        for f in final.iterdir():
-            f.unlink()
-        final.rmdir()
-    tmp.rename(final)
+    save_checkpoint_dir(out / CKPT, head.head_state_dict(), "head.safetensors", opt, state)
 
 
 def _plot(history: list[dict[str, float]], path: Path) -> None:

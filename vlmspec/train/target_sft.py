@@ -10,17 +10,17 @@ warm-up and cosine decay, batches bucketed by length, safetensors checkpoints wi
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from vlmspec.data import toyworld
 from vlmspec.data.processor import build_processor, corpus_for_tokenizer, llava_config_kwargs, train_tokenizer
+from vlmspec.train.common import save_checkpoint_dir, warmup_cosine
 from vlmspec.train.data import Conversation, encode_conversations
 
 
@@ -56,15 +56,24 @@ class SFTConfig:
     eval_every: int = 100
     eval_samples: int = 64
     minutes: float | None = None  # wall-clock budget of this run; checkpoint and stop when spent
+    # "sample": every sample weighs the same (short grounded answers are not drowned by long
+    # descriptions, whose tokens are mostly phrasing); "token": the usual mean over all tokens
+    loss_norm: str = "sample"
     arch: TargetArch = field(default_factory=TargetArch)
 
 
 def build_model(processor: Any, arch: TargetArch, seed: int = 0) -> torch.nn.Module:
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+    """A VipLlava model: LLaVA-1.5's architecture (CLIP-style vision tower, MLP projector, Llama
+    decoder) whose projector starts with a LayerNorm. Trained from scratch, a plain LLaVA
+    projector lets the vision stream's scale run away (measured: projected image embeddings at
+    std ~80 against text embeddings at ~0.03) and the gradient into the vision tower vanishes;
+    the LayerNorm keeps the image embeddings' scale in the projector's hands."""
+    from transformers import CLIPVisionConfig, LlamaConfig, VipLlavaConfig, VipLlavaForConditionalGeneration
 
     kw = llava_config_kwargs(processor)
     vcfg = kw.pop("vision_config")
     vcfg.pop("model_type", None)
+    kw.pop("vision_feature_select_strategy", None)  # VipLlava always drops the CLS position
     vision = CLIPVisionConfig(
         **vcfg,
         hidden_size=arch.vision_hidden,
@@ -84,14 +93,27 @@ def build_model(processor: Any, arch: TargetArch, seed: int = 0) -> torch.nn.Mod
         tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
-    config = LlavaConfig(vision_config=vision, text_config=text, vision_feature_layer=-1, **kw)
+    config = VipLlavaConfig(vision_config=vision, text_config=text, vision_feature_layer=-1, **kw)
     torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config)
+    model = VipLlavaForConditionalGeneration(config)
     model.config._attn_implementation = "sdpa"
     model.generation_config.eos_token_id = text.eos_token_id
     model.generation_config.pad_token_id = text.pad_token_id
     model.generation_config.bos_token_id = text.bos_token_id
     return model
+
+
+def warm_start(model: torch.nn.Module, weights: Path, prefixes: tuple[str, ...]) -> list[str]:
+    """Copy the tensors under `prefixes` (e.g. the language model) from a checkpoint; every
+    model tensor under those prefixes must be there with the same shape. Returns the names."""
+    state = load_file(str(weights))
+    own = model.state_dict()
+    wanted = [k for k in own if k.startswith(prefixes)]
+    missing = [k for k in wanted if k not in state or state[k].shape != own[k].shape]
+    if not wanted or missing:
+        raise ValueError(f"{weights}: cannot warm-start {prefixes}: missing or reshaped {missing[:5]}")
+    model.load_state_dict({k: state[k] for k in wanted}, strict=False)
+    return wanted
 
 
 # ---------------------------------------------------------------------------------------- data
@@ -122,11 +144,19 @@ def batches(start_step: int, cfg: SFTConfig, processor: Any) -> Iterator[tuple[i
             part += 1
 
 
+def sft_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], norm: str) -> torch.Tensor:
+    """Next-token cross-entropy on the answer tokens, averaged per token or per sample."""
+    if norm == "token":
+        return model(**batch).loss
+    labels = batch["labels"][:, 1:]
+    logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits[:, :-1]
+    tok = torch.nn.functional.cross_entropy(logits.transpose(1, 2).float(), labels, ignore_index=-100, reduction="none")
+    mask = labels != -100
+    return ((tok * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
+
+
 def lr_at(step: int, cfg: SFTConfig) -> float:
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    t = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+    return warmup_cosine(step, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_ratio)
 
 
 # ---------------------------------------------------------------------------------------- checkpoints
@@ -134,17 +164,7 @@ CKPT = "checkpoint"
 
 
 def save_checkpoint(out: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    d = out / CKPT
-    tmp = out / (CKPT + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp / "model.safetensors"))
-    torch.save(opt.state_dict(), tmp / "optimizer.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps(state))
-    if d.exists():
-        for f in d.iterdir():
-            f.unlink()
-        d.rmdir()
-    tmp.rename(d)
+    save_checkpoint_dir(out / CKPT, model.state_dict(), "model.safetensors", opt, state)
 
 
 def load_checkpoint(out: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
@@ -162,7 +182,7 @@ def _processor(out: Path, arch: TargetArch, resume: bool) -> Any:
     from transformers import AutoProcessor
 
     pdir = out / "processor"
-    if resume and pdir.is_dir():
+    if pdir.is_dir():  # resume, or a processor placed there on purpose (e.g. with --init-lm-from)
         return AutoProcessor.from_pretrained(pdir)
     tok = train_tokenizer(corpus_for_tokenizer(arch.tokenizer_corpus), vocab_size=arch.tokenizer_vocab)
     processor = build_processor(tok)
@@ -207,8 +227,13 @@ def plot_curve(history: list[dict[str, float]], path: Path) -> None:
     plt.close(fig)
 
 
-def train(out: str | Path, cfg: SFTConfig, resume: bool = False, progress: bool = True) -> Path:
-    """Train (or resume) into `out`; returns the exported model folder `out/model`."""
+LM_PREFIXES = ("model.language_model.", "lm_head.")
+
+
+def train(out: str | Path, cfg: SFTConfig, resume: bool = False, progress: bool = True, init_lm_from: str | Path | None = None) -> Path:
+    """Train (or resume) into `out`; returns the exported model folder `out/model`.
+    init_lm_from: a model.safetensors whose language model (decoder + LM head) starts this run;
+    the vision tower and projector start fresh (the processor must be the same)."""
     from tqdm import tqdm
 
     out = Path(out)
@@ -231,6 +256,10 @@ def train(out: str | Path, cfg: SFTConfig, resume: bool = False, progress: bool 
     state: dict[str, Any] = {"step": 0, "history": [], "elapsed_s": 0.0}
     if resume:
         state = load_checkpoint(out, model, opt)
+    elif init_lm_from is not None:
+        n = len(warm_start(model, Path(init_lm_from), LM_PREFIXES))
+        print(f"train-target: language model warm-started from {init_lm_from} ({n} tensors)")
+        state["warm_start"] = str(init_lm_from)
     state["config"] = asdict(cfg)
     model.train()
     t0, elapsed0 = time.perf_counter(), state["elapsed_s"]
@@ -241,7 +270,7 @@ def train(out: str | Path, cfg: SFTConfig, resume: bool = False, progress: bool 
             break
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-        loss = model(**batch).loss
+        loss = sft_loss(model, batch, cfg.loss_norm)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()

@@ -97,14 +97,14 @@ def main(argv: list[str] | None = None) -> int:
             ke = k if g == 1 else k.repeat_interleave(g, 1)
             ve = v if g == 1 else v.repeat_interleave(g, 1)
 
-            def run_triton() -> torch.Tensor:
+            def run_triton(q=q, k=k, v=v, bits=bits, p=p) -> torch.Tensor:
                 return ta.tree_attention(q, k, v, bits, p, scale)
 
-            def run_sdpa_bool() -> torch.Tensor:
-                return torch.nn.functional.scaled_dot_product_attention(q, ke, ve, attn_mask=bool_mask, scale=scale)
+            def run_sdpa_bool(q=q, ke=ke, ve=ve, m=bool_mask) -> torch.Tensor:
+                return torch.nn.functional.scaled_dot_product_attention(q, ke, ve, attn_mask=m, scale=scale)
 
-            def run_sdpa_add() -> torch.Tensor:
-                return torch.nn.functional.scaled_dot_product_attention(q, ke, ve, attn_mask=add_mask, scale=scale)
+            def run_sdpa_add(q=q, ke=ke, ve=ve, m=add_mask) -> torch.Tensor:
+                return torch.nn.functional.scaled_dot_product_attention(q, ke, ve, attn_mask=m, scale=scale)
 
             ref = ta.tree_attention_reference(q, k, v, tree.to(dev), p, scale).float()
             err = {
