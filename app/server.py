@@ -11,6 +11,8 @@ Routes
 ``GET  /healthz``              liveness (never needs the API key).
 ``GET  /metrics``              Prometheus text (a per-app registry).
 ``GET  /docs``                 OpenAPI UI.
+``GET  /ui``                   Gradio demo (app/demo_ui.py) when gradio is installed and ``ServerSettings.ui``;
+                                it runs its generations through the same worker and queue as the API.
 
 Status codes: 200; 400 bad input (also for what FastAPI would answer 422); 401 missing/wrong API key;
 404 unknown model or route; 405; 413 body too large; 429 queue full (with Retry-After);
@@ -89,6 +91,7 @@ class ServerSettings:
     max_body_bytes: int = 20 * 1024 * 1024
     remote_image_timeout_s: float = 10.0
     shutdown_grace_s: float = 30.0  # lifespan shutdown: how long the running generation may finish
+    ui: bool = True  # mount the Gradio demo at /ui when gradio is importable (with api_key: a login page)
 
     def __post_init__(self) -> None:
         if self.max_queue < 0 or self.max_tokens_cap < 1 or self.max_images < 0 or self.max_body_bytes < 1:
@@ -282,6 +285,7 @@ class Job:
     submitted: float = field(default_factory=time.monotonic)
     cancel_reason: str | None = None
     finished: bool = False
+    tree_total_tokens: int | None = None  # the demo UI's tree-size knob (None: the drafter's own)
 
     @property
     def mode(self) -> str:
@@ -433,7 +437,8 @@ class Service:
             self.metrics.inflight.set(1)
             t0 = time.monotonic()
             try:
-                self._process(job)
+                with self._tree_size(job):
+                    self._process(job)
             except BaseException:  # never let the worker die
                 logger.exception("worker: unexpected failure")
                 job.fail(APIError(500, "internal error", type="server_error", code="internal_error"))
@@ -450,6 +455,30 @@ class Service:
                 break
             if job is not None:
                 job.fail(_CANCEL_ERRORS["shutdown"](0))
+
+    @property
+    def tree_total_tokens(self) -> int | None:
+        """The speculative drafter's tree size, or None when it has no TreeConfig (or is not loaded yet)."""
+        from vlmspec.draft.base import TreeConfig
+
+        tree = getattr(getattr(self.spec, "drafter", None), "tree", None)
+        return tree.total_tokens if isinstance(tree, TreeConfig) else None
+
+    @contextlib.contextmanager
+    def _tree_size(self, job: Job):
+        """For one job on the worker thread: the drafter's tree with job.tree_total_tokens drafted nodes."""
+        from dataclasses import replace
+
+        drafter = getattr(self.spec, "drafter", None)
+        tree = getattr(drafter, "tree", None)
+        if not job.speculative or job.tree_total_tokens is None or self.tree_total_tokens is None:
+            yield
+            return
+        drafter.tree = replace(tree, total_tokens=max(1, int(job.tree_total_tokens)))
+        try:
+            yield
+        finally:
+            drafter.tree = tree
 
     def _cancelled(self, job: Job, gen_iter: Any = None) -> None:
         reason = job.cancel_reason or "timeout"
@@ -533,18 +562,23 @@ def _endpoint_label(path: str) -> str:
         return path
     if path.startswith("/v1/models/"):
         return "/v1/models/{model}"
+    if path == UI_PATH or path.startswith(UI_PATH + "/"):
+        return UI_PATH
     return "other"
 
 
 class _EdgeMiddleware:
     """Pure ASGI (streams untouched): API-key check, and per-request status/latency metrics."""
 
-    def __init__(self, app: Any, settings: ServerSettings, metrics: Metrics) -> None:
+    def __init__(self, app: Any, settings: ServerSettings, metrics: Metrics, ui_path: str | None = None) -> None:
         self.app, self.settings, self.metrics = app, settings, metrics
+        self.ui_path = ui_path  # the mounted demo UI checks the key itself (Gradio login: password = API key)
 
     def _authorized(self, scope: dict) -> bool:
         key = self.settings.api_key
         if key is None or scope["path"] == "/healthz":
+            return True
+        if self.ui_path is not None and (scope["path"] == self.ui_path or scope["path"].startswith(self.ui_path + "/")):
             return True
         for name, value in scope.get("headers", []):
             if name == b"authorization":
@@ -575,6 +609,15 @@ class _EdgeMiddleware:
             endpoint = _endpoint_label(scope["path"])
             self.metrics.requests.labels(endpoint, str(status["code"])).inc()
             self.metrics.latency.labels(endpoint).observe(time.perf_counter() - t0)
+
+
+UI_PATH = "/ui"
+
+
+def _ui_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("gradio") is not None
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -620,7 +663,9 @@ def create_app(engines: Any, settings: ServerSettings | None = None):
     app.state.service = service
     app.state.metrics = metrics
     app.state.settings = settings
-    app.add_middleware(_EdgeMiddleware, settings=settings, metrics=metrics)
+    ui_path = UI_PATH if settings.ui and _ui_available() else None
+    app.state.ui_path = ui_path  # where the demo UI is mounted (None: not mounted)
+    app.add_middleware(_EdgeMiddleware, settings=settings, metrics=metrics, ui_path=ui_path)
 
     # ---------------------------------------------------------------- error handlers
     @app.exception_handler(APIError)
@@ -864,6 +909,11 @@ def create_app(engines: Any, settings: ServerSettings | None = None):
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+    if ui_path is not None:
+        from app.demo_ui import ServiceRunner, mount_ui
+
+        mount_ui(app, ServiceRunner(service, settings), path=ui_path)
     return app
 
 
@@ -898,6 +948,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=_number("--request-timeout", float, 0.001, 1e6), default=120.0)
     p.add_argument("--max-tokens-cap", type=_number("--max-tokens-cap", int, 1), default=1024)
     p.add_argument("--max-images", type=_number("--max-images", int, 0), default=4)
+    p.add_argument("--no-ui", action="store_true", help="do not mount the Gradio demo at /ui")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -926,7 +977,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = ServerSettings(
         model=name, model_aliases=(model,), api_key=args.api_key, allow_remote_images=args.allow_remote_images,
         max_queue=args.max_queue, request_timeout_s=args.request_timeout, max_tokens_cap=args.max_tokens_cap,
-        max_images=args.max_images,
+        max_images=args.max_images, ui=not args.no_ui,
     )
     app = create_app(engine, settings)
     shown = f"[{args.host}]" if ":" in args.host else args.host
@@ -936,6 +987,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  docs:     {base}/docs", file=sys.stderr)
     print(f"  metrics:  {base}/metrics", file=sys.stderr)
     print(f"  health:   {base}/healthz", file=sys.stderr)
+    if app.state.ui_path is not None:
+        print(f"  demo UI:  {base}{app.state.ui_path}" + ("  (login: any user name, the API key as password)" if args.api_key else ""),
+              file=sys.stderr)
+    elif settings.ui:
+        print("  demo UI:  not mounted (pip install gradio)", file=sys.stderr)
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
         print("  warning: listening beyond loopback without --api-key", file=sys.stderr)
     try:
