@@ -104,6 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--resume", action="store_true")
     d.add_argument("--json", action="store_true", help="print one JSON summary at the end")
 
+    ed = sub.add_parser("eval-drafter", help="mean accepted length per task on held-out ToyWorld prompts")
+    ed.add_argument("--model", help="target folder (default: the bundled model)")
+    ed.add_argument("--drafter", default="auto", help="drafter folder, ngram or none (default: the bundled drafter)")
+    ed.add_argument("--n", type=_positive_int("--n"), default=8, help="prompts per task")
+    ed.add_argument("--temperature", type=_float_in("--temperature", 0.0, 100.0), default=0.0)
+    ed.add_argument("--max-new-tokens", type=_positive_int("--max-new-tokens"), default=128)
+    ed.add_argument("--json", action="store_true")
+
     e = sub.add_parser("eval-target", help="score a target on held-out ToyWorld items, with real and with noise images")
     e.add_argument("--model", help="target folder (default: the bundled model)")
     e.add_argument("--n", type=_positive_int("--n"), default=600)
@@ -300,6 +308,28 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval_drafter(args: argparse.Namespace) -> int:
+    from vlmspec.data import toyworld
+    from vlmspec.draft import TreeConfig, load_drafter
+    from vlmspec.target import Target
+    from vlmspec.train.data import toyworld_conversation
+    from vlmspec.train.distill import accepted_length
+
+    model, drafter_spec = resolve_model_and_drafter(args.model, args.drafter)
+    target = Target.load(model)
+    drafter = load_drafter(drafter_spec, target, TreeConfig.for_device("cpu"))
+    lo = toyworld.SPLITS["test"][0] + 800_000
+    prompts = [toyworld_conversation(lo + i * len(toyworld.TASKS) + j, t) for i in range(args.n) for j, t in enumerate(toyworld.TASKS)]
+    taus = accepted_length(target, drafter, prompts, temperature=args.temperature, max_new_tokens=args.max_new_tokens)
+    record = {"temperature": args.temperature, "prompts_per_task": args.n, "drafter": drafter_spec, "mean_accepted_length": taus}
+    if args.json:
+        print(json.dumps(record))
+    else:
+        for task, tau in taus.items():
+            print(f"{task:>12}: {tau:.2f}")
+    return 0
+
+
 def cmd_eval_target(args: argparse.Namespace) -> int:
     from vlmspec.target import Target, TargetLoadError
     from vlmspec.train.target_eval import evaluate, format_table
@@ -322,6 +352,7 @@ COMMANDS = {
     "bench": cmd_bench,
     "train-target": cmd_train_target,
     "eval-target": cmd_eval_target,
+    "eval-drafter": cmd_eval_drafter,
     "train": cmd_train,
 }
 

@@ -119,7 +119,7 @@ def _font_candidates() -> list[str]:
         import matplotlib
 
         paths.append(os.path.join(matplotlib.get_data_path(), "fonts", "ttf", "DejaVuSans-Bold.ttf"))
-    except Exception:  # pragma: no cover - matplotlib optional
+    except ImportError:  # pragma: no cover - matplotlib optional
         pass
     paths.append("/usr/share/fonts/truetype/dejavu/DejaVuSans-Bold.ttf")
     return paths

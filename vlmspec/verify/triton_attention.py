@@ -37,7 +37,7 @@ try:  # triton ships with CUDA builds of torch; keep the module importable witho
     import triton.language as tl
 
     _HAS_TRITON = True
-except Exception:  # pragma: no cover - depends on the install
+except (ImportError, RuntimeError):  # pragma: no cover - no triton, or a broken install
     triton = None
     tl = None
     _HAS_TRITON = False
