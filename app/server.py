@@ -395,14 +395,7 @@ class Service:
             if self.closing:  # already stopped (or stopping)
                 return
             self.closing = True
-            drained: list[Job] = []
-            while True:
-                try:
-                    job = self.queue.get_nowait()
-                except queue.Empty:
-                    break
-                if job is not None:
-                    drained.append(job)
+            drained = self._drain_queue()
             self.metrics.queue_depth.set(0)
         for job in drained:
             self.stats["cancelled"] += 1
@@ -448,13 +441,19 @@ class Service:
                 self.stats["processed"] += 1
                 self._ema_s = 0.8 * self._ema_s + 0.2 * (time.monotonic() - t0)
         # stop() drained the queue before the sentinel; anything that slipped in is failed cleanly
+        for job in self._drain_queue():
+            job.fail(_CANCEL_ERRORS["shutdown"](0))
+
+    def _drain_queue(self) -> list[Job]:
+        """Take every job still queued (the worker's stop sentinel, None, is dropped)."""
+        drained: list[Job] = []
         while True:
             try:
                 job = self.queue.get_nowait()
             except queue.Empty:
-                break
+                return drained
             if job is not None:
-                job.fail(_CANCEL_ERRORS["shutdown"](0))
+                drained.append(job)
 
     @property
     def tree_total_tokens(self) -> int | None:

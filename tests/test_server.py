@@ -11,7 +11,6 @@ import concurrent.futures
 import http.server
 import io
 import json
-import socket
 import struct
 import threading
 import time
@@ -29,6 +28,7 @@ from conftest import tiny_target
 from PIL import Image
 
 from app.server import METRIC_NAMES, ServerSettings, create_app
+from vlmspec.testing.live_server import LiveServer
 from vlmspec.draft import NgramDrafter, NoDrafter, TreeConfig
 from vlmspec.engine import SpecEngine
 from vlmspec.testing.tiny import tiny_image
@@ -41,36 +41,6 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 # ------------------------------------------------------------------------------------------ helpers
 
 
-class LiveServer:
-    """uvicorn in a background thread on 127.0.0.1 and a free port."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert self.thread.is_alive(), "the server thread died on startup"
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.sock.close()
 
 
 def png_bytes(im: Image.Image) -> bytes:

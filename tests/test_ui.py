@@ -12,9 +12,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
-import socket
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +27,7 @@ from PIL import Image
 
 from app.demo_ui import ServiceRunner
 from app.server import ServerSettings, create_app
+from vlmspec.testing.live_server import LiveServer
 from vlmspec.assets import SAMPLE_IMAGES
 from vlmspec.draft import NgramDrafter, NoDrafter, TreeConfig
 from vlmspec.engine import SpecEngine
@@ -45,33 +43,6 @@ PROMPT = "the cat sat on the mat. the cat sat on the"
 MAX_TOKENS = 64  # the UI's default "max tokens"
 
 
-class LiveServer:
-    """uvicorn in a background thread on 127.0.0.1 and a free port."""
-
-    def __init__(self, app) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.sock.close()
 
 
 def cat_png(tmp_path: Path) -> Path:
