@@ -35,3 +35,28 @@ def test_bench_end_to_end_tiny(tmp_path, capsys):
         assert key in report["env"]
     assert (out / "results.md").read_text().startswith("device:")
     assert (out / "results.png").stat().st_size > 0
+
+
+def test_ablation_runs_end_to_end_tiny(tmp_path, capsys):
+    """`vlmspec bench ablate` trains each chosen variant, measures it, writes md / json / png."""
+    from vlmspec.bench.ablation import suite
+    from vlmspec.testing.tiny import build_tiny
+
+    assert len(suite("loss")) == 6 and len(suite("vision")) == 15
+    model_dir = tmp_path / "model"
+    model, processor = build_tiny("llava")
+    model.save_pretrained(model_dir)
+    processor.save_pretrained(model_dir)
+    out = tmp_path / "report"
+    only = ["plain", "pool@16x"]
+    args = ["bench", "ablate", "--suite", "vision", "--model", str(model_dir), "--steps", "2", "--n", "1",
+            "--max-new-tokens", "8", "--out", str(out), "--runs", str(tmp_path / "runs")]
+    for name in only:
+        args += ["--only", name]
+    assert main(args) == 0, capsys.readouterr().out
+    report = json.loads((out / "ablation.json").read_text())
+    assert [r["variant"] for r in report["rows"]] == only
+    for r in report["rows"]:
+        assert r["tau_t0"] >= 1.0 and r["tau_t1"] >= 1.0 and r["drafter_prefill_ms"] > 0 and r["speedup_t0"] > 0
+    assert (out / "ablation.png").stat().st_size > 0
+    assert "| plain |" in (out / "ablation.md").read_text()

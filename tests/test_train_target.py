@@ -9,14 +9,42 @@ from vlmspec.train.target_sft import SFTConfig, TargetArch, train
 TINY = TargetArch(vision_hidden=32, vision_layers=1, vision_heads=2, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, tokenizer_corpus=300, tokenizer_vocab=600)
 
 
-def _cfg(steps):
-    return SFTConfig(steps=steps, batch_size=4, warmup=2, eval_every=10**6, ckpt_every=2, eval_samples=4, arch=TINY)
+def _cfg(steps, vision_steps=3):
+    return SFTConfig(steps=steps, batch_size=4, warmup=2, eval_every=10**6, ckpt_every=2, eval_samples=4, arch=TINY,
+                     vision_steps=vision_steps, vision_batch_size=4)
+
+
+def test_scene_labels_name_each_cell_sign_row_and_bar():
+    import random
+
+    from vlmspec.data import toyworld
+    from vlmspec.train.vision_pretrain import N_CELLS, scene_labels
+
+    rng = random.Random(3)
+    scene = toyworld._sample_objects_scene(rng, with_sign=True)
+    chart = toyworld._sample_chart(rng)
+    y = scene_labels([scene, chart])
+    assert y.obj.shape == (2, N_CELLS) and y.is_chart.tolist() == [False, True]
+    for o in scene["objects"]:
+        cell = o["row"] * 3 + o["col"]
+        shape, color = divmod(int(y.obj[0, cell]) - 1, len(toyworld.COLOR_NAMES))
+        assert (toyworld.SHAPES[shape], toyworld.COLOR_NAMES[color]) == (o["shape"], o["color"])
+    assert int((y.obj[0] > 0).sum()) == len(scene["objects"])
+    row = scene["sign"]["row"]
+    assert toyworld.WORDS[int(y.word[0, row * 3]) - 1] == scene["sign"]["word"]
+    assert [int(v) for v in y.bar_value[1, : len(chart["bars"])]] == [b["value"] for b in chart["bars"]]
 
 
 def test_smoke_train_export_and_resume(tmp_path):
-    export = train(tmp_path, _cfg(4), progress=False)
+    # --stop-at ends the first run at step 2; resume continues the same schedule
+    train(tmp_path, _cfg(4), progress=False, stop_at=2)
     state = json.loads((tmp_path / "checkpoint" / "trainer_state.json").read_text())
-    assert state["step"] == 4 and len([h for h in state["history"] if "loss" in h]) == 4
+    assert state["step"] == 2 and state["vision_step"] == 3
+    assert len([h for h in state["history"] if "probe_loss" in h]) == 3, "stage 0 ran its 3 steps"
+    export = train(tmp_path, _cfg(4), resume=True, progress=False)
+    state = json.loads((tmp_path / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] == 4 and [h["step"] for h in state["history"] if "loss" in h] == [0, 1, 2, 3]
+    assert len([h for h in state["history"] if "probe_loss" in h]) == 3, "stage 0 is not repeated on resume"
     assert (tmp_path / "loss.png").stat().st_size > 0
     # the export is a standard HF folder: the auto classes load it offline
     model = AutoModelForImageTextToText.from_pretrained(export)

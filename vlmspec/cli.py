@@ -85,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     t.add_argument("--init-lm-from", help="model.safetensors whose language model starts this run (vision tower and projector start fresh)")
+    t.add_argument("--vision-steps", type=_non_negative_int("--vision-steps"), default=1500,
+                   help="stage 0: steps of supervised vision-tower pre-training on scene labels (0 = none)")
+    t.add_argument("--stop-at", type=_positive_int("--stop-at"), default=None,
+                   help="end this run after this SFT step (checkpointed; continue with --resume)")
+    t.add_argument("--aux-weight", type=_float_in("--aux-weight", 0.0, 100.0), default=0.2,
+                   help="weight of the stage-0 probe loss kept on during SFT")
 
     d = sub.add_parser("train", help="distil an EAGLE-style draft head from a frozen target (online logits)")
     d.add_argument("--target", help="target VLM folder or hub id (default: the bundled model)")
@@ -97,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--w-feat", type=_float_in("--w-feat", 0.0, 1e3), default=1.0)
     d.add_argument("--ttt-steps", type=_positive_int("--ttt-steps"), default=2, help="training-time test unroll (1 = off)")
     d.add_argument("--curriculum-steps", type=_non_negative_int("--curriculum-steps"), default=0, help="text-only -> multimodal ramp")
+    d.add_argument("--visual", default="none", choices=["none", "gate", "uniform", "attention", "pool", "conv", "resampler", "text_only"],
+                   help="VLM-aware head: compress the image tokens the drafter reads (issue #5); none = all of them")
+    d.add_argument("--ratio", type=_float_in("--ratio", 1.0, 4096.0), default=4.0, help="compression ratio for --visual")
+    d.add_argument("--decouple", action="store_true", help="MSD: visual rows take the image embeddings directly (bypass fc)")
+    d.add_argument("--global-feature", action="store_true", help="ViSpec: fuse a global image feature into later text rows")
+    d.add_argument("--gate-cost", type=_float_in("--gate-cost", 0.0, 100.0), default=0.05, help="--visual gate: weight of its kept fraction")
     d.add_argument("--eval-every", type=_positive_int("--eval-every"), default=200)
     d.add_argument("--minutes", type=_float_in("--minutes", 0.0, 1e6, low_open=True), default=None)
     d.add_argument("--seed", type=int, default=0)
@@ -121,9 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("serve", help="the OpenAI-compatible REST API on the bundled model or --model (vlmspec serve --help)", add_help=False)
     b = sub.add_parser(
         "bench",
-        help="speed of every method side by side (default), or: verify-cost (tree forward vs one-token step), kernel (Triton vs SDPA)",
+        help="speed of every method side by side (default), or: verify-cost (tree forward vs one-token step), kernel (Triton vs SDPA), "
+        "ablate (drafter variants at equal training steps)",
     )
-    b.add_argument("rest", nargs=argparse.REMAINDER, help="[run|verify-cost|kernel] and its own options (vlmspec bench [WHICH] --help)")
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="[run|verify-cost|kernel|ablate] and its own options (vlmspec bench [WHICH] --help)")
     return parser
 
 
@@ -145,7 +158,13 @@ def _bench_run(argv: list[str]) -> int:
     return run(argv)
 
 
-BENCHES = {"run": _bench_run, "verify-cost": _bench_verify_cost, "kernel": _bench_kernel}
+def _bench_ablate(argv: list[str]) -> int:
+    from vlmspec.bench.ablation import main as run
+
+    return run(argv)
+
+
+BENCHES = {"run": _bench_run, "verify-cost": _bench_verify_cost, "kernel": _bench_kernel, "ablate": _bench_ablate}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -270,10 +289,11 @@ def cmd_train_target(args: argparse.Namespace) -> int:
 
     if args.resume and not (Path(args.out) / "checkpoint").is_dir():
         raise UsageError(f"--resume: no checkpoint in {args.out}/checkpoint")
-    cfg = SFTConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, minutes=args.minutes, seed=args.seed)
+    cfg = SFTConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, minutes=args.minutes, seed=args.seed,
+                    vision_steps=args.vision_steps, aux_weight=args.aux_weight)
     if args.init_lm_from and not Path(args.init_lm_from).is_file():
         raise UsageError(f"--init-lm-from: no such file {args.init_lm_from}")
-    train(args.out, cfg, resume=args.resume, init_lm_from=args.init_lm_from)
+    train(args.out, cfg, resume=args.resume, init_lm_from=args.init_lm_from, stop_at=args.stop_at)
     return 0
 
 
@@ -296,6 +316,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         ttt_steps=args.ttt_steps, curriculum_steps=args.curriculum_steps, eval_every=args.eval_every,
         minutes=args.minutes, seed=args.seed,
     )
+    from vlmspec.vision_compress import VisualConfig
+
+    vis = VisualConfig(args.visual, args.ratio, args.decouple, args.global_feature, gate_cost=args.gate_cost if args.visual == "gate" else 0.0)
+    cfg.visual = {} if vis.is_plain else vis.to_dict()
     try:
         train_drafter(target, args.data, args.out, cfg, resume=args.resume, progress=not args.json)
     except DataError as exc:

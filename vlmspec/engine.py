@@ -136,10 +136,12 @@ class SpecEngine:
         t_start = time.perf_counter()
         clock = _Clock()
 
-        state, out = target.prefill(inputs)
+        state, out = target.prefill(inputs, visual=getattr(self.drafter, "needs_visual", False))
         prompt_len = state.seq_len
         clock.lap("prefill")
-        session = self.drafter.start(PromptContext(inputs["input_ids"][0].cpu(), out.features, inputs))
+        session = self.drafter.start(
+            PromptContext(inputs["input_ids"][0].cpu(), out.features, inputs, out.image_mask, out.image_embeds, out.attention)
+        )
         clock.lap("draft")
 
         emitted: list[int] = []

@@ -13,6 +13,7 @@ drafter is trained to predict.
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ import torch
 from PIL import Image
 
 from vlmspec.kv_cache import KVCache
+from vlmspec.vision_compress.capture import capture, image_token_id, last_layer_attention
 from vlmspec.verify.tree import DraftTree, tree_attention_mask
 
 
@@ -48,6 +50,10 @@ class TargetState:
 class ForwardOut:
     logits: torch.Tensor  # [N, V] float32
     features: torch.Tensor  # [N, H]
+    # prefill(visual=True) only:
+    image_mask: torch.Tensor | None = None  # [L] bool
+    image_embeds: torch.Tensor | None = None  # [n_img, H] the projected image embeddings the decoder read
+    attention: torch.Tensor | None = None  # [L] last layer's head-averaged attention of the last token
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
@@ -214,9 +220,10 @@ class Target:
         return pos, int(delta.reshape(-1)[0])
 
     @torch.no_grad()
-    def prefill(self, inputs: dict[str, torch.Tensor]) -> tuple[TargetState, ForwardOut]:
+    def prefill(self, inputs: dict[str, torch.Tensor], visual: bool = False) -> tuple[TargetState, ForwardOut]:
         """Run the prompt (with images). Returns the state and logits/features of the LAST token
-        (logits [1, V]) plus features of every prompt token ([L, H])."""
+        (logits [1, V]) plus features of every prompt token ([L, H]). visual=True also captures
+        the image embeddings and the last token's attention (for VLM-aware drafters)."""
         ids = inputs["input_ids"]
         assert ids.shape[0] == 1, "batch size 1"
         length = ids.shape[1]
@@ -229,12 +236,19 @@ class Target:
         kwargs = dict(inputs)
         if position_ids is not None:
             kwargs["position_ids"] = position_ids
-        out = self.model(
-            **kwargs, past_key_values=cache.hf, use_cache=True, output_hidden_states=True, logits_to_keep=1, return_dict=True
-        )
+        with capture(self.model, attention=visual) if visual else nullcontext() as cap:
+            out = self.model(
+                **kwargs, past_key_values=cache.hf, use_cache=True, output_hidden_states=True, logits_to_keep=1, return_dict=True
+            )
         state = TargetState(cache=cache, seq_len=length, rope_delta=delta)
         assert cache.seq_len == length, (cache.seq_len, length)
-        return state, ForwardOut(out.logits[0, -1:].float(), out.hidden_states[-1][0])
+        result = ForwardOut(out.logits[0, -1:].float(), out.hidden_states[-1][0])
+        if visual:
+            mask = ids[0] == image_token_id(self.model)
+            result.image_mask = mask
+            result.image_embeds = cap.inputs_embeds[0, mask]
+            result.attention = last_layer_attention(self.model, cap, torch.tensor([length - 1], device=ids.device))[0]
+        return state, result
 
     def tree_position_ids(self, state: TargetState, depth: torch.Tensor) -> torch.Tensor:
         """Per-node positions: committed length + depth (+ rope delta on every M-RoPE axis).

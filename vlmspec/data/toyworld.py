@@ -273,6 +273,14 @@ def _sample_chart(rng: random.Random) -> dict:
     return {"kind": "chart", "background": list(rng.choice(BACKGROUNDS)), "bars": bars}
 
 
+def random_scene(rng: random.Random, chart_frac: float = 0.25, sign_frac: float = 0.4) -> dict:
+    """One scene of any kind, as the tasks draw them: a bar chart with probability `chart_frac`,
+    else objects, with a sign with probability `sign_frac`."""
+    if rng.random() < chart_frac:
+        return _sample_chart(rng)
+    return _sample_objects_scene(rng, with_sign=rng.random() < sign_frac)
+
+
 # ======================================================================================
 # Language helpers
 # ======================================================================================

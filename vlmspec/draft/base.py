@@ -49,6 +49,10 @@ class PromptContext:
     token_ids: torch.Tensor  # [L] prompt token ids
     features: torch.Tensor  # [L, H] target features of the prompt tokens
     inputs: dict[str, Any] = field(default_factory=dict)  # the processor's tensors (pixels, grids, ...)
+    # filled when the drafter sets `needs_visual = True` (VLM-aware drafters):
+    image_mask: torch.Tensor | None = None  # [L] bool, image-token positions
+    image_embeds: torch.Tensor | None = None  # [n_img, H] projected image embeddings, in order
+    attention: torch.Tensor | None = None  # [L] target's last-layer attention of the last prompt token
 
 
 @runtime_checkable

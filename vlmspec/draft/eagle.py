@@ -27,6 +27,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 from vlmspec.draft.base import DraftSession, PromptContext, TreeConfig
 from vlmspec.kv_cache import KVCache
 from vlmspec.target import Target
+from vlmspec.vision_compress import VisualAdaptor, VisualConfig
 from vlmspec.verify.tree import DraftTree, tree_attention_mask
 
 CONFIG_NAME = "config.json"
@@ -55,7 +56,11 @@ class EagleConfig:
     rope_theta: float
     rms_norm_eps: float = 1e-6
     target_model_type: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)  # variant settings of later drafters
+    extra: dict[str, Any] = field(default_factory=dict)  # variant settings: {"visual": VisualConfig dict}
+
+    @property
+    def visual(self) -> VisualConfig:
+        return VisualConfig.from_dict(self.extra.get("visual"))
 
     @classmethod
     def from_target(cls, target: Target) -> "EagleConfig":
@@ -118,6 +123,9 @@ class EagleHead(nn.Module):
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.layer = LlamaDecoderLayer(lcfg, layer_idx=0)
         self.rotary = LlamaRotaryEmbedding(lcfg)
+        vis = config.visual
+        # VLM-aware variants (compression, decoupling, global feature); None = the plain head
+        self.visual = None if vis.is_plain else VisualAdaptor(vis, h)
         # shared with the target, never trained or saved by the head
         self._frozen = (embed, lm_head)
 
@@ -136,12 +144,23 @@ class EagleHead(nn.Module):
         position_ids: torch.Tensor,  # [n] or [B, n]
         attention_mask: torch.Tensor | None,  # [1|B, 1, n, cache + n] additive; None = causal
         cache: DynamicCache | None,
+        direct: torch.Tensor | None = None,  # [n] or [B, n] bool: rows whose input IS the feature (MSD)
+        fuse: torch.Tensor | None = None,  # [n] or [B, n] bool: rows that get the global feature
+        global_feat: torch.Tensor | None = None,  # [H] or [B, H] (ViSpec)
     ) -> torch.Tensor:  # [n, H] or [B, n, H]: predicted next features
         batched = token_ids.ndim == 2
         if not batched:
             token_ids, features, position_ids = token_ids[None], features[None], position_ids[None]
+            direct = None if direct is None else direct[None]
+            fuse = None if fuse is None else fuse[None]
+            global_feat = None if global_feat is None else global_feat[None]
         emb = self.embed(token_ids)
-        x = self.fc(torch.cat([self.embed_norm(emb), self.feat_norm(features.to(emb.dtype))], dim=-1))
+        features = features.to(emb.dtype)
+        if global_feat is not None and fuse is not None and self.visual is not None:
+            features = self.visual.fuse_global(features, global_feat, fuse)
+        x = self.fc(torch.cat([self.embed_norm(emb), self.feat_norm(features)], dim=-1))
+        if direct is not None:
+            x = torch.where(direct[..., None], features, x)
         out = self.layer(
             x,
             attention_mask=attention_mask,
@@ -162,6 +181,11 @@ class EagleHead(nn.Module):
 
 class EagleDrafter:
     name = "eagle"
+
+    @property
+    def needs_visual(self) -> bool:
+        """VLM-aware variants read the image embeddings and the target's attention at prefill."""
+        return self.head.visual is not None
 
     def __init__(self, head: EagleHead, tree: TreeConfig | None = None) -> None:
         self.head = head.eval()
@@ -213,31 +237,58 @@ class _EagleSession:
         self.cache = KVCache()
         p = next(self.head.parameters())
         self.device, self.dtype = p.device, p.dtype
+        self.prompt: PromptContext | None = prompt  # turned into rows at the first propose (needs the root)
+        self.global_feat: torch.Tensor | None = None  # [H] ViSpec global image feature
+        self.next_pos = 0  # position of the next row (rows of a compressed image span are gone)
         # features not yet paired with the token that follows them
-        self.pending_feats = prompt.features.to(self.device, self.dtype)
-        self.pending_next = prompt.token_ids[1:].to(self.device)
+        self.pending_feats = prompt.features[:0].to(self.device, self.dtype)
+        self.pending_next = prompt.token_ids[:0].to(self.device)
 
     def commit(self, token_ids: torch.Tensor, features: torch.Tensor) -> None:
-        assert self.pending_feats.shape[0] == 0, "propose() must run between commits"
+        assert self.pending_feats.shape[0] == 0 and self.prompt is None, "propose() must run between commits"
         self.pending_feats = features.to(self.device, self.dtype)
         self.pending_next = token_ids[1:].to(self.device)
+
+    def _prompt_rows(self, root: int) -> tuple[torch.Tensor, ...]:
+        """(tokens [n], feats [n, H], positions [n], direct [n] | None, fuse [n] | None)."""
+        prompt, self.prompt = self.prompt, None
+        ids = torch.cat([prompt.token_ids.to(self.device), torch.tensor([root], device=self.device)])
+        feats = prompt.features.to(self.device, self.dtype)
+        adaptor = self.head.visual
+        if adaptor is None:
+            return ids[1:], feats, torch.arange(feats.shape[0], device=self.device), None, None
+        rows = adaptor.prompt_rows(
+            ids, feats, _image_mask(prompt, ids.shape[0] - 1, self.device), _to(prompt.image_embeds, self.device, self.dtype),
+            _to(prompt.attention, self.device, torch.float32), question_embedding(self.head, prompt.token_ids.to(self.device), prompt.image_mask),
+        ).kept()
+        self.global_feat = rows.global_feat
+        return rows.tokens, rows.feats, rows.positions, rows.direct, rows.fuse
 
     @torch.no_grad()
     def propose(self, root: int, max_depth: int) -> DraftTree:
         head, cfg = self.head, self.tree
         # 1. the committed pairs (feature_i, token_{i+1}); the last one pairs with the root
-        toks = torch.cat([self.pending_next, torch.tensor([root], device=self.device)])
+        if self.prompt is not None:
+            toks, feats, pos, direct, fuse = self._prompt_rows(root)
+        else:
+            toks = torch.cat([self.pending_next, torch.tensor([root], device=self.device)])
+            feats = self.pending_feats
+            pos = torch.arange(self.next_pos, self.next_pos + toks.shape[0], device=self.device)
+            direct = None
+            fuse = None if self.global_feat is None else torch.ones_like(toks, dtype=torch.bool)
         start = self.cache.seq_len
         n = toks.shape[0]
-        assert n == self.pending_feats.shape[0]
+        assert n == feats.shape[0]
         causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
         mask = tree_attention_mask(causal, start, self.dtype)
-        hidden = head(toks, self.pending_feats, torch.arange(start, start + n, device=self.device), mask, self.cache.hf)
+        hidden = head(toks, feats, pos, mask, self.cache.hf, direct, fuse, self.global_feat)
         self.pending_feats = self.pending_feats[:0]
+        self.next_pos = int(pos[-1]) + 1
         committed = self.cache.seq_len
         depth = min(cfg.depth, max_depth)
         if depth <= 0:
             return DraftTree.root_only(root)
+        node_fuse = None if self.global_feat is None else torch.ones(1, dtype=torch.bool, device=self.device)
 
         # 2. grow: nodes hold token, parent, cumulative log-prob; node 0 = root
         k = cfg.top_k
@@ -274,8 +325,9 @@ class _EagleSession:
             for i, f in enumerate(frontier):
                 slot[f] = n_tree + i
             mask = tree_attention_mask(allowed, committed, self.dtype)
-            pos = torch.full((len(frontier),), committed - 1 + d, device=self.device)
-            h = head(ftoks, ffeat, pos, mask, self.cache.hf)
+            fpos = torch.full((len(frontier),), self.next_pos - 1 + d, device=self.device)
+            ffuse = None if node_fuse is None else node_fuse.expand(len(frontier))
+            h = head(ftoks, ffeat, fpos, mask, self.cache.hf, None, ffuse, self.global_feat)
             for i, f in enumerate(frontier):
                 out_hidden[f] = h[i]
             logp = torch.log_softmax(head.logits(h), -1)
@@ -288,3 +340,18 @@ class _EagleSession:
         full = DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
         return full.select(keep)
 
+
+def _to(x: torch.Tensor | None, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if x is None else x.to(device, dtype)
+
+
+def _image_mask(prompt: PromptContext, length: int, device: torch.device) -> torch.Tensor:
+    if prompt.image_mask is None:
+        return torch.zeros(length, dtype=torch.bool, device=device)
+    return prompt.image_mask.to(device)
+
+
+def question_embedding(head: EagleHead, token_ids: torch.Tensor, image_mask: torch.Tensor | None) -> torch.Tensor:
+    """[L] prompt ids -> [H]: mean embedding of the prompt's text (non-image) tokens (the gate's input)."""
+    text = token_ids if image_mask is None else token_ids[~image_mask.to(token_ids.device)]
+    return head.embed(text).float().mean(0)

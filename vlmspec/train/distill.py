@@ -20,7 +20,8 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -36,6 +37,8 @@ from vlmspec.sampling import SamplingParams
 from vlmspec.target import Target
 from vlmspec.train.common import save_checkpoint_dir, warmup_cosine
 from vlmspec.train.data import Conversation, encode_conversations, load_jsonl, toyworld_conversation, toyworld_stream
+from vlmspec.vision_compress import VisualConfig
+from vlmspec.vision_compress.capture import capture, image_token_id, last_layer_attention
 
 
 @dataclass
@@ -55,6 +58,8 @@ class DistillConfig:
     eval_n: int = 12
     ckpt_every: int = 100
     minutes: float | None = None
+    # VLM-aware head variant (vision_compress.VisualConfig as a dict); {} = the plain EAGLE head
+    visual: dict[str, Any] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------------ losses
@@ -63,52 +68,129 @@ def soft_ce(draft_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.T
     return -(teacher_logits.float().softmax(-1) * draft_logits.float().log_softmax(-1)).sum(-1)
 
 
+@dataclass
+class RowBatch:
+    """The head's step-1 rows for a batch (see vision_compress.adaptor). Shapes [B, T] / [B, T, H]."""
+
+    tokens: torch.Tensor  # token that follows each row's feature
+    feats: torch.Tensor
+    positions: torch.Tensor
+    keep: torch.Tensor  # bool
+    direct: torch.Tensor | None  # bool, None = no decoupled rows
+    fuse: torch.Tensor | None  # bool, None = no global feature
+    fixed: torch.Tensor  # bool: image-content rows (keep their input in every unroll step)
+    global_feat: torch.Tensor | None  # [B, H]
+    gate_cost: torch.Tensor | None  # [] mean expected kept fraction under the gate
+
+
+def plain_rows(input_ids: torch.Tensor, feats: torch.Tensor, pad_id: int = 0) -> RowBatch:
+    """The plain head's rows: (F_t, x_{t+1}) at position t."""
+    B, T, _ = feats.shape
+    toks = torch.cat([input_ids[:, 1:], input_ids.new_full((B, 1), pad_id)], 1)
+    pos = torch.arange(T, device=feats.device).expand(B, T)
+    none = torch.zeros(B, T, dtype=torch.bool, device=feats.device)
+    return RowBatch(toks, feats, pos, ~none, None, None, none, None, None)
+
+
+def visual_rows(head: EagleHead, input_ids: torch.Tensor, feats: torch.Tensor, captured: dict[str, torch.Tensor]) -> RowBatch:
+    """Rows of a VLM-aware head, sample by sample through its VisualAdaptor."""
+    from vlmspec.draft.eagle import question_embedding
+
+    B, T, H = feats.shape
+    image_mask, embeds, attention, prompt_len = captured["image_mask"], captured["inputs_embeds"], captured["attention"], captured["prompt_len"]
+    out: list = []
+    for b in range(B):
+        ids = torch.cat([input_ids[b], input_ids.new_zeros(1)])
+        q = question_embedding(head, input_ids[b, : int(prompt_len[b])], image_mask[b, : int(prompt_len[b])])
+        out.append(head.visual.prompt_rows(ids, feats[b], image_mask[b], embeds[b, image_mask[b]], attention[b], q))
+    st = lambda name: torch.stack([getattr(r, name) for r in out])  # noqa: E731
+    has_global = head.visual.cfg.global_feature
+    glob = torch.stack([r.global_feat if r.global_feat is not None else feats.new_zeros(H) for r in out]) if has_global else None
+    costs = [r.gate_cost for r in out if r.gate_cost is not None]
+    return RowBatch(
+        st("tokens"), st("feats"), st("positions"), st("keep"),
+        st("direct") if head.visual.cfg.decouple else None,
+        st("fuse") if has_global else None,
+        st("fixed"), glob, torch.stack(costs).mean() if costs else None,
+    )
+
+
 def distill_losses(
     head: EagleHead,
-    input_ids: torch.Tensor,  # [B, T]
+    rows: RowBatch,  # the head's step-1 rows
     feats: torch.Tensor,  # [B, T, H] teacher features (last hidden state)
     teacher_logits: torch.Tensor,  # [B, T, V]
     labels: torch.Tensor,  # [B, T], -100 = not trained
     cfg: DistillConfig,
+    gate_cost: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The unrolled distillation loss. Step j (1-based) reads pairs (feature for position t+j-1,
-    token x_{t+j}) and predicts F_{t+j} and the teacher's next-token distribution there."""
+    """The unrolled distillation loss. Step j (1-based), row t stands at slot t+j-1: it reads
+    (the step-(j-1) prediction of F_{t+j-1} [the teacher's F_t at step 1], token x_{t+j}) and
+    predicts F_{t+j} and the teacher's next-token distribution there. Image-content rows keep
+    their input in every step; dropped (compressed-away) rows are hidden from every query."""
     B, T, _ = feats.shape
     total = feats.new_zeros(())
     stats: dict[str, float] = {}
-    prev = feats  # step 1 reads the teacher's own features
+    prev = rows.feats  # step 1 reads the teacher's own features (or image content)
+    causal = torch.ones(T, T, dtype=torch.bool, device=feats.device).tril()
     for j in range(1, cfg.ttt_steps + 1):
         n = T - j
         if n <= 1:
             break
-        toks = input_ids[:, j:]  # [B, n]
-        inp = prev[:, :n]  # [B, n, H]
-        pos = torch.arange(n, device=feats.device).expand(B, n)
-        h = head(toks, inp, pos, None, None)  # [B, n, H]
-        target_f = feats[:, j:]  # F_{t+j}
-        target_l = teacher_logits[:, j:]  # p(x_{t+j+1} | ...)
-        mask = torch.zeros(B, n, dtype=torch.bool, device=feats.device)
-        mask[:, :-1] = labels[:, j + 1 :] != -100  # the next token is an answer token
-        if not mask.any():
+        sl = slice(j - 1, j - 1 + n)
+        inp = torch.where(rows.fixed[:, sl, None], rows.feats[:, sl], prev[:, :n])  # [B, n, H]
+        keep = rows.keep[:, sl]
+        mask = None
+        if not bool(keep.all()):
+            allowed = (causal[:n, :n] & keep[:, None, :]) | torch.eye(n, dtype=torch.bool, device=feats.device)
+            mask = torch.zeros(B, 1, n, n, dtype=inp.dtype, device=feats.device).masked_fill(~allowed[:, None], torch.finfo(inp.dtype).min)
+        h = head(
+            rows.tokens[:, sl], inp, rows.positions[:, sl], mask, None,
+            None if rows.direct is None else rows.direct[:, sl],
+            None if rows.fuse is None else rows.fuse[:, sl],
+            rows.global_feat,
+        )  # [B, n, H]
+        target_f = feats[:, j : j + n]  # F_{t+j}
+        target_l = teacher_logits[:, j : j + n]  # p(x_{t+j+1} | ...)
+        lmask = torch.zeros(B, n, dtype=torch.bool, device=feats.device)
+        lmask[:, :-1] = labels[:, j + 1 : j + n] != -100  # the next token is an answer token
+        lmask &= keep & ~rows.fixed[:, sl]
+        if not lmask.any():
             break
-        ce = soft_ce(head.logits(h[mask]), target_l[mask]).mean()
-        fl = F.smooth_l1_loss(h[mask].float(), target_f[mask].float())
+        ce = soft_ce(head.logits(h[lmask]), target_l[lmask]).mean()
+        fl = F.smooth_l1_loss(h[lmask].float(), target_f[lmask].float())
         total = total + (cfg.w_ce * ce + cfg.w_feat * fl) / cfg.ttt_steps
         with torch.no_grad():
-            acc = (head.logits(h[mask]).argmax(-1) == target_l[mask].argmax(-1)).float().mean()
+            acc = (head.logits(h[lmask]).argmax(-1) == target_l[lmask].argmax(-1)).float().mean()
         stats.update({f"ce{j}": float(ce.detach()), f"feat{j}": float(fl.detach()), f"acc{j}": float(acc)})
-        # step j+1 reads, for position t+j, this step's prediction h[t] of F_{t+j}
-        prev = F.pad(h, (0, 0, 0, T - n))
+        prev = h
+    if rows.gate_cost is not None and gate_cost > 0:
+        total = total + gate_cost * rows.gate_cost
+        stats["gate_kept"] = float(rows.gate_cost.detach())
     return total, stats
 
 
 @torch.no_grad()
-def teacher(target: Target, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Frozen target forward: (features [B, T, H], logits [B, T, V])."""
+def teacher(target: Target, batch: dict[str, torch.Tensor], visual: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Frozen target forward: (features [B, T, H], logits [B, T, V], captured). With visual=True,
+    captured holds image_mask [B, T], inputs_embeds [B, T, H], prompt_len [B] and attention
+    [B, T] (last layer, from each sample's last prompt token)."""
     kwargs = {k: v for k, v in batch.items() if k != "labels"}
     # (M-RoPE targets compute their 3-axis positions from mm_token_type_ids inside this forward)
-    out = target.model(**kwargs, output_hidden_states=True, return_dict=True)
-    return out.hidden_states[-1], out.logits
+    with capture(target.model) if visual else nullcontext() as cap:
+        out = target.model(**kwargs, output_hidden_states=True, return_dict=True)
+    captured: dict[str, torch.Tensor] = {}
+    if visual:
+        ids = batch["input_ids"]
+        answer = batch["labels"] != -100
+        prompt_len = torch.where(answer.any(1), answer.float().argmax(1), torch.full_like(ids[:, 0], ids.shape[1]))
+        captured = {
+            "image_mask": ids == image_token_id(target.model),
+            "inputs_embeds": cap.inputs_embeds,
+            "prompt_len": prompt_len,
+            "attention": last_layer_attention(target.model, cap, (prompt_len - 1).clamp(min=0)),
+        }
+    return out.hidden_states[-1], out.logits, captured
 
 
 # ------------------------------------------------------------------------------------ data
@@ -228,7 +310,11 @@ def train_drafter(
         p.requires_grad_(False)
     target.model.eval()
     torch.manual_seed(cfg.seed)
-    head = EagleHead(EagleConfig.from_target(target), target.input_embeddings(), target.output_embeddings(), target.attention)
+    ecfg = EagleConfig.from_target(target)
+    vis = VisualConfig.from_dict(cfg.visual)
+    if not vis.is_plain:
+        ecfg.extra["visual"] = vis.to_dict()
+    head = EagleHead(ecfg, target.input_embeddings(), target.output_embeddings(), target.attention)
     head.to(device=target.device, dtype=torch.float32)
     if world > 1:  # every rank starts from rank 0's weights; gradients are averaged below
         for p in head.parameters():
@@ -253,11 +339,17 @@ def train_drafter(
         if step >= cfg.steps or (stop_at is not None and step >= stop_at):
             break
         batch = {k: v.to(target.device) if isinstance(v, torch.Tensor) else v for k, v in encode_conversations(target.processor, convs).items()}
-        feats, logits = teacher(target, batch)
+        feats, logits, captured = teacher(target, batch, visual=head.visual is not None)
         head.train()
         for g in opt.param_groups:
             g["lr"] = _lr(step, cfg)
-        loss, stats = distill_losses(head, batch["input_ids"], feats.float(), logits, batch["labels"], cfg)
+        feats = feats.float()
+        if head.visual is None:
+            rows = plain_rows(batch["input_ids"], feats)
+        else:
+            captured["inputs_embeds"] = captured["inputs_embeds"].float()
+            rows = visual_rows(head, batch["input_ids"], feats, captured)
+        loss, stats = distill_losses(head, rows, feats, logits, batch["labels"], cfg, vis.gate_cost)
         loss.backward()
         if world > 1:  # data parallel: average the head's gradients over the ranks
             for p in head.parameters():

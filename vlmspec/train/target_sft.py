@@ -22,6 +22,7 @@ from vlmspec.data import toyworld
 from vlmspec.data.processor import build_processor, corpus_for_tokenizer, llava_config_kwargs, train_tokenizer
 from vlmspec.train.common import save_checkpoint_dir, warmup_cosine
 from vlmspec.train.data import Conversation, encode_conversations
+from vlmspec.train.vision_pretrain import SceneProbe, image_tokens, pretrain_batch, scene_labels
 
 
 @dataclass
@@ -68,6 +69,13 @@ class SFTConfig:
     # drowns after the projector's LayerNorm and the tower's gradient falls to ~1e-4); a small
     # rate keeps it near its well-conditioned start while the projector and decoder learn
     vision_lr_mult: float = 0.3
+    # stage 0 (vlmspec/train/vision_pretrain.py): the vision tower + projector learn to encode
+    # each cell's object, the sign's word and the chart's bars before the decoder sees them
+    vision_steps: int = 1500
+    vision_batch_size: int = 64
+    vision_lr: float = 1e-3
+    # weight of the same probe loss during SFT (image samples only), so the tokens stay readable
+    aux_weight: float = 0.2
     arch: TargetArch = field(default_factory=TargetArch)
 
 
@@ -139,7 +147,8 @@ def batch_seeds(step: int, cfg: SFTConfig) -> tuple[list[int], int]:
     return list(range(first, first + cfg.bucket * cfg.batch_size)), part
 
 
-def batches(start_step: int, cfg: SFTConfig, processor: Any) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+def batches(start_step: int, cfg: SFTConfig, processor: Any) -> Iterator[tuple[int, dict[str, torch.Tensor], list[dict]]]:
+    """Yields (step, encoded batch, scene metas of the batch's images in order)."""
     step = start_step
     while True:
         seeds, part = batch_seeds(step, cfg)
@@ -147,8 +156,8 @@ def batches(start_step: int, cfg: SFTConfig, processor: Any) -> Iterator[tuple[i
         lengths = [len(s.prompt) + len(s.answer) + (1000 if s.image is not None else 0) for s in samples]
         order = sorted(range(len(samples)), key=lambda i: (lengths[i], i))
         while part < cfg.bucket:
-            idx = order[part * cfg.batch_size : (part + 1) * cfg.batch_size]
-            yield step, encode_batch([samples[i] for i in idx], processor)
+            chosen = [samples[i] for i in order[part * cfg.batch_size : (part + 1) * cfg.batch_size]]
+            yield step, encode_batch(chosen, processor), [s.meta["scene"] for s in chosen if s.image is not None]
             step += 1
             part += 1
 
@@ -172,15 +181,18 @@ def lr_at(step: int, cfg: SFTConfig) -> float:
 CKPT = "checkpoint"
 
 
-def save_checkpoint(out: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    save_checkpoint_dir(out / CKPT, model.state_dict(), "model.safetensors", opt, state)
+def save_checkpoint(out: Path, model: torch.nn.Module, probe: torch.nn.Module, opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    weights = {**model.state_dict(), **{"probe." + k: v for k, v in probe.state_dict().items()}}
+    save_checkpoint_dir(out / CKPT, weights, "model.safetensors", opt, state)
 
 
-def load_checkpoint(out: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+def load_checkpoint(out: Path, model: torch.nn.Module, probe: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     d = out / CKPT
     state = load_file(str(d / "model.safetensors"))
+    probe_state = {k[len("probe.") :]: state.pop(k) for k in list(state) if k.startswith("probe.")}
     try:
         model.load_state_dict(state, strict=True)
+        probe.load_state_dict(probe_state, strict=True)
     except RuntimeError as exc:
         raise ValueError(f"{d}: checkpoint does not match the model: {str(exc)[:300]}") from None
     opt.load_state_dict(torch.load(d / "optimizer.pt", weights_only=True))
@@ -201,33 +213,69 @@ def _processor(out: Path, arch: TargetArch, resume: bool) -> Any:
 
 
 @torch.no_grad()
-def eval_loss(model: torch.nn.Module, processor: Any, cfg: SFTConfig) -> float:
+def eval_loss(model: torch.nn.Module, processor: Any, cfg: SFTConfig) -> dict[str, float]:
+    """Held-out answer loss, and on the image samples the loss with real images vs with the
+    images of other samples: `image_gap` > 0 measures how much the model reads the image."""
     model.eval()
     lo = toyworld.SPLITS["val"][0]
     samples = [toyworld.make_sample(s) for s in range(lo, lo + cfg.eval_samples)]
-    total, count = 0.0, 0
+    sums = {"all": [0.0, 0], "real": [0.0, 0], "shuffled": [0.0, 0]}
     for i in range(0, len(samples), cfg.batch_size):
         b = encode_batch(samples[i : i + cfg.batch_size], processor)
         n = int((b["labels"][:, 1:] != -100).sum())
-        total += float(model(**b).loss) * n
-        count += n
+        sums["all"][0] += float(model(**b).loss) * n
+        sums["all"][1] += n
+        with_image = [s for s in samples[i : i + cfg.batch_size] if s.image is not None]
+        if len(with_image) > 1:
+            b = encode_batch(with_image, processor)
+            n = int((b["labels"][:, 1:] != -100).sum())
+            sums["real"][0] += float(model(**b).loss) * n
+            sums["shuffled"][0] += float(model(**{**b, "pixel_values": b["pixel_values"].roll(1, 0)}).loss) * n
+            sums["real"][1] += n
+            sums["shuffled"][1] += n
     model.train()
-    return total / max(1, count)
+    mean = {k: t / max(1, c) for k, (t, c) in sums.items()}
+    return {"val_loss": mean["all"], "image_gap": mean["shuffled"] - mean["real"]}
 
 
 def plot_curve(history: list[dict[str, float]], path: Path) -> None:
+    """Stage 0's probe loss and accuracy (left, when there was a stage 0); SFT's train and held-out
+    loss with the real-vs-shuffled image gap (right)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    vis = [h for h in history if "probe_loss" in h]
+    fig, axes = plt.subplots(1, 2 if vis else 1, figsize=(12 if vis else 7, 4), squeeze=False)
+    if vis:
+        ax = axes[0, 0]
+        ax.plot([h["vision_step"] for h in vis], [h["probe_loss"] for h in vis], lw=0.8, label="probe loss")
+        ax.set_yscale("log")
+        ax.set_xlabel("stage-0 step")
+        ax.set_ylabel("cross-entropy")
+        ax.set_title("stage 0: vision tower + projector on scene labels")
+        acc_ax = ax.twinx()
+        for key in ("acc_obj", "acc_word", "acc_bar_value"):
+            pts = [(h["vision_step"], h[key]) for h in vis if key in h]
+            if pts:
+                acc_ax.plot(*zip(*pts), lw=0.6, alpha=0.7, label=key[4:] + " acc")
+        acc_ax.set_ylim(0, 1)
+        acc_ax.set_ylabel("probe accuracy")
+        ax.legend(loc="center left")
+        acc_ax.legend(loc="center right")
+        ax.grid(alpha=0.3)
+    ax = axes[0, -1]
     steps = [h["step"] for h in history if "loss" in h]
     ax.plot(steps, [h["loss"] for h in history if "loss" in h], lw=0.8, alpha=0.6, label="train loss (answers)")
     ev = [h for h in history if "val_loss" in h]
     if ev:
         ax.plot([h["step"] for h in ev], [h["val_loss"] for h in ev], "o-", label="held-out loss")
-    ax.set_xlabel("step")
+        gaps = [h for h in ev if "image_gap" in h]
+        if gaps:
+            ax.plot([h["step"] for h in gaps], [max(h["image_gap"], 1e-4) for h in gaps], "s--",
+                    label="image gap (shuffled - real images)")
+    ax.set_xlabel("SFT step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_yscale("log")
     ax.grid(alpha=0.3)
@@ -238,12 +286,63 @@ def plot_curve(history: list[dict[str, float]], path: Path) -> None:
 
 
 LM_PREFIXES = ("model.language_model.", "lm_head.")
+VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.")
 
 
-def train(out: str | Path, cfg: SFTConfig, resume: bool = False, progress: bool = True, init_lm_from: str | Path | None = None) -> Path:
+def param_groups(model: torch.nn.Module, probe: torch.nn.Module, cfg: SFTConfig) -> list[dict[str, Any]]:
+    """AdamW groups: (vision tower | projector + probe | decoder) x (decayed | not)."""
+    groups: dict[tuple[str, bool], list[torch.nn.Parameter]] = {}
+    named = [(n, p) for n, p in model.named_parameters()] + [("probe." + n, p) for n, p in probe.named_parameters()]
+    for n, p in named:
+        part = "vision" if n.startswith("model.vision_tower.") else "stage0" if n.startswith(("model.multi_modal_projector.", "probe.")) else "lm"
+        groups.setdefault((part, p.ndim >= 2), []).append(p)
+    return [
+        {"params": ps, "weight_decay": cfg.weight_decay if decay else 0.0, "part": part}
+        for (part, decay), ps in sorted(groups.items())
+    ]
+
+
+def pretrain_vision(model, probe, opt, processor, cfg: SFTConfig, state: dict[str, Any], out: Path, progress: bool) -> None:
+    """Stage 0: the probe loss only; the decoder's groups get no gradient. Resumable by step."""
+    from tqdm import tqdm
+
+    if state["vision_step"] >= cfg.vision_steps:
+        return
+    bar = tqdm(total=cfg.vision_steps, initial=state["vision_step"], disable=not progress, desc="stage 0 (vision)", dynamic_ncols=True)
+    t0, elapsed0 = time.perf_counter(), state["elapsed_s"]
+    while state["vision_step"] < cfg.vision_steps:
+        step = state["vision_step"]
+        lr = warmup_cosine(step, cfg.vision_steps, cfg.vision_lr, min(cfg.warmup, cfg.vision_steps // 10), cfg.min_lr_ratio)
+        for g in opt.param_groups:
+            g["lr"] = lr if g["part"] in ("vision", "stage0") else 0.0
+        pixels, labels = pretrain_batch(step, cfg.vision_batch_size, cfg.seed, processor)
+        loss, acc = probe(image_tokens(model, pixels), labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(model.parameters()) + list(probe.parameters()), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        state["vision_step"] = step + 1
+        state["elapsed_s"] = elapsed0 + time.perf_counter() - t0
+        state["history"].append({"vision_step": step, "probe_loss": float(loss.detach()), **{f"acc_{k}": v for k, v in acc.items()}})
+        bar.update(1)
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", obj=f"{acc.get('obj', float('nan')):.2f}", word=f"{acc.get('word', float('nan')):.2f}")
+        if state["vision_step"] % cfg.ckpt_every == 0 or state["vision_step"] == cfg.vision_steps:
+            save_checkpoint(out, model, probe, opt, state)
+    bar.close()
+
+
+def train(
+    out: str | Path,
+    cfg: SFTConfig,
+    resume: bool = False,
+    progress: bool = True,
+    init_lm_from: str | Path | None = None,
+    stop_at: int | None = None,
+) -> Path:
     """Train (or resume) into `out`; returns the exported model folder `out/model`.
     init_lm_from: a model.safetensors whose language model (decoder + LM head) starts this run;
-    the vision tower and projector start fresh (the processor must be the same)."""
+    the vision tower and projector start fresh (the processor must be the same).
+    stop_at: end this run after that SFT step (checkpointed; `resume` continues it)."""
     from tqdm import tqdm
 
     out = Path(out)
@@ -256,37 +355,37 @@ def train(out: str | Path, cfg: SFTConfig, resume: bool = False, progress: bool 
     torch.manual_seed(cfg.seed)
     processor = _processor(out, cfg.arch, resume)
     model = build_model(processor, cfg.arch, cfg.seed)
-    groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
-    for n, p in model.named_parameters():
-        is_vision = n.startswith("model.vision_tower.")
-        groups.setdefault((is_vision, p.ndim >= 2), []).append(p)
-    opt = torch.optim.AdamW(
-        [
-            {"params": ps, "weight_decay": cfg.weight_decay if decay else 0.0, "lr_mult": cfg.vision_lr_mult if vision else 1.0}
-            for (vision, decay), ps in sorted(groups.items())
-        ],
-        lr=cfg.lr,
-        betas=(0.9, 0.98),
-    )
-    state: dict[str, Any] = {"step": 0, "history": [], "elapsed_s": 0.0}
+    probe = SceneProbe(model.config.text_config.hidden_size)
+    opt = torch.optim.AdamW(param_groups(model, probe, cfg), lr=cfg.lr, betas=(0.9, 0.98))
+    state: dict[str, Any] = {"step": 0, "vision_step": 0, "history": [], "elapsed_s": 0.0}
     if resume:
-        state = load_checkpoint(out, model, opt)
+        state = {"vision_step": cfg.vision_steps, **load_checkpoint(out, model, probe, opt)}
     elif init_lm_from is not None:
         n = len(warm_start(model, Path(init_lm_from), LM_PREFIXES))
         print(f"train-target: language model warm-started from {init_lm_from} ({n} tensors)")
         state["warm_start"] = str(init_lm_from)
     state["config"] = asdict(cfg)
     model.train()
+    pretrain_vision(model, probe, opt, processor, cfg, state, out, progress)
     t0, elapsed0 = time.perf_counter(), state["elapsed_s"]
     bar = tqdm(total=cfg.steps, initial=state["step"], disable=not progress, desc="train-target", dynamic_ncols=True)
     stop_reason = "steps"
-    for step, batch in batches(state["step"], cfg, processor):
+    mult = {"vision": cfg.vision_lr_mult, "stage0": 1.0, "lm": 1.0}
+    for step, batch, scenes in batches(state["step"], cfg, processor):
         if step >= cfg.steps:
             break
+        if stop_at is not None and step >= stop_at:
+            stop_reason = f"--stop-at {stop_at}"
+            break
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg) * g.get("lr_mult", 1.0)
+            g["lr"] = lr_at(step, cfg) * mult[g["part"]]
         loss = sft_loss(model, batch, cfg.loss_norm)
-        loss.backward()
+        if cfg.aux_weight > 0 and scenes:
+            aux, _ = probe(image_tokens(model, batch["pixel_values"]), scene_labels(scenes))
+            loss_total = loss + cfg.aux_weight * aux
+        else:
+            loss_total = loss
+        loss_total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -296,17 +395,18 @@ def train(out: str | Path, cfg: SFTConfig, resume: bool = False, progress: bool 
         bar.update(1)
         bar.set_postfix(loss=f"{float(loss.detach()):.3f}", lr=f"{lr_at(step, cfg):.1e}")
         if state["step"] % cfg.eval_every == 0 or state["step"] == cfg.steps:
-            state["history"].append({"step": step, "val_loss": eval_loss(model, processor, cfg)})
-            bar.write(f"step {state['step']}: held-out loss {state['history'][-1]['val_loss']:.4f}")
+            ev = eval_loss(model, processor, cfg)
+            state["history"].append({"step": step, **ev})
+            bar.write(f"step {state['step']}: held-out loss {ev['val_loss']:.4f}, image gap (shuffled - real) {ev['image_gap']:+.4f}")
         out_of_time = cfg.minutes is not None and (time.perf_counter() - t0) > cfg.minutes * 60
         if state["step"] % cfg.ckpt_every == 0 or state["step"] == cfg.steps or out_of_time:
-            save_checkpoint(out, model, opt, state)
+            save_checkpoint(out, model, probe, opt, state)
             plot_curve(state["history"], out / "loss.png")
         if out_of_time:
             stop_reason = "time budget"
             break
     bar.close()
-    save_checkpoint(out, model, opt, state)
+    save_checkpoint(out, model, probe, opt, state)
     plot_curve(state["history"], out / "loss.png")
     export = out / "model"
     model.save_pretrained(export)

@@ -1,0 +1,169 @@
+"""VLM-aware drafting (issue #5): compressor shapes and positions (1-D and M-RoPE), the gate's
+gradient, the target-attention capture, training and save/load of every variant, and greedy
+parity with the target for every variant."""
+import pytest
+import torch
+
+from conftest import tiny_target
+from vlmspec.draft.base import NoDrafter, TreeConfig
+from vlmspec.draft.eagle import EagleConfig, EagleDrafter, EagleHead
+from vlmspec.engine import GenerationConfig, SpecEngine
+from vlmspec.testing.tiny import tiny_image
+from vlmspec.train.distill import DistillConfig, train_drafter
+from vlmspec.vision_compress import FIXED, VisualAdaptor, VisualConfig, build, image_spans
+from vlmspec.vision_compress.compressors import Gate, kept_tokens, token_grid
+
+H = 16
+
+
+@pytest.mark.parametrize("name", FIXED)
+@pytest.mark.parametrize("n", [9, 16, 10])
+@pytest.mark.parametrize("ratio", [4, 16])
+def test_compressor_shapes_and_anchor_positions(name, n, ratio):
+    torch.manual_seed(0)
+    x = torch.randn(n, H)
+    att = torch.rand(n)
+    out, anchors = build(name, H, ratio)(x, ratio, att)
+    m = kept_tokens(name, n, ratio)
+    assert out.shape == (m, H) and anchors.shape == (m,)
+    assert m == 0 if name == "text_only" else 1 <= m <= max(1, -(-n // 2))
+    if m:
+        assert anchors.min() >= 0 and anchors.max() < n
+        assert (anchors[1:] > anchors[:-1]).all(), "anchors (and so positions) must increase"
+        # M-RoPE positions ([3, n]) are gathered the same way as 1-D ones
+        pos3 = torch.stack([torch.full((n,), 7), torch.arange(n) // 4, torch.arange(n) % 4]) + 100
+        assert torch.equal(pos3[:, anchors], torch.stack([pos3[a][anchors] for a in range(3)]))
+
+
+def test_pool_is_the_window_mean_and_anchors_are_window_corners():
+    x = torch.arange(16 * H, dtype=torch.float32).view(16, H)
+    out, anchors = build("pool", H, 4)(x, 4)
+    assert token_grid(16) == (4, 4)
+    assert anchors.tolist() == [0, 2, 8, 10]
+    assert torch.allclose(out[0], x[[0, 1, 4, 5]].mean(0))
+    # a ragged 3x3 grid: the edge windows average only the tokens they cover
+    y, a3 = build("pool", H, 4)(x[:9], 4)
+    assert a3.tolist() == [0, 2, 6, 8] and torch.allclose(y[3], x[8])
+
+
+def test_conv_starts_as_pooling_and_attention_prune_keeps_most_attended():
+    torch.manual_seed(0)
+    x = torch.randn(16, H)
+    conv, _ = build("conv", H, 4)(x, 4)
+    pool, _ = build("pool", H, 4)(x, 4)
+    assert torch.allclose(conv, pool, atol=1e-6)
+    att = torch.zeros(16)
+    att[[3, 11, 12, 15]] = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    out, idx = build("attention", H, 4)(x, 4, att)
+    assert idx.tolist() == [3, 11, 12, 15] and torch.equal(out, x[idx])
+    with pytest.raises(ValueError, match="attention"):
+        build("attention", H, 4)(x, 4, None)
+
+
+def test_gradients_reach_the_gate():
+    torch.manual_seed(0)
+    cfg = VisualConfig("gate", ratio=4)
+    ad = VisualAdaptor(cfg, H).train()
+    L = 14
+    ids = torch.tensor([1, 2] + [9] * 9 + [3, 4, 5, 6])  # [L + 1], 9 image tokens
+    mask = ids[:L] == 9
+    rows = ad.prompt_rows(ids, torch.randn(L, H), mask, torch.randn(9, H), torch.rand(L), torch.randn(H))
+    (rows.feats[rows.keep].sum() + rows.gate_cost).backward()
+    assert ad.gate.proj.weight.grad is not None and ad.gate.proj.weight.grad.abs().sum() > 0
+    assert rows.choice in cfg.gate_choices
+    gate = Gate(H, 3).eval()
+    assert gate(torch.randn(H))[0] == 0  # zero-initialised: argmax picks the first choice
+
+
+def test_prompt_rows_keep_positions_and_hand_the_next_token_on():
+    ids = torch.tensor([1, 2] + [9] * 9 + [3, 4, 5, 6])
+    L = 14
+    mask = ids[:L] == 9
+    assert image_spans(mask) == [(2, 11)]
+    feats = torch.randn(L, H)
+    for cfg in (VisualConfig("pool", 4), VisualConfig("text_only"), VisualConfig("uniform", 16, decouple=True)):
+        rows = VisualAdaptor(cfg, H).prompt_rows(ids, feats, mask, torch.randn(9, H), torch.rand(L), torch.randn(H)).kept()
+        assert (rows.positions[1:] > rows.positions[:-1]).all()
+        # text rows after the image keep their original positions, features and tokens
+        tail = rows.positions >= 11
+        assert torch.equal(rows.positions[tail], torch.arange(11, L))
+        assert torch.equal(rows.feats[tail], feats[11:])
+        # the first text token after the image is still read (by the last row before the text)
+        last_before = int((rows.positions < 11).nonzero().max())
+        assert int(rows.tokens[last_before]) == 3
+        assert bool(rows.direct.any()) == cfg.decouple
+
+
+def test_mrope_positions_of_compressed_tokens_come_from_the_target():
+    target = tiny_target("qwen2_5_vl")
+    inputs = target.encode("what is it?", [tiny_image(2, size=56)])
+    pos, _ = target._prefill_positions(inputs)  # [3, 1, L]
+    mask = inputs["input_ids"][0] == target.model.config.image_token_id
+    span = image_spans(mask)[0]
+    n = span[1] - span[0]
+    img_pos = pos[:, 0, span[0] : span[1]]  # [3, n]: (t, h, w) of each image token
+    for name in FIXED[:-1]:
+        _, anchors = build(name, H, 4)(torch.randn(n, H), 4, torch.rand(n))
+        kept = img_pos[:, anchors]
+        # every compressed token sits at a real image position, in increasing (h, w) order
+        assert all(any(torch.equal(kept[:, i], img_pos[:, j]) for j in range(n)) for i in range(kept.shape[1]))
+        hw = kept[1] * 1000 + kept[2]
+        assert (hw[1:] > hw[:-1]).all()
+
+
+def _variant(target, vis: VisualConfig, seed=0):
+    torch.manual_seed(seed)
+    cfg = EagleConfig.from_target(target)
+    cfg.extra["visual"] = vis.to_dict()
+    head = EagleHead(cfg, target.input_embeddings(), target.output_embeddings(), target.attention)
+    return EagleDrafter(head.to(target.dtype), TreeConfig(depth=3, top_k=3, total_tokens=8))
+
+
+VARIANTS = [
+    VisualConfig("none", decouple=True),
+    VisualConfig("none", global_feature=True),
+    *[VisualConfig(c, 4) for c in FIXED],
+    VisualConfig("conv", 16),
+    VisualConfig("gate", 4, decouple=True, global_feature=True),
+]
+
+
+def test_captured_attention_equals_eager_attention(arch):
+    target = tiny_target(arch)
+    inputs = target.encode("what is this?", [tiny_image(1)])
+    _, out = target.prefill(inputs, visual=True)
+    assert out.image_embeds.shape == (int(out.image_mask.sum()), target.hidden_size)
+    pos, _ = target._prefill_positions(inputs)
+    saved = target.attention
+    target.set_attention("eager")
+    try:
+        kw = {**inputs, **({"position_ids": pos} if pos is not None else {})}
+        ref = target.model(**kw, output_attentions=True, return_dict=True).attentions[-1][0, :, -1].float().mean(0)
+    finally:
+        target.set_attention(saved if saved in ("sdpa", "eager") else "sdpa")
+    assert torch.allclose(out.attention, ref, atol=1e-6)
+
+
+def test_greedy_parity_for_every_variant(arch):
+    target = tiny_target(arch)
+    inputs = target.encode("describe the picture", [tiny_image(3)])
+    gc = GenerationConfig(max_new_tokens=20)
+    ref = SpecEngine(target, NoDrafter()).generate(inputs, gc).token_ids
+    for vis in VARIANTS:
+        out = SpecEngine(target, _variant(target, vis)).generate(inputs, gc)
+        assert out.token_ids == ref, vis.label()
+
+
+def test_variants_train_save_and_load(tmp_path):
+    target = tiny_target("llava")
+    for vis in (VisualConfig("gate", 4, decouple=True, global_feature=True, gate_cost=0.1), VisualConfig("attention", 16)):
+        out = tmp_path / vis.compressor
+        cfg = DistillConfig(steps=4, batch_size=4, lr=3e-3, warmup=1, eval_every=10**6, eval_n=1, ckpt_every=4, visual=vis.to_dict())
+        trained = train_drafter(target, "toyworld", out, cfg, progress=False)
+        loaded = EagleDrafter.load(out / "drafter", target)
+        assert loaded.head.config.visual == vis and loaded.needs_visual
+        a, b = trained.head.state_dict(), loaded.head.state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        inputs = target.encode("how many?", [tiny_image(5)])
+        gc = GenerationConfig(max_new_tokens=12)
+        assert SpecEngine(target, loaded).generate(inputs, gc).token_ids == SpecEngine(target, NoDrafter()).generate(inputs, gc).token_ids

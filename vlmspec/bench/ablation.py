@@ -1,0 +1,195 @@
+"""`vlmspec bench ablate`: train drafter variants at equal steps on the same target, measure them
+on the same held-out prompts, write a Markdown table, a JSON record and a plot.
+
+Suites:
+  loss    (issue #4) CE only / feature only / both, each with and without training-time test;
+  vision  (issue #5) the plain EAGLE head (all image tokens), every compressor at 4x and 16x,
+          text-only, the gate, + decoupling (MSD), + global image feature (ViSpec).
+
+Per variant: mean accepted length (bonus included, CPU tree defaults) at T=0 and T=1, the
+drafter's prefill time (its read of the prompt rows, after the target's prefill) and the T=0
+end-to-end speedup over plain decoding (vlmspec `none`) on the same prompts.
+
+    vlmspec bench ablate --suite vision --steps 300 --n 4 --out docs/ablation-vision
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vlmspec.data import toyworld
+from vlmspec.draft import NoDrafter, TreeConfig
+from vlmspec.draft.base import PromptContext
+from vlmspec.engine import GenerationConfig, SpecEngine
+from vlmspec.sampling import SamplingParams
+from vlmspec.target import Target
+from vlmspec.train.data import Conversation, toyworld_conversation
+from vlmspec.train.distill import DistillConfig, train_drafter
+from vlmspec.vision_compress import FIXED, VisualConfig
+
+
+@dataclass
+class Variant:
+    name: str
+    overrides: dict[str, Any] = field(default_factory=dict)  # DistillConfig fields
+
+
+def suite(name: str) -> list[Variant]:
+    if name == "loss":
+        out = []
+        for label, ce, feat in (("CE only", 1.0, 0.0), ("feature only", 0.0, 1.0), ("CE + feature", 0.1, 1.0)):
+            out.append(Variant(f"{label}, no TTT", {"w_ce": ce, "w_feat": feat, "ttt_steps": 1}))
+            out.append(Variant(f"{label}, TTT x2", {"w_ce": ce, "w_feat": feat, "ttt_steps": 2}))
+        return out
+    if name == "vision":
+        vis = [VisualConfig()]
+        vis += [VisualConfig(c, r) for r in (4, 16) for c in FIXED if c != "text_only"]
+        vis += [VisualConfig("text_only"), VisualConfig("gate", 16, gate_cost=0.05)]
+        vis += [VisualConfig("gate", 16, decouple=True, gate_cost=0.05), VisualConfig("gate", 16, decouple=True, global_feature=True, gate_cost=0.05)]
+        return [Variant(v.label(), {"visual": {} if v.is_plain else v.to_dict()}) for v in vis]
+    raise ValueError(f"unknown suite {name!r}: expected 'loss' or 'vision'")
+
+
+def heldout(n_per_task: int, tasks: tuple[str, ...] = toyworld.TASKS) -> list[Conversation]:
+    """The held-out test-split prompts `vlmspec eval-drafter` uses, n per task."""
+    lo = toyworld.SPLITS["test"][0] + 800_000
+    return [toyworld_conversation(lo + i * len(toyworld.TASKS) + toyworld.TASKS.index(t), t) for i in range(n_per_task) for t in tasks]
+
+
+@torch.no_grad()
+def drafter_prefill_ms(target: Target, drafter: Any, prompts: list[Conversation]) -> float:
+    """Mean ms of the drafter's read of the prompt (start + the rows' forward, no tree), after
+    the target's prefill; image prompts only."""
+    times = []
+    for c in prompts:
+        if not c.images:
+            continue
+        inputs = target.encode(c.prompt, c.images)
+        _, out = target.prefill(inputs, visual=getattr(drafter, "needs_visual", False))
+        ctx = PromptContext(inputs["input_ids"][0], out.features, inputs, out.image_mask, out.image_embeds, out.attention)
+        root = int(out.logits.argmax())
+        t0 = time.perf_counter()
+        drafter.start(ctx).propose(root, 0)
+        times.append(time.perf_counter() - t0)
+    return 1000 * sum(times) / max(1, len(times))
+
+
+@torch.no_grad()
+def run_prompts(target: Target, drafter: Any, prompts: list[Conversation], temperature: float, max_new_tokens: int) -> dict[str, float]:
+    """tau (bonus included) and decode seconds over the prompts."""
+    engine = SpecEngine(target, drafter)
+    emitted = accepted = forwards = 0
+    seconds = 0.0
+    for i, c in enumerate(prompts):
+        inputs = target.encode(c.prompt, c.images)
+        cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature=temperature), seed=i)
+        t0 = time.perf_counter()
+        r = engine.generate(inputs, cfg)
+        seconds += time.perf_counter() - t0
+        emitted += len(r.token_ids)
+        accepted += r.num_accepted
+        forwards += r.num_target_forwards - 1
+    # the eval-drafter formula: tokens per verify forward, bonus included
+    return {"tau": (accepted + forwards) / max(1, forwards), "seconds": seconds, "tokens": emitted}
+
+
+def run(target: Target, which: str, steps: int, n_per_task: int, runs: Path, base: DistillConfig, max_new_tokens: int = 96,
+        only: list[str] | None = None) -> list[dict[str, Any]]:
+    """Train and measure every variant of the suite (their run folders go under `runs`)."""
+    from tqdm import tqdm
+
+    prompts = heldout(n_per_task)
+    tree = TreeConfig.for_device("cpu")
+    variants = [v for v in suite(which) if not only or v.name in only]
+    plain_t0 = run_prompts(target, NoDrafter(), prompts, 0.0, max_new_tokens)
+    rows = []
+    for v in tqdm(variants, desc=f"ablate {which}", dynamic_ncols=True):
+        cfg = DistillConfig(**{**asdict(base), "steps": steps, "eval_every": 10**9, **v.overrides})
+        t0 = time.perf_counter()
+        drafter = train_drafter(target, "toyworld", runs / _slug(v.name), cfg, tree=tree, progress=False)
+        train_s = time.perf_counter() - t0
+        greedy = run_prompts(target, drafter, prompts, 0.0, max_new_tokens)
+        sampled = run_prompts(target, drafter, prompts, 1.0, max_new_tokens)
+        rows.append({
+            "variant": v.name, "overrides": v.overrides, "steps": steps, "train_s": round(train_s, 1),
+            "tau_t0": greedy["tau"], "tau_t1": sampled["tau"],
+            "drafter_prefill_ms": drafter_prefill_ms(target, drafter, prompts),
+            "speedup_t0": plain_t0["seconds"] / greedy["seconds"] * greedy["tokens"] / max(1, plain_t0["tokens"]),
+        })
+        tqdm.write(f"{v.name}: tau T=0 {rows[-1]['tau_t0']:.2f}, T=1 {rows[-1]['tau_t1']:.2f}, prefill {rows[-1]['drafter_prefill_ms']:.2f} ms, x{rows[-1]['speedup_t0']:.2f}")
+    return rows
+
+
+def _slug(name: str) -> str:
+    return "".join(ch if ch.isalnum() else "_" for ch in name).strip("_").lower()
+
+
+def write_report(rows: list[dict[str, Any]], which: str, out: Path, env: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ablation.json").write_text(json.dumps({"suite": which, "env": env, "rows": rows}, indent=2))
+    lines = [
+        "| variant | tau T=0 | tau T=1 | drafter prefill (ms) | speedup T=0 vs none |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['variant']} | {r['tau_t0']:.2f} | {r['tau_t1']:.2f} | {r['drafter_prefill_ms']:.2f} | {r['speedup_t0']:.2f}x |")
+    (out / "ablation.md").write_text("\n".join(lines) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, max(3.5, 0.38 * len(rows) + 1)))
+    names = [r["variant"] for r in rows][::-1]
+    y = range(len(rows))
+    a.barh([i + 0.2 for i in y], [r["tau_t0"] for r in rows][::-1], height=0.4, label="T=0")
+    a.barh([i - 0.2 for i in y], [r["tau_t1"] for r in rows][::-1], height=0.4, label="T=1")
+    a.set_yticks(list(y), names)
+    a.set_xlabel("mean accepted length (held out)")
+    a.legend()
+    a.grid(axis="x", alpha=0.3)
+    b.barh(list(y), [r["drafter_prefill_ms"] for r in rows][::-1], color="tab:gray")
+    b.set_yticks(list(y), [f"x{r['speedup_t0']:.2f}" for r in rows][::-1])
+    b.set_xlabel("drafter prefill (ms); labels: end-to-end speedup at T=0")
+    b.grid(axis="x", alpha=0.3)
+    fig.suptitle(f"ablation '{which}' at {rows[0]['steps'] if rows else 0} training steps each")
+    fig.tight_layout()
+    fig.savefig(out / "ablation.png", dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="vlmspec bench ablate", description="drafter variants at equal training steps")
+    p.add_argument("--suite", required=True, choices=["loss", "vision"])
+    p.add_argument("--model", help="target folder (default: the bundled model)")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--n", type=int, default=4, help="held-out prompts per task")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--only", action="append", help="run only this variant (repeatable)")
+    p.add_argument("--out", required=True, help="report folder: ablation.md, ablation.json, ablation.png")
+    p.add_argument("--runs", help="folder for the variants' training runs (default: runs/ablate-SUITE)")
+    a = p.parse_args(argv)
+    if a.steps < 1 or a.n < 1:
+        p.error("--steps and --n must be >= 1")
+    from vlmspec.cli import resolve_model_and_drafter
+
+    model, _ = resolve_model_and_drafter(a.model, "none")
+    target = Target.load(model)
+    out = Path(a.out)
+    base = DistillConfig(batch_size=a.batch_size, lr=a.lr, ckpt_every=10**9)
+    runs = Path(a.runs or f"runs/ablate-{a.suite}")
+    rows = run(target, a.suite, a.steps, a.n, runs, base, a.max_new_tokens, a.only)
+    env = {"target": model, "threads": torch.get_num_threads(), "torch": torch.__version__, "prompts": a.n * len(toyworld.TASKS),
+           "command": "vlmspec bench ablate " + " ".join(argv or [])}
+    write_report(rows, a.suite, out, env)
+    print((out / "ablation.md").read_text())
+    return 0

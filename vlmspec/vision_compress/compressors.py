@@ -1,0 +1,185 @@
+"""Elastic visual compressors (SpecVLM): one image's projected embeddings [n, H] -> [m, H].
+
+Every compressor returns (embeds [m, H], anchors [m]): `anchors` are indices into the n input
+tokens whose positions the outputs take (their own for pruning, the first token of each window
+for pooling / convolution, evenly spaced tokens for the resampler). Positions are then
+`positions[..., anchors]`, so 1-D ([n]) and M-RoPE ([3, n]) positions are handled alike and
+stay increasing. m = ceil(n / ratio) for the pruners and the resampler; the window compressors
+use an s x s window (s = round(sqrt(ratio))) over the token grid, ceil-padded at the edges.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FIXED = ("uniform", "attention", "pool", "conv", "resampler", "text_only")
+
+
+def token_grid(n: int) -> tuple[int, int]:
+    """The token grid of one image: square when n is a square, else one row."""
+    r = math.isqrt(n)
+    return (r, r) if r * r == n else (1, n)
+
+
+def keep_count(n: int, ratio: float) -> int:
+    return 0 if n == 0 else max(1, math.ceil(n / ratio))
+
+
+def uniform_anchors(n: int, m: int, device: torch.device | None = None) -> torch.Tensor:
+    """m evenly spaced indices in [0, n), centred in their strides, strictly increasing."""
+    if m == 0:
+        return torch.zeros(0, dtype=torch.long, device=device)
+    return ((torch.arange(m, device=device) + 0.5) * n / m).long().clamp(max=n - 1)
+
+
+def _window(ratio: float) -> int:
+    return max(1, round(math.sqrt(ratio)))
+
+
+def window_anchors(grid: tuple[int, int], s: int, device: torch.device | None = None) -> torch.Tensor:
+    """Index (into the row-major grid) of the first token of each s x s window."""
+    gh, gw = grid
+    rows = torch.arange(0, gh, s, device=device)
+    cols = torch.arange(0, gw, s if gh > 1 else s * s, device=device)
+    return (rows[:, None] * gw + cols[None]).flatten()
+
+
+def _grid_view(x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    gh, gw = grid
+    return x.T.reshape(1, x.shape[1], gh, gw)  # [1, H, gh, gw]
+
+
+class Compressor(nn.Module):
+    def forward(self, x: torch.Tensor, ratio: float, attention: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [n, H]; attention [n] (the target's attention to these tokens) -> ([m, H], [m])."""
+        raise NotImplementedError
+
+
+class UniformPrune(Compressor):
+    def forward(self, x, ratio, attention=None):
+        idx = uniform_anchors(x.shape[0], keep_count(x.shape[0], ratio), x.device)
+        return x[idx], idx
+
+
+class AttentionPrune(Compressor):
+    """Keep the tokens the target attended to most (FastV-style), in their original order."""
+
+    def forward(self, x, ratio, attention=None):
+        if attention is None:
+            raise ValueError("attention pruning needs the target's attention to the image tokens")
+        m = keep_count(x.shape[0], ratio)
+        idx = attention.topk(m).indices.sort().values
+        return x[idx], idx
+
+
+class Pool(Compressor):
+    """2-D average pooling over the token grid (s x s windows; 1-D windows of s*s for a row)."""
+
+    def forward(self, x, ratio, attention=None):
+        grid, s = token_grid(x.shape[0]), _window(ratio)
+        kernel = (s, s) if grid[0] > 1 else (1, s * s)
+        y = F.avg_pool2d(_grid_view(x, grid), kernel, ceil_mode=True)
+        return y.flatten(2)[0].T, window_anchors(grid, s, x.device)
+
+
+class StridedConv(Compressor):
+    """Depthwise s x s convolution with stride s, then a pointwise linear; starts as pooling."""
+
+    def __init__(self, hidden: int, ratio: float) -> None:
+        super().__init__()
+        self.s = _window(ratio)
+        self.depthwise = nn.Parameter(torch.full((hidden, 1, self.s, self.s), 1.0 / self.s**2))
+        self.pointwise = nn.Linear(hidden, hidden, bias=False)
+        nn.init.eye_(self.pointwise.weight)
+
+    def forward(self, x, ratio, attention=None):
+        grid, s = token_grid(x.shape[0]), self.s
+        v = _grid_view(x, grid)
+        w = self.depthwise
+        if grid[0] == 1:  # one row of tokens: the same weights read as a 1 x s*s window
+            w = w.reshape(w.shape[0], 1, 1, s * s)
+        kh, kw = w.shape[-2:]
+        pad_h, pad_w = (-grid[0]) % kh if grid[0] > 1 else 0, (-grid[1]) % kw
+        # replicate-pad the ragged edge so a partial window sees its own tokens, not zeros
+        v = F.pad(v, (0, pad_w, 0, pad_h), mode="replicate") if pad_h or pad_w else v
+        y = F.conv2d(v, w.to(x.dtype), stride=(kh, kw), groups=x.shape[1])
+        return self.pointwise(y.flatten(2)[0].T), window_anchors(grid, s, x.device)
+
+
+class Resampler(Compressor):
+    """k learnable queries, one cross-attention layer over the image tokens (k = ceil(n/ratio))."""
+
+    def __init__(self, hidden: int, max_queries: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.queries = nn.Parameter(torch.randn(max_queries, hidden) * hidden**-0.5)
+        self.norm = nn.LayerNorm(hidden)
+        self.attn = nn.MultiheadAttention(hidden, heads if hidden % heads == 0 else 1, batch_first=True)
+
+    def forward(self, x, ratio, attention=None):
+        n = x.shape[0]
+        m = keep_count(n, ratio)
+        if m > self.queries.shape[0]:
+            raise ValueError(f"resampler has {self.queries.shape[0]} queries, {m} needed; raise max_queries or the ratio")
+        anchors = uniform_anchors(n, m, x.device)
+        kv = self.norm(x)[None]
+        q = self.queries[:m][None].to(x.dtype) + x[anchors][None]  # each query starts at its anchor's token
+        y, _ = self.attn(q, kv, kv, need_weights=False)
+        return y[0] + x[anchors], anchors
+
+
+class TextOnly(Compressor):
+    def forward(self, x, ratio, attention=None):
+        return x[:0], torch.zeros(0, dtype=torch.long, device=x.device)
+
+
+def kept_tokens(name: str, n: int, ratio: float) -> int:
+    """How many of an image's n tokens compressor `name` keeps at `ratio`."""
+    if name == "text_only" or n == 0:
+        return 0
+    if name in ("pool", "conv"):
+        return int(window_anchors(token_grid(n), _window(ratio)).numel())
+    return keep_count(n, ratio)
+
+
+def build(name: str, hidden: int, ratio: float) -> Compressor:
+    if name == "uniform":
+        return UniformPrune()
+    if name == "attention":
+        return AttentionPrune()
+    if name == "pool":
+        return Pool()
+    if name == "conv":
+        return StridedConv(hidden, ratio)
+    if name == "resampler":
+        return Resampler(hidden)
+    if name == "text_only":
+        return TextOnly()
+    raise ValueError(f"unknown compressor {name!r}; expected one of {FIXED}")
+
+
+class Gate(nn.Module):
+    """Picks one compressor per input from the question: a linear map of the mean embedding of
+    the prompt's text tokens -> logits over the choices. Training: straight-through Gumbel-softmax
+    (the chosen compressor's output is scaled by a weight that is 1 in value and carries the
+    gradient to the gate); inference: argmax."""
+
+    def __init__(self, hidden: int, n_choices: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(hidden, n_choices)
+        nn.init.zeros_(self.proj.weight)
+        nn.init.zeros_(self.proj.bias)
+
+    def forward(self, question: torch.Tensor, tau: float = 1.0) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """question [H] -> (choice, weight [] (1.0, differentiable in training), probs [C])."""
+        logits = self.proj(question.float())
+        probs = logits.softmax(-1)
+        if self.training:
+            y = F.gumbel_softmax(logits, tau=tau, hard=True)
+            choice = int(y.argmax())
+            return choice, y[choice], probs
+        choice = int(logits.argmax())
+        return choice, torch.ones((), device=question.device), probs
