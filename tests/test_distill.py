@@ -71,3 +71,25 @@ def test_bad_jsonl_lines_are_reported_and_skipped(tmp_path):
         load_jsonl(path, skip_bad=False)
     with pytest.raises(DataError, match="not found"):
         load_jsonl(tmp_path / "nope.jsonl")
+
+
+def test_regenerated_answers_are_the_targets_own_and_cached(tmp_path):
+    """ViSpec-style regeneration: the training answers become the target's greedy outputs,
+    written once to OUT/answers_rank0.jsonl and reused by a resumed run."""
+    from vlmspec.draft import NoDrafter
+    from vlmspec.engine import GenerationConfig, SpecEngine
+    from vlmspec.train.data import Conversation
+    from vlmspec.train.distill import AnswerCache
+
+    target = tiny_target("llava")
+    cache = AnswerCache(tmp_path / "a.jsonl", target, max_new_tokens=8)
+    c = Conversation("what is it?", "a dataset answer", [tiny_image(4)], "describe")
+    got = cache(c)
+    ref = SpecEngine(target, NoDrafter()).generate(target.encode(c.prompt, c.images), GenerationConfig(max_new_tokens=8)).text
+    assert got.answer == ref != c.answer and got.images == c.images
+    again = AnswerCache(tmp_path / "a.jsonl", target, max_new_tokens=8)
+    assert again(c).answer == ref and again.generated == 0, "read back from disk, not generated again"
+    out = tmp_path / "run"
+    train_drafter(target, "toyworld", out, _cfg(steps=2, regenerate=True, regen_max_tokens=6), progress=False)
+    lines = (out / "answers_rank0.jsonl").read_text().splitlines()
+    assert len(lines) == 2 * 4  # one generated answer per training sample (batch 4, 2 steps)

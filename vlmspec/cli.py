@@ -109,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--decouple", action="store_true", help="MSD: visual rows take the image embeddings directly (bypass fc)")
     d.add_argument("--global-feature", action="store_true", help="ViSpec: fuse a global image feature into later text rows")
     d.add_argument("--gate-cost", type=_float_in("--gate-cost", 0.0, 100.0), default=0.05, help="--visual gate: weight of its kept fraction")
+    d.add_argument("--regenerate", action="store_true",
+                   help="ViSpec: train on the target's own greedy answers (generated once, cached in OUT/answers_rank*.jsonl)")
     d.add_argument("--eval-every", type=_positive_int("--eval-every"), default=200)
     d.add_argument("--minutes", type=_float_in("--minutes", 0.0, 1e6, low_open=True), default=None)
     d.add_argument("--seed", type=int, default=0)
@@ -314,7 +316,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = DistillConfig(
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, w_ce=args.w_ce, w_feat=args.w_feat,
         ttt_steps=args.ttt_steps, curriculum_steps=args.curriculum_steps, eval_every=args.eval_every,
-        minutes=args.minutes, seed=args.seed,
+        minutes=args.minutes, seed=args.seed, regenerate=args.regenerate,
     )
     from vlmspec.vision_compress import VisualConfig
 

@@ -17,6 +17,7 @@ torchrun each rank draws its own data and the head's gradients are averaged (all
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from vlmspec.data import toyworld
-from vlmspec.draft.base import TreeConfig
+from vlmspec.draft.base import NoDrafter, TreeConfig
 from vlmspec.draft.eagle import EagleConfig, EagleDrafter, EagleHead
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.sampling import SamplingParams
@@ -60,6 +61,9 @@ class DistillConfig:
     minutes: float | None = None
     # VLM-aware head variant (vision_compress.VisualConfig as a dict); {} = the plain EAGLE head
     visual: dict[str, Any] = field(default_factory=dict)
+    # ViSpec: train on the target's own (greedy) answers instead of the dataset's, cached on disk
+    regenerate: bool = False
+    regen_max_tokens: int = 256
 
 
 # ------------------------------------------------------------------------------------ losses
@@ -219,6 +223,39 @@ def conversations(data: str, cfg: DistillConfig, rank: int, start_step: int) -> 
             step += 1
 
 
+class AnswerCache:
+    """The target's own greedy answers, keyed by (prompt, image bytes), appended to a JSONL file so
+    a later run (or a resume) reuses them instead of generating again."""
+
+    def __init__(self, path: Path, target: Target, max_new_tokens: int) -> None:
+        self.path, self.target, self.max_new_tokens = path, target, max_new_tokens
+        self.answers: dict[str, str] = {}
+        if path.is_file():
+            for line in path.read_text().splitlines():
+                rec = json.loads(line)
+                self.answers[rec["key"]] = rec["answer"]
+        self.generated = 0
+
+    @staticmethod
+    def key(c: Conversation) -> str:
+        h = hashlib.sha1(c.prompt.encode())
+        for im in c.images:
+            h.update(f"{im.size}{im.mode}".encode())
+            h.update(im.tobytes())
+        return h.hexdigest()
+
+    def __call__(self, c: Conversation) -> Conversation:
+        k = self.key(c)
+        if k not in self.answers:
+            engine = SpecEngine(self.target, NoDrafter())
+            result = engine.generate(self.target.encode(c.prompt, c.images), GenerationConfig(max_new_tokens=self.max_new_tokens))
+            self.answers[k] = result.text
+            self.generated += 1
+            with self.path.open("a") as f:
+                f.write(json.dumps({"key": k, "answer": result.text}) + "\n")
+        return Conversation(c.prompt, self.answers[k], c.images, c.task)
+
+
 # ------------------------------------------------------------------------------------ eval
 def eval_prompts(n: int, seed: int = 0) -> list[Conversation]:
     """Held-out ToyWorld prompts (val split), mixed tasks."""
@@ -334,10 +371,13 @@ def train_drafter(
     bar = tqdm(total=cfg.steps, initial=state["step"], disable=not progress or rank != 0, desc="train", dynamic_ncols=True)
     t0, elapsed0 = time.perf_counter(), state["elapsed_s"]
     tau_text = "-"
+    regen = AnswerCache(out / f"answers_rank{rank}.jsonl", target, cfg.regen_max_tokens) if cfg.regenerate else None
     for convs in conversations(data, cfg, rank, state["step"]):
         step = state["step"]
         if step >= cfg.steps or (stop_at is not None and step >= stop_at):
             break
+        if regen is not None:
+            convs = [regen(c) for c in convs]
         batch = {k: v.to(target.device) if isinstance(v, torch.Tensor) else v for k, v in encode_conversations(target.processor, convs).items()}
         feats, logits, captured = teacher(target, batch, visual=head.visual is not None)
         head.train()
