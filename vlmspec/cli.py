@@ -335,17 +335,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval_drafter(args: argparse.Namespace) -> int:
-    from vlmspec.data import toyworld
+    from vlmspec.bench.ablation import heldout
     from vlmspec.draft import TreeConfig, load_drafter
     from vlmspec.target import Target
-    from vlmspec.train.data import toyworld_conversation
     from vlmspec.train.distill import accepted_length
 
     model, drafter_spec = resolve_model_and_drafter(args.model, args.drafter)
     target = Target.load(model)
     drafter = load_drafter(drafter_spec, target, TreeConfig.for_device("cpu"))
-    lo = toyworld.SPLITS["test"][0] + 800_000
-    prompts = [toyworld_conversation(lo + i * len(toyworld.TASKS) + j, t) for i in range(args.n) for j, t in enumerate(toyworld.TASKS)]
+    prompts = heldout(args.n)
     taus = accepted_length(target, drafter, prompts, temperature=args.temperature, max_new_tokens=args.max_new_tokens)
     record = {"temperature": args.temperature, "prompts_per_task": args.n, "drafter": drafter_spec, "mean_accepted_length": taus}
     if args.json:
