@@ -58,3 +58,50 @@ def test_smoke_train_export_and_resume(tmp_path):
     assert state["step"] == 6
     assert [h["step"] for h in state["history"] if "loss" in h] == list(range(6))
     assert before["state"], "optimizer moments were saved"
+
+
+def test_task_mix_parses_and_steers_the_training_samples():
+    import pytest
+
+    from vlmspec.train.target_sft import parse_task_mix, sample_for
+
+    mix = parse_task_mix(" count=0.3, attribute=0.7 ")
+    assert mix == {"count": 0.3, "attribute": 0.7}
+    for bad, msg in (("count", "TASK=WEIGHT"), ("cout=1", "TASK=WEIGHT"), ("count=x", "not a number"),
+                     ("count=-1", ">= 0"), ("count=0", "positive weight"), ("", "positive weight")):
+        with pytest.raises(ValueError, match=msg):
+            parse_task_mix(bad)
+    cfg = SFTConfig(task_mix=mix)
+    tasks = [sample_for(s, cfg).task for s in range(200)]
+    assert set(tasks) == {"count", "attribute"} and 0.5 < tasks.count("attribute") / 200 < 0.9
+    assert [sample_for(s, cfg).prompt for s in range(5)] == [sample_for(s, cfg).prompt for s in range(5)], "a pure function of the seed"
+    assert sample_for(7, SFTConfig()).task == __import__("vlmspec.data.toyworld", fromlist=["x"]).make_sample(7).task
+
+
+def test_init_from_starts_from_every_weight_of_an_export(tmp_path):
+    import pytest
+
+    from vlmspec.train.target_sft import TargetArch
+
+    first = train(tmp_path / "a", _cfg(2), progress=False)
+    # steps=0: nothing trains, so the new export must be the starting weights exactly
+    second = train(tmp_path / "b", SFTConfig(**{**_cfg(0).__dict__, "vision_steps": 0, "task_mix": {"count": 1.0}}),
+                   progress=False, init_from=first)
+    a = AutoModelForImageTextToText.from_pretrained(first).state_dict()
+    b = AutoModelForImageTextToText.from_pretrained(second).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert AutoProcessor.from_pretrained(second).tokenizer.get_vocab() == AutoProcessor.from_pretrained(first).tokenizer.get_vocab()
+    # a run of another architecture cannot start from it
+    other = TargetArch(**{**TINY.__dict__, "layers": 3})
+    with pytest.raises(ValueError, match="do not match this architecture"):
+        train(tmp_path / "c", SFTConfig(**{**_cfg(0).__dict__, "vision_steps": 0, "arch": other}), progress=False, init_from=first)
+
+
+def test_cli_init_from_errors(tmp_path, capsys):
+    from vlmspec.cli import main
+
+    for args, msg in ((["--init-from", str(tmp_path)], "not an exported model folder"),
+                      (["--init-from", str(tmp_path), "--resume"], "--resume: no checkpoint"),
+                      (["--task-mix", "count=abc"], "--task-mix")):
+        assert main(["train-target", "--out", str(tmp_path / "run"), *args]) == 2
+        assert msg in capsys.readouterr().err

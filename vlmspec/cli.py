@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--minutes", type=_float_in("--minutes", 0.0, 1e6, low_open=True), default=None, help="wall-clock budget of this run")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
-    t.add_argument("--init-lm-from", help="model.safetensors whose language model starts this run (vision tower and projector start fresh)")
+    t.add_argument("--init-from", help="exported model folder (e.g. runs/x/model or assets/toyworld-vlm) whose weights and processor start this run")
+    t.add_argument("--task-mix", help="training task mix, e.g. 'count=0.3,attribute=0.3,describe=0.2' (default: ToyWorld's mix)")
     t.add_argument("--vision-steps", type=_non_negative_int("--vision-steps"), default=1500,
                    help="stage 0: steps of supervised vision-tower pre-training on scene labels (0 = none)")
     t.add_argument("--stop-at", type=_positive_int("--stop-at"), default=None,
@@ -287,15 +288,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_train_target(args: argparse.Namespace) -> int:
-    from vlmspec.train.target_sft import SFTConfig, train
+    from vlmspec.train.target_sft import SFTConfig, parse_task_mix, train
 
     if args.resume and not (Path(args.out) / "checkpoint").is_dir():
         raise UsageError(f"--resume: no checkpoint in {args.out}/checkpoint")
+    try:
+        mix = parse_task_mix(args.task_mix) if args.task_mix else None
+    except ValueError as exc:
+        raise UsageError(f"--task-mix: {exc}") from None
     cfg = SFTConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, minutes=args.minutes, seed=args.seed,
-                    vision_steps=args.vision_steps, aux_weight=args.aux_weight)
-    if args.init_lm_from and not Path(args.init_lm_from).is_file():
-        raise UsageError(f"--init-lm-from: no such file {args.init_lm_from}")
-    train(args.out, cfg, resume=args.resume, init_lm_from=args.init_lm_from, stop_at=args.stop_at)
+                    vision_steps=args.vision_steps, aux_weight=args.aux_weight, task_mix=mix)
+    if args.init_from:
+        if args.resume:
+            raise UsageError("--init-from starts a new run; drop it to --resume one")
+        if not (Path(args.init_from) / "model.safetensors").is_file():
+            raise UsageError(f"--init-from: {args.init_from} is not an exported model folder (no model.safetensors)")
+    train(args.out, cfg, resume=args.resume, init_from=args.init_from, stop_at=args.stop_at)
     return 0
 
 

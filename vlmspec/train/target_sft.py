@@ -10,6 +10,8 @@ warm-up and cosine decay, batches bucketed by length, safetensors checkpoints wi
 from __future__ import annotations
 
 import json
+import random
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -76,6 +78,9 @@ class SFTConfig:
     vision_lr: float = 1e-3
     # weight of the same probe loss during SFT (image samples only), so the tokens stay readable
     aux_weight: float = 0.2
+    # task -> weight of the training mix; None = ToyWorld's default mix (toyworld.TASK_MIX). A
+    # later stage can shift the mix, e.g. to the short grounded questions (count, attribute)
+    task_mix: dict[str, float] | None = None
     arch: TargetArch = field(default_factory=TargetArch)
 
 
@@ -120,17 +125,20 @@ def build_model(processor: Any, arch: TargetArch, seed: int = 0) -> torch.nn.Mod
     return model
 
 
-def warm_start(model: torch.nn.Module, weights: Path, prefixes: tuple[str, ...]) -> list[str]:
-    """Copy the tensors under `prefixes` (e.g. the language model) from a checkpoint; every
-    model tensor under those prefixes must be there with the same shape. Returns the names."""
-    state = load_file(str(weights))
-    own = model.state_dict()
-    wanted = [k for k in own if k.startswith(prefixes)]
-    missing = [k for k in wanted if k not in state or state[k].shape != own[k].shape]
-    if not wanted or missing:
-        raise ValueError(f"{weights}: cannot warm-start {prefixes}: missing or reshaped {missing[:5]}")
-    model.load_state_dict({k: state[k] for k in wanted}, strict=False)
-    return wanted
+def warm_start(model: torch.nn.Module, folder: Path) -> int:
+    """Start from every weight of an exported model folder (`out/model` of an earlier run, or
+    the bundled model), read through HF's own loader (which maps saved key names); the
+    architecture must match exactly. Returns the number of tensors."""
+    from transformers import AutoModelForImageTextToText
+
+    if not (folder / "model.safetensors").is_file():
+        raise FileNotFoundError(f"--init-from: no model.safetensors in {folder}")
+    state = {k: v.float() for k, v in AutoModelForImageTextToText.from_pretrained(folder).state_dict().items()}
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise ValueError(f"--init-from {folder}: weights do not match this architecture: {str(exc)[:300]}") from None
+    return len(state)
 
 
 # ---------------------------------------------------------------------------------------- data
@@ -147,12 +155,38 @@ def batch_seeds(step: int, cfg: SFTConfig) -> tuple[list[int], int]:
     return list(range(first, first + cfg.bucket * cfg.batch_size)), part
 
 
+def parse_task_mix(text: str) -> dict[str, float]:
+    """'count=0.3,attribute=0.3,describe=0.2' -> {task: weight}; every task must be a ToyWorld task."""
+    mix: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, weight = part.partition("=")
+        if not sep or name.strip() not in toyworld.TASKS:
+            raise ValueError(f"task mix: {part!r} is not TASK=WEIGHT with TASK one of {', '.join(toyworld.TASKS)}")
+        try:
+            mix[name.strip()] = float(weight)
+        except ValueError:
+            raise ValueError(f"task mix: weight of {name.strip()!r} is not a number: {weight!r}") from None
+        if not mix[name.strip()] >= 0:
+            raise ValueError(f"task mix: weight of {name.strip()!r} must be >= 0")
+    if not mix or sum(mix.values()) <= 0:
+        raise ValueError("task mix: give at least one task with a positive weight, e.g. count=1,attribute=1")
+    return mix
+
+
+def sample_for(seed: int, cfg: SFTConfig) -> toyworld.Sample:
+    """The training sample of `seed` under the run's task mix (a pure function of the seed)."""
+    if cfg.task_mix is None:
+        return toyworld.make_sample(seed)
+    task = random.Random(seed ^ 0x5EED).choices(list(cfg.task_mix), weights=list(cfg.task_mix.values()))[0]
+    return toyworld.make_sample(seed, task)
+
+
 def batches(start_step: int, cfg: SFTConfig, processor: Any) -> Iterator[tuple[int, dict[str, torch.Tensor], list[dict]]]:
     """Yields (step, encoded batch, scene metas of the batch's images in order)."""
     step = start_step
     while True:
         seeds, part = batch_seeds(step, cfg)
-        samples = [toyworld.make_sample(s) for s in seeds]
+        samples = [sample_for(s, cfg) for s in seeds]
         lengths = [len(s.prompt) + len(s.answer) + (1000 if s.image is not None else 0) for s in samples]
         order = sorted(range(len(samples)), key=lambda i: (lengths[i], i))
         while part < cfg.bucket:
@@ -204,7 +238,7 @@ def _processor(out: Path, arch: TargetArch, resume: bool) -> Any:
     from transformers import AutoProcessor
 
     pdir = out / "processor"
-    if pdir.is_dir():  # resume, or a processor placed there on purpose (e.g. with --init-lm-from)
+    if pdir.is_dir():  # resume, or the processor of the --init-from model
         return AutoProcessor.from_pretrained(pdir)
     tok = train_tokenizer(corpus_for_tokenizer(arch.tokenizer_corpus), vocab_size=arch.tokenizer_vocab)
     processor = build_processor(tok, patch_size=arch.patch_size)
@@ -285,10 +319,6 @@ def plot_curve(history: list[dict[str, float]], path: Path) -> None:
     plt.close(fig)
 
 
-LM_PREFIXES = ("model.language_model.", "lm_head.")
-VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.")
-
-
 def param_groups(model: torch.nn.Module, probe: torch.nn.Module, cfg: SFTConfig) -> list[dict[str, Any]]:
     """AdamW groups: (vision tower | projector + probe | decoder) x (decayed | not)."""
     groups: dict[tuple[str, bool], list[torch.nn.Parameter]] = {}
@@ -336,12 +366,12 @@ def train(
     cfg: SFTConfig,
     resume: bool = False,
     progress: bool = True,
-    init_lm_from: str | Path | None = None,
+    init_from: str | Path | None = None,
     stop_at: int | None = None,
 ) -> Path:
     """Train (or resume) into `out`; returns the exported model folder `out/model`.
-    init_lm_from: a model.safetensors whose language model (decoder + LM head) starts this run;
-    the vision tower and projector start fresh (the processor must be the same).
+    init_from: an exported model folder (weights + processor) this run starts from, e.g. a later
+    stage with another task mix; set cfg.vision_steps = 0 to skip stage 0 then.
     stop_at: end this run after that SFT step (checkpointed; `resume` continues it)."""
     from tqdm import tqdm
 
@@ -353,6 +383,11 @@ def train(
         saved = json.loads((out / CKPT / "trainer_state.json").read_text())
         cfg = SFTConfig(**{**saved["config"], "arch": TargetArch(**saved["config"]["arch"]), "steps": cfg.steps, "minutes": cfg.minutes})
     torch.manual_seed(cfg.seed)
+    if init_from is not None and not resume:
+        shutil.rmtree(out / "processor", ignore_errors=True)
+        from transformers import AutoProcessor
+
+        AutoProcessor.from_pretrained(init_from).save_pretrained(out / "processor")
     processor = _processor(out, cfg.arch, resume)
     model = build_model(processor, cfg.arch, cfg.seed)
     probe = SceneProbe(model.config.text_config.hidden_size)
@@ -360,10 +395,10 @@ def train(
     state: dict[str, Any] = {"step": 0, "vision_step": 0, "history": [], "elapsed_s": 0.0}
     if resume:
         state = {"vision_step": cfg.vision_steps, **load_checkpoint(out, model, probe, opt)}
-    elif init_lm_from is not None:
-        n = len(warm_start(model, Path(init_lm_from), LM_PREFIXES))
-        print(f"train-target: language model warm-started from {init_lm_from} ({n} tensors)")
-        state["warm_start"] = str(init_lm_from)
+    elif init_from is not None:
+        n = warm_start(model, Path(init_from))
+        print(f"train-target: starting from {init_from} ({n} tensors)")
+        state["init_from"] = str(init_from)
     state["config"] = asdict(cfg)
     model.train()
     pretrain_vision(model, probe, opt, processor, cfg, state, out, progress)
