@@ -60,19 +60,45 @@ def test_conv_starts_as_pooling_and_attention_prune_keeps_most_attended():
         build("attention", H, 4)(x, 4, None)
 
 
-def test_gradients_reach_the_gate():
+def test_gate_picks_its_argmax_at_inference_and_any_choice_when_forced():
     torch.manual_seed(0)
     cfg = VisualConfig("gate", ratio=4)
-    ad = VisualAdaptor(cfg, H).train()
+    ad = VisualAdaptor(cfg, H).eval()
     L = 14
     ids = torch.tensor([1, 2] + [9] * 9 + [3, 4, 5, 6])  # [L + 1], 9 image tokens
     mask = ids[:L] == 9
-    rows = ad.prompt_rows(ids, torch.randn(L, H), mask, torch.randn(9, H), torch.rand(L), torch.randn(H))
-    (rows.feats[rows.keep].sum() + rows.gate_cost).backward()
-    assert ad.gate.proj.weight.grad is not None and ad.gate.proj.weight.grad.abs().sum() > 0
-    assert rows.choice in cfg.gate_choices
-    gate = Gate(H, 3).eval()
-    assert gate(torch.randn(H))[0] == 0  # zero-initialised: argmax picks the first choice
+    args = (ids, torch.randn(L, H), mask, torch.randn(9, H), torch.rand(L), torch.randn(H))
+    assert ad.prompt_rows(*args).choice == cfg.gate_choices[0]  # zero-initialised gate: first choice
+    with torch.no_grad():
+        ad.gate.proj.bias[3] = 1.0
+    rows = ad.prompt_rows(*args)
+    assert rows.choice == cfg.gate_choices[3] and rows.gate_logits.shape == (len(cfg.gate_choices),)
+    for name in cfg.gate_choices:
+        forced = ad.prompt_rows(*args, force=name).kept()
+        assert forced.choice == name and int(forced.fixed.sum()) == kept_tokens(name, 9, 4)
+    assert torch.allclose(ad.kept_fractions(9), torch.tensor([kept_tokens(c, 9, 4) / 9 for c in cfg.gate_choices]))
+    assert Gate(H, 3)(torch.randn(2, H)).shape == (2, 3)
+
+
+def test_gated_loss_sends_gradient_to_the_gate_and_every_learnable_compressor():
+    from vlmspec.train.data import encode_conversations, toyworld_conversation
+    from vlmspec.train.distill import gated_losses, teacher
+
+    target = tiny_target("llava")
+    vis = VisualConfig("gate", 4, gate_cost=0.1)
+    head = _variant(target, vis).head.float().train()
+    convs = [toyworld_conversation(10**6 + i, t) for i, t in enumerate(("count", "describe", "attribute"))]
+    batch = encode_conversations(target.processor, convs)
+    feats, logits, captured = teacher(target, batch, visual=True)
+    captured["inputs_embeds"] = captured["inputs_embeds"].float()
+    torch.manual_seed(0)
+    loss, stats = gated_losses(head, batch["input_ids"], feats.float(), captured, logits, batch["labels"], DistillConfig(), vis.gate_cost)
+    loss.backward()
+    assert torch.isfinite(loss) and 0 < stats["gate_kept"] <= 1 and stats["gate_entropy"] > 0
+    assert head.visual.gate.proj.weight.grad.abs().sum() > 0, "the gate learns from the choices' losses"
+    for name in ("conv", "resampler"):  # the choices with parameters all train
+        grads = [p.grad for p in head.visual.compressors[name].parameters()]
+        assert any(g is not None and g.abs().sum() > 0 for g in grads), name
 
 
 def test_prompt_rows_keep_positions_and_hand_the_next_token_on():

@@ -84,7 +84,8 @@ class RowBatch:
     fuse: torch.Tensor | None  # bool, None = no global feature
     fixed: torch.Tensor  # bool: image-content rows (keep their input in every unroll step)
     global_feat: torch.Tensor | None  # [B, H]
-    gate_cost: torch.Tensor | None  # [] mean expected kept fraction under the gate
+    gate_logits: torch.Tensor | None = None  # [B, C] the gate's logits (gate variants)
+    gate_fracs: torch.Tensor | None = None  # [B, C] fraction of each sample's image tokens each choice keeps
 
 
 def plain_rows(input_ids: torch.Tensor, feats: torch.Tensor, pad_id: int = 0) -> RowBatch:
@@ -93,11 +94,13 @@ def plain_rows(input_ids: torch.Tensor, feats: torch.Tensor, pad_id: int = 0) ->
     toks = torch.cat([input_ids[:, 1:], input_ids.new_full((B, 1), pad_id)], 1)
     pos = torch.arange(T, device=feats.device).expand(B, T)
     none = torch.zeros(B, T, dtype=torch.bool, device=feats.device)
-    return RowBatch(toks, feats, pos, ~none, None, None, none, None, None)
+    return RowBatch(toks, feats, pos, ~none, None, None, none, None)
 
 
-def visual_rows(head: EagleHead, input_ids: torch.Tensor, feats: torch.Tensor, captured: dict[str, torch.Tensor]) -> RowBatch:
-    """Rows of a VLM-aware head, sample by sample through its VisualAdaptor."""
+def visual_rows(head: EagleHead, input_ids: torch.Tensor, feats: torch.Tensor, captured: dict[str, torch.Tensor],
+                force: str | None = None) -> RowBatch:
+    """Rows of a VLM-aware head, sample by sample through its VisualAdaptor; `force` makes a
+    gate use that choice for every sample (gated_losses)."""
     from vlmspec.draft.eagle import question_embedding
 
     B, T, H = feats.shape
@@ -106,16 +109,19 @@ def visual_rows(head: EagleHead, input_ids: torch.Tensor, feats: torch.Tensor, c
     for b in range(B):
         ids = torch.cat([input_ids[b], input_ids.new_zeros(1)])
         q = question_embedding(head, input_ids[b, : int(prompt_len[b])], image_mask[b, : int(prompt_len[b])])
-        out.append(head.visual.prompt_rows(ids, feats[b], image_mask[b], embeds[b, image_mask[b]], attention[b], q))
+        out.append(head.visual.prompt_rows(ids, feats[b], image_mask[b], embeds[b, image_mask[b]], attention[b], q, force))
     st = lambda name: torch.stack([getattr(r, name) for r in out])  # noqa: E731
     has_global = head.visual.cfg.global_feature
     glob = torch.stack([r.global_feat if r.global_feat is not None else feats.new_zeros(H) for r in out]) if has_global else None
-    costs = [r.gate_cost for r in out if r.gate_cost is not None]
+    gated = head.visual.gate is not None
+    fracs = [head.visual.kept_fractions(max(1, int(image_mask[b].sum()))) for b in range(B)] if gated else None
     return RowBatch(
         st("tokens"), st("feats"), st("positions"), st("keep"),
         st("direct") if head.visual.cfg.decouple else None,
         st("fuse") if has_global else None,
-        st("fixed"), glob, torch.stack(costs).mean() if costs else None,
+        st("fixed"), glob,
+        torch.stack([r.gate_logits if r.gate_logits is not None else feats.new_zeros(len(head.visual.names)) for r in out]) if gated else None,
+        torch.stack(fracs).to(feats.device) if gated else None,
     )
 
 
@@ -126,7 +132,7 @@ def distill_losses(
     teacher_logits: torch.Tensor,  # [B, T, V]
     labels: torch.Tensor,  # [B, T], -100 = not trained
     cfg: DistillConfig,
-    gate_cost: float = 0.0,
+    row_weights: torch.Tensor | None = None,  # [B] weight of each sample's rows (gated_losses); None = 1
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The unrolled distillation loss. Step j (1-based), row t stands at slot t+j-1: it reads
     (the step-(j-1) prediction of F_{t+j-1} [the teacher's F_t at step 1], token x_{t+j}) and
@@ -161,16 +167,52 @@ def distill_losses(
         lmask &= keep & ~rows.fixed[:, sl]
         if not lmask.any():
             break
-        ce = soft_ce(head.logits(h[lmask]), target_l[lmask]).mean()
-        fl = F.smooth_l1_loss(h[lmask].float(), target_f[lmask].float())
+        w = 1.0 if row_weights is None else row_weights[:, None].expand(B, n)[lmask]
+        ce = (soft_ce(head.logits(h[lmask]), target_l[lmask]) * w).mean()
+        fl = (F.smooth_l1_loss(h[lmask].float(), target_f[lmask].float(), reduction="none").mean(-1) * w).mean()
         total = total + (cfg.w_ce * ce + cfg.w_feat * fl) / cfg.ttt_steps
         with torch.no_grad():
             acc = (head.logits(h[lmask]).argmax(-1) == target_l[lmask].argmax(-1)).float().mean()
         stats.update({f"ce{j}": float(ce.detach()), f"feat{j}": float(fl.detach()), f"acc{j}": float(acc)})
         prev = h
-    if rows.gate_cost is not None and gate_cost > 0:
-        total = total + gate_cost * rows.gate_cost
-        stats["gate_kept"] = float(rows.gate_cost.detach())
+    return total, stats
+
+
+def gated_losses(
+    head: EagleHead,
+    input_ids: torch.Tensor,  # [B, T]
+    feats: torch.Tensor,  # [B, T, H] teacher features
+    captured: dict[str, torch.Tensor],  # teacher(visual=True)
+    teacher_logits: torch.Tensor,  # [B, T, V]
+    labels: torch.Tensor,  # [B, T]
+    cfg: DistillConfig,
+    gate_cost: float,
+    tau: float = 1.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """A gate's training loss (Gumbel-softmax relaxation of the per-input choice). Every choice c
+    gives its rows and its distillation loss; y = gumbel_softmax(gate logits) [B, C] weighs
+    sample b's rows under choice c by y[b, c]. The gate's gradient moves its mass toward the
+    choices with the lower loss for that question, and every compressor keeps learning in
+    proportion to how often it would be picked. + gate_cost x the expected kept fraction."""
+    total = feats.new_zeros(())
+    stats: dict[str, float] = {}
+    y = probs = fracs = None
+    for c, name in enumerate(head.visual.names):
+        rows = visual_rows(head, input_ids, feats, captured, force=name)
+        assert rows.gate_logits is not None and rows.gate_fracs is not None
+        if y is None:
+            y = F.gumbel_softmax(rows.gate_logits, tau=tau, hard=False)  # [B, C]
+            probs, fracs = rows.gate_logits.softmax(-1), rows.gate_fracs
+        loss_c, st = distill_losses(head, rows, feats, teacher_logits, labels, cfg, row_weights=y[:, c])
+        total = total + loss_c
+        for k, v in st.items():
+            stats[k] = stats.get(k, 0.0) + v / len(head.visual.names)
+    assert probs is not None and fracs is not None
+    kept = (probs * fracs).sum(-1).mean()
+    if gate_cost > 0:
+        total = total + gate_cost * kept
+    stats["gate_kept"] = float(kept.detach())
+    stats["gate_entropy"] = float(-(probs * probs.clamp_min(1e-9).log()).sum(-1).mean().detach())
     return total, stats
 
 
@@ -385,11 +427,14 @@ def train_drafter(
             g["lr"] = _lr(step, cfg)
         feats = feats.float()
         if head.visual is None:
-            rows = plain_rows(batch["input_ids"], feats)
+            loss, stats = distill_losses(head, plain_rows(batch["input_ids"], feats), feats, logits, batch["labels"], cfg)
         else:
             captured["inputs_embeds"] = captured["inputs_embeds"].float()
-            rows = visual_rows(head, batch["input_ids"], feats, captured)
-        loss, stats = distill_losses(head, rows, feats, logits, batch["labels"], cfg, vis.gate_cost)
+            if head.visual.gate is not None:
+                loss, stats = gated_losses(head, batch["input_ids"], feats, captured, logits, batch["labels"], cfg, vis.gate_cost)
+            else:
+                rows = visual_rows(head, batch["input_ids"], feats, captured)
+                loss, stats = distill_losses(head, rows, feats, logits, batch["labels"], cfg)
         loss.backward()
         if world > 1:  # data parallel: average the head's gradients over the ranks
             for p in head.parameters():

@@ -78,17 +78,14 @@ class PromptRows:
     fuse: torch.Tensor  # [L] bool: gets the global image feature
     fixed: torch.Tensor  # [L] bool: input is image content, not a target feature (kept in TTT unrolls)
     global_feat: torch.Tensor | None = None  # [H]
-    gate_weight: torch.Tensor | None = None  # [] straight-through weight of the gate's choice
-    gate_probs: torch.Tensor | None = None  # [C]
-    gate_cost: torch.Tensor | None = None  # [] expected kept fraction of the image tokens under the gate
+    gate_logits: torch.Tensor | None = None  # [C] the gate's logits over VisualAdaptor.names
     choice: str | None = None  # the compressor used (the gate's pick, or the fixed one)
     extra: dict = field(default_factory=dict)
 
     def kept(self) -> "PromptRows":
         k = self.keep
         return PromptRows(self.tokens[k], self.feats[k], self.positions[k], self.keep[k], self.direct[k], self.visual[k],
-                          self.fuse[k], self.fixed[k], self.global_feat, self.gate_weight, self.gate_probs, self.gate_cost,
-                          self.choice, self.extra)
+                          self.fuse[k], self.fixed[k], self.global_feat, self.gate_logits, self.choice, self.extra)
 
 
 def image_spans(image_mask: torch.Tensor) -> list[tuple[int, int]]:
@@ -121,6 +118,10 @@ class VisualAdaptor(nn.Module):
                 self.fuse.weight.zero_()
                 self.fuse.weight[:, :hidden].copy_(torch.eye(hidden))
 
+    def kept_fractions(self, n_img: int) -> torch.Tensor:
+        """[C]: the fraction of `n_img` image tokens each of the gate's choices keeps."""
+        return torch.tensor([kept_tokens(c, n_img, self.cfg.ratio) / n_img for c in self.names])
+
     def fuse_global(self, feats: torch.Tensor, g: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """feats [..., n, H], g [..., H], rows [..., n] bool -> feats with g fused into `rows`."""
         g = g.to(feats.dtype).unsqueeze(-2).expand_as(feats)
@@ -134,6 +135,7 @@ class VisualAdaptor(nn.Module):
         image_embeds: torch.Tensor | None,  # [n_img, H] projected embeddings, image order
         attention: torch.Tensor | None,  # [L] target attention of the last prompt token (or None)
         question: torch.Tensor | None,  # [H] mean embedding of the prompt's text tokens (gate)
+        force: str | None = None,  # gate only: use this choice instead of the gate's argmax (training)
     ) -> PromptRows:
         cfg = self.cfg
         L = features.shape[0]
@@ -153,13 +155,11 @@ class VisualAdaptor(nn.Module):
         comp_name = None
         if cfg.compressor == "gate":
             assert question is not None, "the gate needs the question embedding"
-            choice, weight, probs = self.gate(question)
-            comp_name = self.names[choice]
-            rows.gate_weight, rows.gate_probs = weight, probs
-            n_img = int(image_mask.sum())
-            fracs = torch.tensor([kept_tokens(c, n_img, cfg.ratio) / n_img for c in self.names], device=probs.device)
-            rows.gate_cost = (probs * fracs).sum()
+            rows.gate_logits = self.gate(question)
+            assert force is None or force in self.names, f"{force!r} is not one of the gate's choices {self.names}"
+            comp_name = force or self.names[int(rows.gate_logits.argmax())]
         elif cfg.compressor != "none":
+            assert force is None or force == cfg.compressor, "force picks among a gate's choices only"
             comp_name = cfg.compressor
         rows.choice = comp_name or "none"
         offset = 0
@@ -174,8 +174,6 @@ class VisualAdaptor(nn.Module):
                 continue
             att = attention[s:e] if attention is not None else None
             out, anchors = self.compressors[comp_name](emb, cfg.ratio, att)
-            if rows.gate_weight is not None:
-                out = out * rows.gate_weight.to(out.dtype)
             m = out.shape[0]
             keep[s:e] = False
             keep[s : s + m] = True

@@ -163,9 +163,10 @@ def build(name: str, hidden: int, ratio: float) -> Compressor:
 
 class Gate(nn.Module):
     """Picks one compressor per input from the question: a linear map of the mean embedding of
-    the prompt's text tokens -> logits over the choices. Training: straight-through Gumbel-softmax
-    (the chosen compressor's output is scaled by a weight that is 1 in value and carries the
-    gradient to the gate); inference: argmax."""
+    the prompt's text tokens -> logits over the choices. Inference: argmax. Training
+    (vlmspec.train.distill.gated_losses): every choice's distillation loss is computed and
+    weighted by a Gumbel-softmax sample of these logits, so the gradient moves the gate's mass
+    toward the choices with the lower loss for that kind of question."""
 
     def __init__(self, hidden: int, n_choices: int) -> None:
         super().__init__()
@@ -173,13 +174,6 @@ class Gate(nn.Module):
         nn.init.zeros_(self.proj.weight)
         nn.init.zeros_(self.proj.bias)
 
-    def forward(self, question: torch.Tensor, tau: float = 1.0) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """question [H] -> (choice, weight [] (1.0, differentiable in training), probs [C])."""
-        logits = self.proj(question.float())
-        probs = logits.softmax(-1)
-        if self.training:
-            y = F.gumbel_softmax(logits, tau=tau, hard=True)
-            choice = int(y.argmax())
-            return choice, y[choice], probs
-        choice = int(logits.argmax())
-        return choice, torch.ones((), device=question.device), probs
+    def forward(self, question: torch.Tensor) -> torch.Tensor:
+        """question [..., H] -> logits [..., C]."""
+        return self.proj(question.float())
