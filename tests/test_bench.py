@@ -58,5 +58,34 @@ def test_ablation_runs_end_to_end_tiny(tmp_path, capsys):
     assert [r["variant"] for r in report["rows"]] == only
     for r in report["rows"]:
         assert r["tau_t0"] >= 1.0 and r["tau_t1"] >= 1.0 and r["drafter_prefill_ms"] > 0 and r["speedup_t0"] > 0
+        assert r["drafter_prefill_ms_576"] > 0 and r["tau_t0_ci"][0] - 1e-9 <= r["tau_t0"] <= r["tau_t0_ci"][1] + 1e-9
+        per = r["per_prompt_t0"]
+        assert len(per["emitted"]) == len(per["forwards"]) == 7 and abs(sum(per["emitted"]) / sum(per["forwards"]) - r["tau_t0"]) < 1e-9
     assert (out / "ablation.png").stat().st_size > 0
     assert "| plain |" in (out / "ablation.md").read_text()
+
+
+def test_bootstrap_interval_and_vision_goals_on_constructed_rows():
+    from vlmspec.bench.ablation import bootstrap_tau, vision_goals
+
+    same = {"emitted": [50, 40, 60, 55], "forwards": [10, 10, 10, 10]}
+    lo, hi = bootstrap_tau([same])
+    assert lo <= 5.125 <= hi and 4.0 <= lo and hi <= 6.0
+    assert bootstrap_tau([same, same], [1.0, -1.0]) == (0.0, 0.0), "a run against itself differs by exactly 0"
+    better = {"emitted": [e + 10 for e in same["emitted"]], "forwards": same["forwards"]}
+    lo, hi = bootstrap_tau([better, same], [1.0, -1.0])
+    assert lo == hi == 1.0, "a constant per-prompt gain of one token per forward"
+
+    def row(name, t0, t1, ms):
+        return {"variant": name, "tau_t0": t0, "tau_t1": t1, "drafter_prefill_ms_576": ms, "per_prompt_t0": same}
+
+    rows = [row("plain", 5.0, 4.8, 10.0), row("pool@16x", 4.9, 4.7, 2.0), row("conv@16x", 4.5, 4.6, 3.0),
+            row("pool@4x", 5.1, 4.9, 4.0), row("gate@16x", 5.1, 4.8, 2.5)]
+    rows[-1]["gate_picks"] = {"pool": 3, "text_only": 1}
+    text = "\n".join(vision_goals(rows))
+    assert "pool@16x: accepted length 4.90 / 4.70 at T=0 / T=1 = 98%" in text and "5.0x cheaper (goal >= 4x: met)" in text
+    assert "conv@16x: accepted length 4.50 / 4.60 at T=0 / T=1 = 90% of the plain head's at worst (goal >= 97%: NOT met)" in text
+    assert "3.3x cheaper (goal >= 4x: NOT met)" in text
+    assert "gate@16x vs the best fixed compressor (pool@4x) at T=0: 5.10 vs 5.10 (goal: at least as good: met)" in text
+    assert "the gate picked pool 3x, text_only 1x" in text
+    assert "best variant pool@4x 5.10 vs the plain head 5.00 at T=0 (goal: beats it: met)" in text

@@ -115,22 +115,65 @@ def drafter_prefill_ms_at_scale(target: Target, drafter: Any, n_image: int = 576
 
 
 @torch.no_grad()
-def run_prompts(target: Target, drafter: Any, prompts: list[Conversation], temperature: float, max_new_tokens: int) -> dict[str, float]:
-    """tau (bonus included) and decode seconds over the prompts."""
+def run_prompts(target: Target, drafter: Any, prompts: list[Conversation], temperature: float, max_new_tokens: int) -> dict[str, Any]:
+    """tau (bonus included), decode seconds, and per prompt the tokens emitted by verify forwards
+    (`emitted`: accepted + one bonus each) and the verify forwards (`forwards`), for intervals."""
     engine = SpecEngine(target, drafter)
-    emitted = accepted = forwards = 0
-    seconds = 0.0
+    emitted, forwards = [], []
+    seconds, tokens = 0.0, 0
     for i, c in enumerate(prompts):
         inputs = target.encode(c.prompt, c.images)
         cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature=temperature), seed=i)
         t0 = time.perf_counter()
         r = engine.generate(inputs, cfg)
         seconds += time.perf_counter() - t0
-        emitted += len(r.token_ids)
-        accepted += r.num_accepted
-        forwards += r.num_target_forwards - 1
+        tokens += len(r.token_ids)
+        f = r.num_target_forwards - 1  # the prefill forward emits the first token; it verifies nothing
+        emitted.append(r.num_accepted + f)
+        forwards.append(f)
     # the eval-drafter formula: tokens per verify forward, bonus included
-    return {"tau": (accepted + forwards) / max(1, forwards), "seconds": seconds, "tokens": emitted}
+    return {"tau": sum(emitted) / max(1, sum(forwards)), "seconds": seconds, "tokens": tokens,
+            "per_prompt": {"emitted": emitted, "forwards": forwards}}
+
+
+def bootstrap_tau(per: list[dict[str, list[int]]], signs: list[float] | None = None, n_boot: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile-bootstrap interval over prompts of sum_k signs[k] x tau_k, each tau_k =
+    sum(emitted) / sum(forwards) of run k, prompts resampled jointly (paired): one run gives
+    the interval of its tau, two runs with signs (1, -1) the interval of their difference."""
+    import numpy as np
+
+    signs = signs or [1.0] * len(per)
+    rng = np.random.default_rng(seed)
+    n = len(per[0]["emitted"])
+    idx = rng.integers(0, n, size=(n_boot, n))
+    stat = np.zeros(n_boot)
+    for sgn, run_ in zip(signs, per):
+        e, f = np.asarray(run_["emitted"], float), np.asarray(run_["forwards"], float)
+        stat += sgn * e[idx].sum(1) / np.maximum(1.0, f[idx].sum(1))
+    lo, hi = np.percentile(stat, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+@torch.no_grad()
+def gate_picks(target: Target, drafter: Any, prompts: list[Conversation]) -> dict[str, int]:
+    """How often a gated drafter picks each compressor on the image prompts ({} if not gated)."""
+    visual = getattr(drafter.head, "visual", None) if hasattr(drafter, "head") else None
+    if visual is None or visual.gate is None:
+        return {}
+    from vlmspec.draft.eagle import question_embedding
+    from vlmspec.vision_compress.capture import image_token_id
+
+    img = image_token_id(target.model)
+    picks: dict[str, int] = {}
+    for c in prompts:
+        if not c.images:
+            continue
+        inputs = target.encode(c.prompt, c.images)
+        ids = inputs["input_ids"][0].to(target.device)
+        q = question_embedding(drafter.head, ids, ids == img)
+        name = visual.names[int(visual.gate(q).argmax())]
+        picks[name] = picks.get(name, 0) + 1
+    return picks
 
 
 def run(target: Target, which: str, steps: int, n_per_task: int, runs: Path, base: DistillConfig, max_new_tokens: int = 96,
@@ -153,9 +196,12 @@ def run(target: Target, which: str, steps: int, n_per_task: int, runs: Path, bas
         rows.append({
             "variant": v.name, "overrides": v.overrides, "steps": steps, "train_s": round(train_s, 1),
             "tau_t0": greedy["tau"], "tau_t1": sampled["tau"],
+            "tau_t0_ci": bootstrap_tau([greedy["per_prompt"]]), "tau_t1_ci": bootstrap_tau([sampled["per_prompt"]]),
+            "per_prompt_t0": greedy["per_prompt"], "per_prompt_t1": sampled["per_prompt"],
             "drafter_prefill_ms": drafter_prefill_ms(target, drafter, prompts),
             "drafter_prefill_ms_576": drafter_prefill_ms_at_scale(target, drafter),
             "speedup_t0": plain_t0["seconds"] / greedy["seconds"] * greedy["tokens"] / max(1, plain_t0["tokens"]),
+            "gate_picks": gate_picks(target, drafter, prompts),
         })
         r = rows[-1]
         tqdm.write(f"{v.name}: tau T=0 {r['tau_t0']:.2f}, T=1 {r['tau_t1']:.2f}, prefill {r['drafter_prefill_ms']:.2f} ms "
@@ -167,19 +213,64 @@ def _slug(name: str) -> str:
     return "".join(ch if ch.isalnum() else "_" for ch in name).strip("_").lower()
 
 
+def _ci(r: dict[str, Any], key: str) -> str:
+    ci = r.get(f"{key}_ci")
+    return f"{r[key]:.2f} [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else f"{r[key]:.2f}"
+
+
+def vision_goals(rows: list[dict[str, Any]]) -> list[str]:
+    """Issue #5's goals, checked on the rows (Markdown bullets; 'met' / 'NOT met' each)."""
+    by = {r["variant"]: r for r in rows}
+    plain = by.get("plain")
+    fixed = [r for r in rows if "@" in r["variant"] and not r["variant"].startswith(("gate", "text_only")) and "+" not in r["variant"]]
+    at16 = [r for r in fixed if r["variant"].endswith("@16x")]
+    gate = by.get("gate@16x")
+    out: list[str] = []
+    verdict = lambda ok: "met" if ok else "NOT met"  # noqa: E731
+    if plain and at16:
+        for r in at16:
+            keep = min(r["tau_t0"] / plain["tau_t0"], r["tau_t1"] / plain["tau_t1"])
+            cheaper = plain["drafter_prefill_ms_576"] / r["drafter_prefill_ms_576"]
+            out.append(f"- {r['variant']}: accepted length {r['tau_t0']:.2f} / {r['tau_t1']:.2f} at T=0 / T=1 = "
+                       f"{100 * keep:.0f}% of the plain head's at worst (goal >= 97%: {verdict(keep >= 0.97)}); "
+                       f"drafter prefill at 576 image tokens {cheaper:.1f}x cheaper (goal >= 4x: {verdict(cheaper >= 4)})")
+    if gate and fixed:
+        best = max(fixed, key=lambda r: r["tau_t0"])
+        line = (f"- gate@16x vs the best fixed compressor ({best['variant']}) at T=0: {gate['tau_t0']:.2f} vs {best['tau_t0']:.2f} "
+                f"(goal: at least as good: {verdict(gate['tau_t0'] >= best['tau_t0'])})")
+        if gate.get("per_prompt_t0") and best.get("per_prompt_t0"):
+            lo, hi = bootstrap_tau([gate["per_prompt_t0"], best["per_prompt_t0"]], [1.0, -1.0])
+            line += f"; paired 95% interval of the difference [{lo:+.2f}, {hi:+.2f}]"
+        if gate.get("gate_picks"):
+            line += "; the gate picked " + ", ".join(f"{k} {v}x" for k, v in sorted(gate["gate_picks"].items(), key=lambda kv: -kv[1]))
+        out.append(line)
+    if plain:
+        best_all = max((r for r in rows if r is not plain), key=lambda r: r["tau_t0"], default=None)
+        if best_all:
+            out.append(f"- best variant {best_all['variant']} {best_all['tau_t0']:.2f} vs the plain head {plain['tau_t0']:.2f} at T=0 "
+                       f"(goal: beats it: {verdict(best_all['tau_t0'] > plain['tau_t0'])})")
+    return out
+
+
 def write_report(rows: list[dict[str, Any]], which: str, out: Path, env: dict[str, Any]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "ablation.json").write_text(json.dumps({"suite": which, "env": env, "rows": rows}, indent=2))
     base = next((r for r in rows if r["variant"] == "plain"), None)
     lines = [
+        f"Command: `{env.get('command', '')}` ({env.get('prompts', '?')} held-out prompts; tau with its 95% bootstrap interval over prompts)",
+        "",
         "| variant | tau T=0 | tau T=1 | drafter prefill (ms) | prefill at 576 image tokens (ms) | vs plain | speedup T=0 vs none |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         at = r.get("drafter_prefill_ms_576")
         at_cells = (f"{at:.2f}", f"{base['drafter_prefill_ms_576'] / at:.1f}x cheaper") if at and base and base.get("drafter_prefill_ms_576") else ("-", "-")
-        lines.append(f"| {r['variant']} | {r['tau_t0']:.2f} | {r['tau_t1']:.2f} | {r['drafter_prefill_ms']:.2f} | "
+        lines.append(f"| {r['variant']} | {_ci(r, 'tau_t0')} | {_ci(r, 'tau_t1')} | {r['drafter_prefill_ms']:.2f} | "
                      f"{at_cells[0]} | {at_cells[1]} | {r['speedup_t0']:.2f}x |")
+    if which == "vision":
+        goals = vision_goals(rows)
+        if goals:
+            lines += ["", "Goals of issue #5, checked on these rows:", "", *goals]
     (out / "ablation.md").write_text("\n".join(lines) + "\n")
     import matplotlib
 
@@ -189,8 +280,11 @@ def write_report(rows: list[dict[str, Any]], which: str, out: Path, env: dict[st
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, max(3.5, 0.38 * len(rows) + 1)))
     names = [r["variant"] for r in rows][::-1]
     y = range(len(rows))
-    a.barh([i + 0.2 for i in y], [r["tau_t0"] for r in rows][::-1], height=0.4, label="T=0")
-    a.barh([i - 0.2 for i in y], [r["tau_t1"] for r in rows][::-1], height=0.4, label="T=1")
+    for off, key, label in ((0.2, "tau_t0", "T=0"), (-0.2, "tau_t1", "T=1")):
+        vals = [r[key] for r in rows][::-1]
+        cis = [r.get(f"{key}_ci") or (r[key], r[key]) for r in rows][::-1]
+        err = [[v - c[0] for v, c in zip(vals, cis)], [c[1] - v for v, c in zip(vals, cis)]]
+        a.barh([i + off for i in y], vals, height=0.4, xerr=err, capsize=2, label=f"{label} (95% interval)")
     a.set_yticks(list(y), names)
     a.set_xlabel("mean accepted length (held out)")
     a.legend()
