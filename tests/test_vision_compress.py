@@ -193,3 +193,13 @@ def test_variants_train_save_and_load(tmp_path):
         inputs = target.encode("how many?", [tiny_image(5)])
         gc = GenerationConfig(max_new_tokens=12)
         assert SpecEngine(target, loaded).generate(inputs, gc).token_ids == SpecEngine(target, NoDrafter()).generate(inputs, gc).token_ids
+
+
+def test_prefill_at_llava_scale_is_cheaper_when_compressed_and_none_past_a_resamplers_capacity():
+    from vlmspec.bench.ablation import drafter_prefill_ms_at_scale
+
+    target = tiny_target("llava")
+    assert drafter_prefill_ms_at_scale(target, _variant(target, VisualConfig("resampler", 4)), repeats=1) is None, "64 queries < 576 / 4"
+    ms = {n: drafter_prefill_ms_at_scale(target, _variant(target, v), repeats=1)
+          for n, v in (("plain", VisualConfig()), ("resampler@16x", VisualConfig("resampler", 16)), ("pool@16x", VisualConfig("pool", 16)))}
+    assert all(isinstance(v, float) and v > 0 for v in ms.values()), ms
