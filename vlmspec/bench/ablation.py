@@ -95,7 +95,7 @@ def _over_capacity(drafter: Any, n_image: int) -> str | None:
 
 @torch.no_grad()
 def drafter_prefill_ms_at_scale(target: Target, drafter: Any, n_image: int = 576, n_text: int = 48, repeats: int = 5) -> float | None:
-    """Mean ms of the drafter's read of a prompt the size of a real VLM's (LLaVA-1.5: 576 image
+    """Median ms (of `repeats`) of the drafter's read of a prompt the size of a real VLM's (LLaVA-1.5: 576 image
     tokens): `n_text` text tokens around one image of `n_image` tokens, with random target
     features, image embeddings and attention of the target's width. The bundled target has
     only 9 image tokens, too few for the image rows to dominate; the time depends on the
