@@ -49,7 +49,7 @@ def test_ablation_runs_end_to_end_tiny(tmp_path, capsys):
     processor.save_pretrained(model_dir)
     out = tmp_path / "report"
     only = ["plain", "pool@16x"]
-    args = ["bench", "ablate", "--suite", "vision", "--model", str(model_dir), "--steps", "2", "--n", "1",
+    args = ["bench", "ablate", "--suite", "vision", "--model", str(model_dir), "--steps", "2", "--n", "1", "--n-select", "1",
             "--max-new-tokens", "8", "--out", str(out), "--runs", str(tmp_path / "runs")]
     for name in only:
         args += ["--only", name]
@@ -61,6 +61,7 @@ def test_ablation_runs_end_to_end_tiny(tmp_path, capsys):
         assert r["drafter_prefill_ms_576"] > 0 and r["tau_t0_ci"][0] - 1e-9 <= r["tau_t0"] <= r["tau_t0_ci"][1] + 1e-9
         per = r["per_prompt_t0"]
         assert len(per["emitted"]) == len(per["forwards"]) == 7 and abs(sum(per["emitted"]) / sum(per["forwards"]) - r["tau_t0"]) < 1e-9
+        assert len(r["per_prompt_select"]["forwards"]) == 7 and r["tau_select"] >= 1.0  # the val-split selection prompts
     assert (out / "ablation.png").stat().st_size > 0
     assert "| plain |" in (out / "ablation.md").read_text()
 
@@ -86,6 +87,19 @@ def test_bootstrap_interval_and_vision_goals_on_constructed_rows():
     assert "pool@16x: accepted length 4.90 / 4.70 at T=0 / T=1 = 98%" in text and "5.0x cheaper (goal >= 4x: met)" in text
     assert "conv@16x: accepted length 4.50 / 4.60 at T=0 / T=1 = 90% of the plain head's at worst (goal >= 97%: NOT met)" in text
     assert "3.3x cheaper (goal >= 4x: NOT met)" in text
-    assert "gate@16x vs the best fixed compressor (pool@4x) at T=0: 5.10 vs 5.10 (goal: at least as good: met)" in text
+    assert ("gate@16x vs the best fixed compressor (pool@4x, picked on the test prompts themselves) at T=0: 5.10 vs 5.10 "
+            "(goal: at least as good: met); paired 95% interval of the difference [+0.00, +0.00], so no worse by more than 3% (0.15): met") in text
     assert "the gate picked pool 3x, text_only 1x" in text
-    assert "best variant pool@4x 5.10 vs the plain head 5.00 at T=0 (goal: beats it: met)" in text
+    assert "best variant pool@4x (picked on the test prompts themselves) 5.10 vs the plain head 5.00 at T=0 (goal: beats it: met)" in text
+
+    # with selection prompts, the competitors are picked there and compared on the test prompts
+    worse = {"emitted": [e - 5 for e in same["emitted"]], "forwards": same["forwards"]}
+    for r, sel in zip(rows, (5.0, 4.0, 5.3, 4.1, 4.5)):
+        r["tau_select"] = sel
+    rows[2]["per_prompt_t0"] = better  # conv@16x: picked on selection, 1 token per forward better on test
+    rows[-1]["per_prompt_t0"] = worse  # the gate: 0.5 worse per forward on every test prompt
+    text = "\n".join(vision_goals(rows))
+    assert "best fixed compressor (conv@16x, picked on the selection prompts) at T=0: 5.10 vs 4.50 (goal: at least as good: met)" in text
+    assert "paired 95% interval of the difference [-1.50, -1.50], so no worse by more than 3% (0.14): NOT met" in text
+    assert "best variant conv@16x (picked on the selection prompts) 4.50 vs the plain head 5.00" in text
+    assert "paired 95% interval of the difference [+1.00, +1.00], above 0: yes" in text
