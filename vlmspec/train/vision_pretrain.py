@@ -6,8 +6,8 @@ issue #3: held-out loss with shuffled images equal to the loss with the real one
 samples). ToyWorld knows what every image contains, so the tower is pre-trained directly on that:
 probe heads on the *projected* image tokens (the embeddings the decoder will read) predict
 
-  * per image token (one token per 32 px cell): which cell it is; the object in that cell (none,
-    or shape x colour) and its size; the word on the sign in that token's row (none if no sign);
+  * per image token (one token per 32 px cell): the object in that cell (none, or shape x colour)
+    and its size; the word on the sign in that token's row (none if no sign there);
   * per chart (all tokens flattened): each bar slot's label, colour and value.
 
 The heads are thrown away afterwards; only the tower and projector keep what they learned. During
@@ -86,9 +86,6 @@ class SceneProbe(nn.Module):
         self.size = nn.Linear(hidden, N_SIZE)
         self.word = nn.Linear(hidden, N_WORD)
         self.bars = nn.Linear(hidden * N_CELLS, MAX_BARS * (N_LABEL + N_COLOR + N_VALUE))
-        # which cell a token is (every image): keeps the token's place in its value, so the
-        # decoder can read "where" off an attended token and match "in the center" to a key
-        self.cell = nn.Linear(hidden, N_CELLS)
 
     def forward(self, feats: torch.Tensor, y: SceneLabels) -> tuple[torch.Tensor, dict[str, float]]:
         """feats: [B, 9, H]. Returns (loss, accuracies)."""
@@ -96,10 +93,6 @@ class SceneProbe(nn.Module):
         ce = nn.functional.cross_entropy
         objects = ~y.is_chart
         losses, acc = [], {}
-        cell_logits = self.cell(feats)  # [B, 9, 9]
-        cells = torch.arange(N_CELLS, device=feats.device).expand(feats.shape[0], N_CELLS)
-        losses.append(ce(cell_logits.flatten(0, 1), cells.flatten()))
-        acc["cell"] = float((cell_logits.argmax(-1) == cells).float().mean())
         if objects.any():
             f = feats[objects]
             for name, head, tgt in (("obj", self.obj, y.obj), ("size", self.size, y.size), ("word", self.word, y.word)):
