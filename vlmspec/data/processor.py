@@ -53,7 +53,9 @@ def corpus_for_tokenizer(n: int = 20000) -> Iterator[str]:
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 3000) -> PreTrainedTokenizerFast:
-    """Deterministic byte-level BPE (``len(tok) == vocab_size``) with the ToyWorld special tokens.
+    """Deterministic byte-level BPE of at most `vocab_size` tokens with the ToyWorld special tokens.
+    BPE stops early when no pair occurs twice more: on ToyWorld's corpus (a closed grammar of a
+    few hundred words) that happens near 1,000 tokens, once every word is a single token.
 
     Special tokens take ids 0..6 (see :data:`SPECIAL_TOKENS`); the 256 byte symbols and the BPE
     merges follow. No bos/eos is added by ``encode``: the chat template adds them.
