@@ -14,7 +14,7 @@ end-to-end speedup over plain decoding (vlmspec `none`) on the same prompts.
 T=0) and compared on the test prompts: picked and compared on the same prompts, the winner of
 many noisy estimates would carry its own luck into the comparison (winner's curse).
 
-    vlmspec bench ablate --suite vision --steps 300 --n 4 --out docs/ablation-vision
+    vlmspec bench ablate --suite vision --steps 200 --n 8 --n-select 4 --out docs/ablation-vision
 """
 
 from __future__ import annotations
