@@ -62,8 +62,16 @@ def test_ablation_runs_end_to_end_tiny(tmp_path, capsys):
         per = r["per_prompt_t0"]
         assert len(per["emitted"]) == len(per["forwards"]) == 7 and abs(sum(per["emitted"]) / sum(per["forwards"]) - r["tau_t0"]) < 1e-9
         assert len(r["per_prompt_select"]["forwards"]) == 7 and r["tau_select"] >= 1.0  # the val-split selection prompts
+    assert report["rows"][0]["prefill_576_vs_plain"] == 1.0 and report["rows"][1]["prefill_576_vs_plain"] > 0
     assert (out / "ablation.png").stat().st_size > 0
-    assert "| plain |" in (out / "ablation.md").read_text()
+    assert "| plain |" in (out / "ablation.md").read_text() and "median of 21 rounds" in (out / "ablation.md").read_text()
+
+    # --reuse loads the finished runs instead of retraining them; the measurements are the same
+    assert main(args + ["--reuse", "--rounds", "2"]) == 0, capsys.readouterr().out
+    again = json.loads((out / "ablation.json").read_text())
+    assert [r["reused_run"] for r in report["rows"]] == [False, False] and [r["reused_run"] for r in again["rows"]] == [True, True]
+    for a, b in zip(report["rows"], again["rows"]):
+        assert a["per_prompt_t0"] == b["per_prompt_t0"] and a["per_prompt_t1"] == b["per_prompt_t1"] and a["train_s"] == b["train_s"]
 
 
 def test_bootstrap_interval_and_vision_goals_on_constructed_rows():

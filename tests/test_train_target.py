@@ -102,6 +102,8 @@ def test_cli_init_from_errors(tmp_path, capsys):
 
     for args, msg in ((["--init-from", str(tmp_path)], "not an exported model folder"),
                       (["--init-from", str(tmp_path), "--resume"], "--resume: no checkpoint"),
-                      (["--task-mix", "count=abc"], "--task-mix")):
+                      (["--task-mix", "count=abc"], "--task-mix"),
+                      (["--hidden", "100", "--heads", "8"], "heads of an even size"),
+                      (["--heads", "6"], "equal key/value groups")):
         assert main(["train-target", "--out", str(tmp_path / "run"), *args]) == 2
         assert msg in capsys.readouterr().err

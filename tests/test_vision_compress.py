@@ -195,11 +195,16 @@ def test_variants_train_save_and_load(tmp_path):
         assert SpecEngine(target, loaded).generate(inputs, gc).token_ids == SpecEngine(target, NoDrafter()).generate(inputs, gc).token_ids
 
 
-def test_prefill_at_llava_scale_is_cheaper_when_compressed_and_none_past_a_resamplers_capacity():
-    from vlmspec.bench.ablation import drafter_prefill_ms_at_scale
+def test_prefill_at_llava_scale_is_timed_round_robin_and_none_past_a_resamplers_capacity():
+    from vlmspec.bench.ablation import prefill_at_scale
 
     target = tiny_target("llava")
-    assert drafter_prefill_ms_at_scale(target, _variant(target, VisualConfig("resampler", 4)), repeats=1) is None, "64 queries < 576 / 4"
-    ms = {n: drafter_prefill_ms_at_scale(target, _variant(target, v), repeats=1)
-          for n, v in (("plain", VisualConfig()), ("resampler@16x", VisualConfig("resampler", 16)), ("pool@16x", VisualConfig("pool", 16)))}
-    assert all(isinstance(v, float) and v > 0 for v in ms.values()), ms
+    variants = {"plain": VisualConfig(), "resampler@4x": VisualConfig("resampler", 4), "resampler@16x": VisualConfig("resampler", 16),
+                "pool@16x": VisualConfig("pool", 16)}
+    got = prefill_at_scale(target, {n: _variant(target, v) for n, v in variants.items()}, rounds=3)
+    assert got["resampler@4x"] == {"ms": None, "vs_baseline": None}, "64 queries < 576 / 4"
+    for name in ("plain", "resampler@16x", "pool@16x"):
+        assert isinstance(got[name]["ms"], float) and got[name]["ms"] > 0 and got[name]["vs_baseline"] > 0, got
+    assert got["plain"]["vs_baseline"] == 1.0, "the baseline against itself, round by round"
+    no_base = prefill_at_scale(target, {"pool@16x": _variant(target, variants["pool@16x"])}, rounds=1)
+    assert no_base["pool@16x"]["ms"] > 0 and no_base["pool@16x"]["vs_baseline"] is None

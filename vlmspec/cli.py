@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="end this run after this SFT step (checkpointed; continue with --resume)")
     t.add_argument("--aux-weight", type=_float_in("--aux-weight", 0.0, 100.0), default=0.2,
                    help="weight of the stage-0 probe loss kept on during SFT")
+    t.add_argument("--hidden", type=_positive_int("--hidden"), default=None, help="decoder width (default: TargetArch's 256)")
+    t.add_argument("--intermediate", type=_positive_int("--intermediate"), default=None, help="decoder MLP width (default 704)")
+    t.add_argument("--heads", type=_positive_int("--heads"), default=None, help="decoder attention heads (default 8)")
+    t.add_argument("--kv-heads", type=_positive_int("--kv-heads"), default=None, help="decoder key/value heads (default 4)")
 
     d = sub.add_parser("train", help="distil an EAGLE-style draft head from a frozen target (online logits)")
     d.add_argument("--target", help="target VLM folder or hub id (default: the bundled model)")
@@ -288,7 +292,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_train_target(args: argparse.Namespace) -> int:
-    from vlmspec.train.target_sft import SFTConfig, parse_task_mix, train
+    from vlmspec.train.target_sft import SFTConfig, TargetArch, parse_task_mix, train
 
     if args.resume and not (Path(args.out) / "checkpoint").is_dir():
         raise UsageError(f"--resume: no checkpoint in {args.out}/checkpoint")
@@ -296,8 +300,20 @@ def cmd_train_target(args: argparse.Namespace) -> int:
         mix = parse_task_mix(args.task_mix) if args.task_mix else None
     except ValueError as exc:
         raise UsageError(f"--task-mix: {exc}") from None
+    sizes = {k: v for k, v in (("hidden", args.hidden), ("intermediate", args.intermediate), ("heads", args.heads),
+                               ("kv_heads", args.kv_heads)) if v is not None}
+    if args.init_from and not sizes and (Path(args.init_from) / "config.json").is_file():  # the sizes of the model it starts from
+        text = json.loads((Path(args.init_from) / "config.json").read_text()).get("text_config", {})
+        sizes = {k: text[hf] for k, hf in (("hidden", "hidden_size"), ("intermediate", "intermediate_size"),
+                                           ("heads", "num_attention_heads"), ("kv_heads", "num_key_value_heads")) if hf in text}
+    arch = TargetArch(**sizes)
+    if arch.hidden % arch.heads or arch.heads % arch.kv_heads or (arch.hidden // arch.heads) % 2:
+        raise UsageError(f"--hidden {arch.hidden} / --heads {arch.heads} / --kv-heads {arch.kv_heads}: the width must split into "
+                         "heads of an even size, and the heads into equal key/value groups")
+    if args.resume and sizes:
+        raise UsageError("--resume continues with the sizes saved in the checkpoint; drop --hidden/--intermediate/--heads/--kv-heads")
     cfg = SFTConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, minutes=args.minutes, seed=args.seed,
-                    vision_steps=args.vision_steps, aux_weight=args.aux_weight, task_mix=mix)
+                    vision_steps=args.vision_steps, aux_weight=args.aux_weight, task_mix=mix, arch=arch)
     if args.init_from:
         if args.resume:
             raise UsageError("--init-from starts a new run; drop it to --resume one")

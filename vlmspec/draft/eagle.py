@@ -259,7 +259,8 @@ class _EagleSession:
             return ids[1:], feats, torch.arange(feats.shape[0], device=self.device), None, None
         rows = adaptor.prompt_rows(
             ids, feats, _image_mask(prompt, ids.shape[0] - 1, self.device), _to(prompt.image_embeds, self.device, self.dtype),
-            _to(prompt.attention, self.device, torch.float32), question_embedding(self.head, prompt.token_ids.to(self.device), prompt.image_mask),
+            _to(prompt.attention, self.device, torch.float32),
+            question_embedding(self.head, prompt.token_ids.to(self.device), prompt.image_mask) if adaptor.gate is not None else None,
         ).kept()
         self.global_feat = rows.global_feat
         return rows.tokens, rows.feats, rows.positions, rows.direct, rows.fuse
