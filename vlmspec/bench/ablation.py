@@ -15,6 +15,9 @@ T=0) and compared on the test prompts: picked and compared on the same prompts, 
 many noisy estimates would carry its own luck into the comparison (winner's curse).
 
     vlmspec bench ablate --suite vision --steps 200 --n 8 --n-select 4 --out docs/ablation-vision
+
+`--reuse` loads a variant whose run folder already holds a finished run with the same config
+(re-measuring, or finishing an interrupted ablation); the committed report is such a re-measurement.
 """
 
 from __future__ import annotations
