@@ -113,6 +113,21 @@ def test_score_wrong_answers():
         assert score(s, "It is a blue red green thing, a circle or a square, large and small.")["attribute"] == 0.0
 
 
+def test_attribute_answers_restate_what_was_asked_about():
+    # every attribute answer names its reference before the value ("The object in the center is
+    # a star."), the form the bundled model learns position lookups from
+    by_seen = set()
+    for seed in range(300):
+        s = make_sample(seed, "attribute")
+        t = s.meta["target"]
+        by_seen.add((t["attribute"], t["by"]))
+        assert not s.answer.startswith("It is"), s.answer
+        assert s.answer.endswith(f"{t['value']}."), s.answer
+        if t["by"] == "cell":
+            assert s.answer.startswith("The object "), s.answer
+    assert ("shape", "cell") in by_seen and ("shape", "color") in by_seen
+
+
 def test_description_coverage():
     for seed in range(20):
         s = make_sample(seed, "describe")
