@@ -92,10 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="end this run after this SFT step (checkpointed; continue with --resume)")
     t.add_argument("--aux-weight", type=_float_in("--aux-weight", 0.0, 100.0), default=0.2,
                    help="weight of the stage-0 probe loss kept on during SFT")
-    t.add_argument("--hidden", type=_positive_int("--hidden"), default=None, help="decoder width (default: TargetArch's 256)")
-    t.add_argument("--intermediate", type=_positive_int("--intermediate"), default=None, help="decoder MLP width (default 704)")
-    t.add_argument("--heads", type=_positive_int("--heads"), default=None, help="decoder attention heads (default 8)")
-    t.add_argument("--kv-heads", type=_positive_int("--kv-heads"), default=None, help="decoder key/value heads (default 4)")
+    t.add_argument("--hidden", type=_positive_int("--hidden"), default=None, help="decoder width (default 160, the bundled v4's)")
+    t.add_argument("--intermediate", type=_positive_int("--intermediate"), default=None, help="decoder MLP width (default 448)")
+    t.add_argument("--heads", type=_positive_int("--heads"), default=None, help="decoder attention heads (default 5)")
+    t.add_argument("--kv-heads", type=_positive_int("--kv-heads"), default=None, help="decoder key/value heads (default 5)")
 
     d = sub.add_parser("train", help="distil an EAGLE-style draft head from a frozen target (online logits)")
     d.add_argument("--target", help="target VLM folder or hub id (default: the bundled model)")
