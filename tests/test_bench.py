@@ -111,3 +111,20 @@ def test_bootstrap_interval_and_vision_goals_on_constructed_rows():
     assert "paired 95% interval of the difference [-1.50, -1.50], so no worse by more than 3% (0.14): NOT met" in text
     assert "best variant conv@16x (picked on the selection prompts) 4.50 vs the plain head 5.00" in text
     assert "paired 95% interval of the difference [+1.00, +1.00], above 0: yes" in text
+
+
+def test_reuse_needs_the_same_steps_config_and_target(tmp_path):
+    from dataclasses import asdict
+
+    from vlmspec.bench.ablation import TEACHER, finished_run
+    from vlmspec.train.distill import DistillConfig
+
+    cfg = DistillConfig(steps=7)
+    (tmp_path / "drafter").mkdir()
+    (tmp_path / "train_summary.json").write_text(json.dumps({"step": 7, "config": asdict(cfg)}))
+    assert not finished_run(tmp_path, cfg, "abc"), "no record of the target it was trained on"
+    (tmp_path / TEACHER).write_text(json.dumps({"sha256": "abc"}))
+    assert finished_run(tmp_path, cfg, "abc")
+    assert not finished_run(tmp_path, cfg, "def"), "trained on another target"
+    assert not finished_run(tmp_path, DistillConfig(steps=8), "abc"), "another step count"
+    assert not finished_run(tmp_path, DistillConfig(steps=7, lr=5e-4), "abc"), "another config"

@@ -16,8 +16,9 @@ many noisy estimates would carry its own luck into the comparison (winner's curs
 
     vlmspec bench ablate --suite vision --steps 200 --n 8 --n-select 4 --out docs/ablation-vision
 
-`--reuse` loads a variant whose run folder already holds a finished run with the same config
-(re-measuring, or finishing an interrupted ablation); the committed report is such a re-measurement.
+`--reuse` loads a variant whose run folder already holds a finished run with the same config on
+the same target weights (re-measuring, or finishing an interrupted ablation); the committed report
+is such a re-measurement.
 """
 
 from __future__ import annotations
@@ -225,21 +226,35 @@ def gate_picks(target: Target, drafter: Any, prompts: list[Conversation]) -> dic
     return picks
 
 
-def finished_run(run_dir: Path, cfg: DistillConfig) -> bool:
-    """`run_dir` holds a drafter trained to the end with exactly `cfg` (train_summary.json)."""
-    summary = run_dir / "train_summary.json"
-    if not (summary.is_file() and (run_dir / "drafter").is_dir()):
+TEACHER = "ablation_teacher.json"  # in a variant's run folder: the fingerprint of the target it was trained on
+
+
+def target_fingerprint(target: Target) -> str:
+    """sha256 of the target's input embedding matrix: tells trained weights apart, cheaply."""
+    import hashlib
+
+    w = target.input_embeddings().weight.detach().float().cpu().contiguous()
+    return hashlib.sha256(w.numpy().tobytes()).hexdigest()
+
+
+def finished_run(run_dir: Path, cfg: DistillConfig, fingerprint: str) -> bool:
+    """`run_dir` holds a drafter trained to the end with exactly `cfg` (train_summary.json) on the
+    target of `fingerprint` (a run without the record is not reused)."""
+    summary, teacher = run_dir / "train_summary.json", run_dir / TEACHER
+    if not (summary.is_file() and teacher.is_file() and (run_dir / "drafter").is_dir()):
         return False
     saved = json.loads(summary.read_text())
-    return saved.get("step") == cfg.steps and saved.get("config") == json.loads(json.dumps(asdict(cfg)))
+    return (saved.get("step") == cfg.steps and saved.get("config") == json.loads(json.dumps(asdict(cfg)))
+            and json.loads(teacher.read_text()).get("sha256") == fingerprint)
 
 
 def run(target: Target, which: str, steps: int, n_per_task: int, runs: Path, base: DistillConfig, max_new_tokens: int = 96,
         only: list[str] | None = None, n_select: int = 0, reuse: bool = False, rounds: int = 21) -> list[dict[str, Any]]:
     """Train and measure every variant of the suite (their run folders go under `runs`);
     `n_select` > 0 also measures tau at T=0 on that many selection prompts per task (val split).
-    reuse: a variant whose run folder already holds a finished run with the same config is
-    loaded, not retrained (e.g. to re-measure, or after an interrupted ablation).
+    reuse: a variant whose run folder already holds a finished run with the same config, on the
+    same target weights, is loaded, not retrained (e.g. to re-measure, or after an interrupted
+    ablation).
     The prefill at 576 image tokens is timed at the end, all variants round-robin (`rounds`)."""
     from tqdm import tqdm
 
@@ -251,14 +266,16 @@ def run(target: Target, which: str, steps: int, n_per_task: int, runs: Path, bas
     variants = [v for v in suite(which) if not only or v.name in only]
     plain_t0 = run_prompts(target, NoDrafter(), prompts, 0.0, max_new_tokens)
     rows, drafters = [], {}
+    fingerprint = target_fingerprint(target)
     for v in tqdm(variants, desc=f"ablate {which}", dynamic_ncols=True):
         cfg = DistillConfig(**{**asdict(base), "steps": steps, "eval_every": 10**9, **v.overrides})
         run_dir = runs / _slug(v.name)
-        reused = reuse and finished_run(run_dir, cfg)
+        reused = reuse and finished_run(run_dir, cfg, fingerprint)
         if reused:
             drafter = load_drafter(str(run_dir / "drafter"), target, tree)
         else:
             drafter = train_drafter(target, "toyworld", run_dir, cfg, tree=tree, progress=False)
+            (run_dir / TEACHER).write_text(json.dumps({"sha256": fingerprint}))
         train_s = json.loads((run_dir / "train_summary.json").read_text())["elapsed_s"]  # the training loop's time
         drafters[v.name] = drafter
         greedy = run_prompts(target, drafter, prompts, 0.0, max_new_tokens)
@@ -430,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="report folder: ablation.md, ablation.json, ablation.png")
     p.add_argument("--runs", help="folder for the variants' training runs (default: runs/ablate-SUITE)")
     p.add_argument("--reuse", action="store_true",
-                   help="load a variant whose run folder holds a finished run with the same config instead of retraining it")
+                   help="load a variant whose run folder holds a finished run with the same config and target instead of retraining it")
     p.add_argument("--rounds", type=int, default=21, help="round-robin rounds of the prefill timing at 576 image tokens")
     a = p.parse_args(argv)
     if a.steps < 1 or a.n < 1 or a.n_select < 0 or a.rounds < 1:
