@@ -28,6 +28,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from statistics import median_high
 from typing import Any
 
 import torch
@@ -151,16 +152,13 @@ def prefill_at_scale(target: Target, drafters: dict[str, Any], rounds: int = 21,
         for k in (list(able) if r % 2 == 0 else list(able)[::-1]):
             times[k].append(_read_s(able[k], ctx, root))
 
-    def median(xs: list[float]) -> float:
-        return sorted(xs)[len(xs) // 2]
-
     out: dict[str, dict[str, float | None]] = {}
     for k in drafters:
         if k not in able:
             out[k] = {"ms": None, "vs_baseline": None}
             continue
-        ratio = median([b / t for b, t in zip(times[baseline], times[k])]) if baseline in able else None
-        out[k] = {"ms": 1000 * median(times[k]), "vs_baseline": ratio}
+        ratio = median_high([b / t for b, t in zip(times[baseline], times[k])]) if baseline in able else None
+        out[k] = {"ms": 1000 * median_high(times[k]), "vs_baseline": ratio}
     return out
 
 

@@ -259,8 +259,7 @@ class _EagleSession:
             return ids[1:], feats, torch.arange(feats.shape[0], device=self.device), None, None
         rows = adaptor.prompt_rows(
             ids, feats, _image_mask(prompt, ids.shape[0] - 1, self.device), _to(prompt.image_embeds, self.device, self.dtype),
-            _to(prompt.attention, self.device, torch.float32),
-            question_embedding(self.head, prompt.token_ids.to(self.device), prompt.image_mask) if adaptor.gate is not None else None,
+            _to(prompt.attention, self.device, torch.float32), question_embedding(self.head, prompt.token_ids.to(self.device), prompt.image_mask),
         ).kept()
         self.global_feat = rows.global_feat
         return rows.tokens, rows.feats, rows.positions, rows.direct, rows.fuse
@@ -352,7 +351,10 @@ def _image_mask(prompt: PromptContext, length: int, device: torch.device) -> tor
     return prompt.image_mask.to(device)
 
 
-def question_embedding(head: EagleHead, token_ids: torch.Tensor, image_mask: torch.Tensor | None) -> torch.Tensor:
-    """[L] prompt ids -> [H]: mean embedding of the prompt's text (non-image) tokens (the gate's input)."""
+def question_embedding(head: EagleHead, token_ids: torch.Tensor, image_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """[L] prompt ids -> [H]: mean embedding of the prompt's text (non-image) tokens (the gate's
+    input); None when the head has no gate, the only reader."""
+    if head.visual is None or head.visual.gate is None:
+        return None
     text = token_ids if image_mask is None else token_ids[~image_mask.to(token_ids.device)]
     return head.embed(text).float().mean(0)
