@@ -92,9 +92,16 @@ def test_bootstrap_interval_and_vision_goals_on_constructed_rows():
             row("pool@4x", 5.1, 4.9, 4.0), row("gate@16x", 5.1, 4.8, 2.5)]
     rows[-1]["gate_picks"] = {"pool": 3, "text_only": 1}
     text = "\n".join(vision_goals(rows))
-    assert "pool@16x: accepted length 4.90 / 4.70 at T=0 / T=1 = 98%" in text and "5.0x cheaper (goal >= 4x: met)" in text
+    assert "pool@16x: accepted length 4.90 / 4.70 at T=0 / T=1 = 98%" in text and "5.0x cheaper in time (goal >= 4x: met)" in text
     assert "conv@16x: accepted length 4.50 / 4.60 at T=0 / T=1 = 90% of the plain head's at worst (goal >= 97%: NOT met)" in text
-    assert "3.3x cheaper (goal >= 4x: NOT met)" in text
+    assert "3.3x cheaper in time (goal >= 4x: NOT met)" in text and "FLOPs" not in text and "bound" not in text
+    # with FLOP counts and a text-only row: FLOPs beside the time, and text-only as the bound
+    flops = {"plain": 1.0, "pool@16x": 0.1, "conv@16x": 0.125, "text_only@4x": 0.05}
+    bounded = [dict(r, prefill_576_gflop=flops.get(r["variant"])) for r in rows] + [
+        dict(row("text_only@4x", 4.9, 4.7, 1.6), prefill_576_gflop=0.05)]
+    text = "\n".join(vision_goals(bounded))
+    assert "5.0x cheaper in time (goal >= 4x: met), 10.0x fewer FLOPs" in text and "3.3x cheaper in time (goal >= 4x: NOT met), 8.0x fewer FLOPs" in text
+    assert "- bound: text_only@4x (no image row at all) is 6.2x cheaper in time (20.0x fewer FLOPs)" in text
     assert ("gate@16x vs the best fixed compressor (pool@4x, picked on the test prompts themselves) at T=0: 5.10 vs 5.10 "
             "(goal: at least as good: met); paired 95% interval of the difference [+0.00, +0.00], so no worse by more than 3% (0.15): met") in text
     assert "the gate picked pool 3x, text_only 1x" in text

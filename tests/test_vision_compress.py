@@ -11,7 +11,7 @@ from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.testing.tiny import tiny_image
 from vlmspec.train.distill import DistillConfig, train_drafter
 from vlmspec.vision_compress import FIXED, VisualAdaptor, VisualConfig, build, image_spans
-from vlmspec.vision_compress.compressors import Gate, kept_tokens, token_grid
+from vlmspec.vision_compress.compressors import Gate, cross_attention, kept_tokens, token_grid
 
 H = 16
 
@@ -33,6 +33,28 @@ def test_compressor_shapes_and_anchor_positions(name, n, ratio):
         # M-RoPE positions ([3, n]) are gathered the same way as 1-D ones
         pos3 = torch.stack([torch.full((n,), 7), torch.arange(n) // 4, torch.arange(n) % 4]) + 100
         assert torch.equal(pos3[:, anchors], torch.stack([pos3[a][anchors] for a in range(3)]))
+
+
+@pytest.mark.parametrize("hidden,heads,m", [(32, 4, 1), (32, 4, 5), (32, 4, 16), (16, 1, 9)])
+def test_cross_attention_equals_multihead_attention_with_its_gradients(hidden, heads, m):
+    """The resampler's cross-attention folds the key / value projections when that is cheaper
+    (m * (heads - 1) < H: the first two and the last cases) and calls the module otherwise; either
+    way it is nn.MultiheadAttention's function, gradients included."""
+    torch.manual_seed(0)
+    attn = torch.nn.MultiheadAttention(hidden, heads, batch_first=True)
+    with torch.no_grad():  # non-zero biases, so dropping the key bias is really tested
+        attn.in_proj_bias.normal_()
+        attn.out_proj.bias.normal_()
+    q, x = torch.randn(m, hidden, requires_grad=True), torch.randn(50, hidden, requires_grad=True)
+    got = cross_attention(q, x, attn)
+    grads = torch.autograd.grad(got.square().sum(), [q, x, attn.in_proj_weight, attn.in_proj_bias])
+    want = attn(q[None], x[None], x[None], need_weights=False)[0][0]
+    want_grads = torch.autograd.grad(want.square().sum(), [q, x, attn.in_proj_weight, attn.in_proj_bias])
+    assert got.shape == (m, hidden)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(grads[3][hidden:2 * hidden], torch.zeros(hidden), atol=1e-5, rtol=0)  # key bias: softmax ignores it
 
 
 def test_pool_is_the_window_mean_and_anchors_are_window_corners():
@@ -99,6 +121,24 @@ def test_gated_loss_sends_gradient_to_the_gate_and_every_learnable_compressor():
     for name in ("conv", "resampler"):  # the choices with parameters all train
         grads = [p.grad for p in head.visual.compressors[name].parameters()]
         assert any(g is not None and g.abs().sum() > 0 for g in grads), name
+
+
+def test_image_spans_match_a_scan_of_the_mask():
+    def scan(mask):  # the oracle: walk the mask
+        spans, start = [], None
+        for i, v in enumerate(mask + [False]):
+            if v and start is None:
+                start = i
+            elif not v and start is not None:
+                spans.append((start, i))
+                start = None
+        return spans
+
+    g = torch.Generator().manual_seed(0)
+    cases = [[], [True], [False], [True] * 5, [True, False, True], [False, True, True, False, False, True]]
+    cases += [(torch.rand(40, generator=g) < p).tolist() for p in (0.2, 0.5, 0.9)]
+    for mask in cases:
+        assert image_spans(torch.tensor(mask, dtype=torch.bool)) == scan(mask), mask
 
 
 def test_prompt_rows_keep_positions_and_hand_the_next_token_on():
@@ -202,9 +242,28 @@ def test_prefill_at_llava_scale_is_timed_round_robin_and_none_past_a_resamplers_
     variants = {"plain": VisualConfig(), "resampler@4x": VisualConfig("resampler", 4), "resampler@16x": VisualConfig("resampler", 16),
                 "pool@16x": VisualConfig("pool", 16)}
     got = prefill_at_scale(target, {n: _variant(target, v) for n, v in variants.items()}, rounds=3)
-    assert got["resampler@4x"] == {"ms": None, "vs_baseline": None}, "64 queries < 576 / 4"
+    assert got["resampler@4x"] == {"ms": None, "vs_baseline": None, "gflop": None}, "64 queries < 576 / 4"
     for name in ("plain", "resampler@16x", "pool@16x"):
         assert isinstance(got[name]["ms"], float) and got[name]["ms"] > 0 and got[name]["vs_baseline"] > 0, got
     assert got["plain"]["vs_baseline"] == 1.0, "the baseline against itself, round by round"
     no_base = prefill_at_scale(target, {"pool@16x": _variant(target, variants["pool@16x"])}, rounds=1)
     assert no_base["pool@16x"]["ms"] > 0 and no_base["pool@16x"]["vs_baseline"] is None
+
+
+def test_read_flops_of_the_plain_head_match_its_matrix_products_and_attention():
+    """The FLOP count the ablation reports, checked against the head's shapes: fc, q/k/v/o, the
+    MLP's three projections and attention (QK^T and PV over every key) for each of the n rows."""
+    from vlmspec.bench.ablation import read_flops, scale_prompt
+
+    target = tiny_target("llava")
+    drafter = _variant(target, VisualConfig())
+    c = drafter.head.config
+    n_image, n_text = 64, 8
+    ctx, root = scale_prompt(target, n_image, n_text)
+    n, h, i = n_image + n_text, c.hidden_size, c.intermediate_size
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    matmuls = 2 * n * (2 * h * h + h * q + 2 * h * kv + q * h + 3 * h * i)
+    attention = 4 * c.num_attention_heads * n * n * c.head_dim
+    assert read_flops(drafter, ctx, root) == matmuls + attention
+    pooled = read_flops(_variant(target, VisualConfig("pool", 16)), ctx, root)  # 64 image rows -> 4
+    assert pooled < read_flops(drafter, ctx, root) / 4

@@ -7,8 +7,9 @@ Suites:
           text-only, the gate, + decoupling (MSD), + global image feature (ViSpec).
 
 Per variant: mean accepted length (bonus included, CPU tree defaults) at T=0 and T=1, the
-drafter's prefill time (its read of the prompt rows, after the target's prefill) and the T=0
-end-to-end speedup over plain decoding (vlmspec `none`) on the same prompts.
+drafter's prefill time (its read of the prompt rows, after the target's prefill) on the test
+prompts and on a 576-image-token prompt (time and counted FLOPs), and the T=0 end-to-end speedup
+over plain decoding (vlmspec `none`) on the same prompts.
 
 "The best fixed compressor" and "the best variant" are picked on selection prompts (val split,
 T=0) and compared on the test prompts: picked and compared on the same prompts, the winner of
@@ -135,14 +136,31 @@ def _read_s(drafter: Any, ctx: PromptContext, root: int) -> float:
     return time.perf_counter() - t0
 
 
+def read_flops(drafter: Any, ctx: PromptContext, root: int) -> int:
+    """Floating-point operations of one read of the prompt rows (`_read_s`'s work), counted by
+    torch's FlopCounterMode: matrix products, plus attention, which the counter leaves out on CPU
+    (aten._scaled_dot_product_flash_attention_for_cpu), counted as QK^T and PV over every key
+    position (the mask is not read, as the kernel does not skip masked blocks by it)."""
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+    def cpu_sdpa(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+        return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+    mapping = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: cpu_sdpa}
+    with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+        drafter.start(ctx).propose(root, 0)
+    return int(counter.get_total_flops())
+
+
 @torch.no_grad()
 def prefill_at_scale(target: Target, drafters: dict[str, Any], rounds: int = 21, baseline: str = "plain",
                      n_image: int = 576, n_text: int = 48) -> dict[str, dict[str, float | None]]:
     """Each drafter's read of `scale_prompt`, timed round-robin: every round times every drafter
     once (order reversed on odd rounds), so a slow spell of the machine hits all of them alike.
     -> {name: {"ms": median ms over rounds, "vs_baseline": median over rounds of baseline time /
-    this time}}; both None for a drafter that cannot read that many image tokens (a resampler's
-    fixed query count), "vs_baseline" None without a measurable `baseline`."""
+    this time, "gflop": the read's GFLOP (`read_flops`)}}; all None for a drafter that cannot read
+    that many image tokens (a resampler's fixed query count), "vs_baseline" None without a
+    measurable `baseline`."""
     ctx, root = scale_prompt(target, n_image, n_text)
     able = {k: d for k, d in drafters.items() if _over_capacity(d, n_image) is None}
     for d in able.values():
@@ -155,10 +173,10 @@ def prefill_at_scale(target: Target, drafters: dict[str, Any], rounds: int = 21,
     out: dict[str, dict[str, float | None]] = {}
     for k in drafters:
         if k not in able:
-            out[k] = {"ms": None, "vs_baseline": None}
+            out[k] = {"ms": None, "vs_baseline": None, "gflop": None}
             continue
         ratio = median_high([b / t for b, t in zip(times[baseline], times[k])]) if baseline in able else None
-        out[k] = {"ms": 1000 * median_high(times[k]), "vs_baseline": ratio}
+        out[k] = {"ms": 1000 * median_high(times[k]), "vs_baseline": ratio, "gflop": read_flops(able[k], ctx, root) / 1e9}
     return out
 
 
@@ -296,6 +314,7 @@ def run(target: Target, which: str, steps: int, n_per_task: int, runs: Path, bas
     for r in rows:
         r["drafter_prefill_ms_576"] = scale[r["variant"]]["ms"]
         r["prefill_576_vs_plain"] = scale[r["variant"]]["vs_baseline"]
+        r["prefill_576_gflop"] = scale[r["variant"]]["gflop"]
         r["prefill_576_rounds"] = rounds
     return rows
 
@@ -329,6 +348,12 @@ def _vs_plain(r: dict[str, Any], plain: dict[str, Any]) -> float:
     return r.get("prefill_576_vs_plain") or plain["drafter_prefill_ms_576"] / r["drafter_prefill_ms_576"]
 
 
+def _flops_vs_plain(r: dict[str, Any], plain: dict[str, Any]) -> float | None:
+    """How many times fewer FLOPs r's read at 576 image tokens takes than the plain head's."""
+    a, b = plain.get("prefill_576_gflop"), r.get("prefill_576_gflop")
+    return a / b if a and b else None
+
+
 NONINFERIORITY = 0.03  # "as good as" within the 3% issue #5 allows compression to cost
 
 
@@ -347,9 +372,16 @@ def vision_goals(rows: list[dict[str, Any]]) -> list[str]:
         for r in at16:
             keep = min(r["tau_t0"] / plain["tau_t0"], r["tau_t1"] / plain["tau_t1"])
             cheaper = _vs_plain(r, plain)
+            fewer = _flops_vs_plain(r, plain)
             out.append(f"- {r['variant']}: accepted length {r['tau_t0']:.2f} / {r['tau_t1']:.2f} at T=0 / T=1 = "
                        f"{100 * keep:.0f}% of the plain head's at worst (goal >= 97%: {verdict(keep >= 0.97)}); "
-                       f"drafter prefill at 576 image tokens {cheaper:.1f}x cheaper (goal >= 4x: {verdict(cheaper >= 4)})")
+                       f"drafter prefill at 576 image tokens {cheaper:.1f}x cheaper in time (goal >= 4x: {verdict(cheaper >= 4)})"
+                       + (f", {fewer:.1f}x fewer FLOPs" if fewer else ""))
+        floor = next((r for r in rows if r["variant"].startswith("text_only") and r.get("drafter_prefill_ms_576")), None)
+        if floor:  # no image row at all: what no compressor can beat on this read
+            fewer = _flops_vs_plain(floor, plain)
+            out.append(f"- bound: {floor['variant']} (no image row at all) is {_vs_plain(floor, plain):.1f}x cheaper in time"
+                       + (f" ({fewer:.1f}x fewer FLOPs)" if fewer else "") + "; no compressor's read can be cheaper than that")
     if gate and fixed:
         best, how = _pick_best(fixed)
         line = (f"- gate@16x vs the best fixed compressor ({best['variant']}, {how}) at T=0: {gate['tau_t0']:.2f} vs "
@@ -383,17 +415,20 @@ def write_report(rows: list[dict[str, Any]], which: str, out: Path, env: dict[st
         + (f"; the best fixed compressor and the best variant picked on {env['selection_prompts']} selection prompts from the val split)"
            if env.get("selection_prompts") else ")"),
         "",
-        "| variant | tau T=0 | tau T=1 | drafter prefill (ms) | prefill at 576 image tokens (ms) | vs plain | speedup T=0 vs none |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| variant | tau T=0 | tau T=1 | drafter prefill (ms) | prefill at 576 image tokens (ms) | vs plain | GFLOP at 576 | vs plain | speedup T=0 vs none |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        at = r.get("drafter_prefill_ms_576")
+        at, gf = r.get("drafter_prefill_ms_576"), r.get("prefill_576_gflop")
         at_cells = (f"{at:.2f}", f"{_vs_plain(r, base):.1f}x cheaper") if at and base and base.get("drafter_prefill_ms_576") else ("-", "-")
+        fewer = _flops_vs_plain(r, base) if base else None
+        gf_cells = (f"{gf:.3f}", f"{fewer:.1f}x fewer" if fewer else "-") if gf else ("-", "-")
         lines.append(f"| {r['variant']} | {_ci(r, 'tau_t0')} | {_ci(r, 'tau_t1')} | {r['drafter_prefill_ms']:.2f} | "
-                     f"{at_cells[0]} | {at_cells[1]} | {r['speedup_t0']:.2f}x |")
+                     f"{at_cells[0]} | {at_cells[1]} | {gf_cells[0]} | {gf_cells[1]} | {r['speedup_t0']:.2f}x |")
     if any(r.get("prefill_576_rounds") for r in rows):
         lines += ["", f"Prefill at 576 image tokens: median of {rows[0]['prefill_576_rounds']} rounds in which every variant is "
-                  "timed once, in turn; 'vs plain' is the median over rounds of the plain head's time / the variant's."]
+                  "timed once, in turn; 'vs plain' is the median over rounds of the plain head's time / the variant's. "
+                  "GFLOP: one read counted by torch's FlopCounterMode (matrix products and attention)."]
     if which == "vision":
         goals = vision_goals(rows)
         if goals:
@@ -403,8 +438,11 @@ def write_report(rows: list[dict[str, Any]], which: str, out: Path, env: dict[st
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, max(3.5, 0.38 * len(rows) + 1)))
+    flops = any(r.get("prefill_576_gflop") for r in rows) and base is not None
+    fig, axes = plt.subplots(1, 3 if flops else 2, figsize=(19 if flops else 13, max(3.5, 0.38 * len(rows) + 1.5)))
+    a, b = axes[0], axes[1]
     names = [r["variant"] for r in rows][::-1]
     y = range(len(rows))
     for off, key, label in ((0.2, "tau_t0", "T=0"), (-0.2, "tau_t1", "T=1")):
@@ -414,7 +452,7 @@ def write_report(rows: list[dict[str, Any]], which: str, out: Path, env: dict[st
         a.barh([i + off for i in y], vals, height=0.4, xerr=err, capsize=2, label=f"{label} (95% interval)")
     a.set_yticks(list(y), names)
     a.set_xlabel("mean accepted length (held out)")
-    a.legend()
+    a.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, frameon=False)
     a.grid(axis="x", alpha=0.3)
     b.barh([i + 0.2 for i in y], [r.get("drafter_prefill_ms_576") or 0.0 for r in rows][::-1], height=0.4, color="tab:gray",
            label="576 image tokens (LLaVA-1.5 size)")
@@ -422,8 +460,22 @@ def write_report(rows: list[dict[str, Any]], which: str, out: Path, env: dict[st
            label="bundled target (9 image tokens)")
     b.set_yticks(list(y), [f"x{r['speedup_t0']:.2f}" for r in rows][::-1])
     b.set_xlabel("drafter prefill (ms); labels: end-to-end speedup at T=0")
-    b.legend()
+    b.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, frameon=False)
     b.grid(axis="x", alpha=0.3)
+    if flops:  # how much cheaper than the plain head, in time and in FLOPs, at 576 image tokens
+        c = axes[2]
+        timed = [_vs_plain(r, base) if r.get("drafter_prefill_ms_576") and base.get("drafter_prefill_ms_576") else 0.0 for r in rows][::-1]
+        fewer = [_flops_vs_plain(r, base) or 0.0 for r in rows][::-1]
+        c.barh([i + 0.2 for i in y], [max(t - 1, 0.0) for t in timed], left=1.0, height=0.4, color="tab:gray", label="x cheaper in time")
+        c.barh([i - 0.2 for i in y], [max(f - 1, 0.0) for f in fewer], left=1.0, height=0.4, color="tab:purple", label="x fewer FLOPs")
+        if which == "vision":
+            c.axvline(4.0, color="tab:red", linestyle="--", linewidth=1, label="goal at 16x: 4x")
+        c.set_xscale("log", base=2)
+        c.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
+        c.set_yticks(list(y), [""] * len(rows))
+        c.set_xlabel("vs the plain head at 576 image tokens (log scale)")
+        c.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, frameon=False)
+        c.grid(axis="x", alpha=0.3)
     fig.suptitle(f"ablation '{which}' at {rows[0]['steps'] if rows else 0} training steps each")
     fig.tight_layout()
     fig.savefig(out / "ablation.png", dpi=110)

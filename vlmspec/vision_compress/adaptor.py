@@ -90,14 +90,9 @@ class PromptRows:
 
 def image_spans(image_mask: torch.Tensor) -> list[tuple[int, int]]:
     """[L] bool -> [(start, end)) of each contiguous run of image tokens (one per image)."""
-    spans, start = [], None
-    for i, v in enumerate(image_mask.tolist() + [False]):
-        if v and start is None:
-            start = i
-        elif not v and start is not None:
-            spans.append((start, i))
-            start = None
-    return spans
+    edge = torch.zeros(1, dtype=torch.int8, device=image_mask.device)
+    step = torch.diff(image_mask.to(torch.int8), prepend=edge, append=edge)  # [L + 1]: +1 at a start, -1 at an end
+    return list(zip((step == 1).nonzero()[:, 0].tolist(), (step == -1).nonzero()[:, 0].tolist()))
 
 
 class VisualAdaptor(nn.Module):

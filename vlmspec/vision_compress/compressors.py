@@ -110,6 +110,33 @@ class StridedConv(Compressor):
         return self.pointwise(y.flatten(2)[0].T), window_anchors(grid, s, x.device)
 
 
+def cross_attention(q: torch.Tensor, x: torch.Tensor, attn: nn.MultiheadAttention) -> torch.Tensor:
+    """`attn(q, x, x)` for one sequence: q [m, H], x [n, H] -> [m, H], computed without
+    projecting the n tokens when that is cheaper.
+
+    Per head h (width d), scores = (q Wq_h + bq_h)(x Wk_h + bk_h)^T = ((q Wq_h + bq_h) Wk_h) x^T + c,
+    with c constant along each query's row, which softmax ignores; and P (x Wv_h + bv_h) =
+    (P x) Wv_h + bv_h since P's rows sum to 1. Folding Wk into the queries and Wv after the
+    weighting costs 2 * heads * m * n * H multiply-adds instead of 2 * n * H^2 + 2 * m * n * H
+    for the key / value projections: cheaper when m * (heads - 1) < H, e.g. the global feature's
+    single query, or 36 queries over 576 tokens at H >= 144. Same function either way."""
+    m, hidden = q.shape
+    heads = attn.num_heads
+    if m * (heads - 1) >= hidden or attn.in_proj_weight is None or attn.bias_k is not None:
+        return attn(q[None], x[None], x[None], need_weights=False)[0][0]
+    d = hidden // heads
+    wq, wk, wv = attn.in_proj_weight.to(x.dtype).chunk(3)  # [H, H] each; head h = rows h*d:(h+1)*d
+    bq, _, bv = (attn.in_proj_bias.to(x.dtype).chunk(3) if attn.in_proj_bias is not None else (None, None, None))
+    qh = F.linear(q, wq, bq).view(m, heads, d).transpose(0, 1)  # [heads, m, d]
+    a = qh @ wk.view(heads, d, hidden) * d**-0.5  # [heads, m, H]: the queries in x's space
+    p = torch.softmax(a @ x.T, dim=-1)  # [heads, m, n]
+    px = p @ x  # [heads, m, H]
+    out = (px @ wv.view(heads, d, hidden).transpose(1, 2)).transpose(0, 1).reshape(m, hidden)  # [m, H]
+    if bv is not None:
+        out = out + bv
+    return attn.out_proj(out)
+
+
 class Resampler(Compressor):
     """k learnable queries, one cross-attention layer over the image tokens (k = ceil(n/ratio))."""
 
@@ -125,10 +152,8 @@ class Resampler(Compressor):
         if m > self.queries.shape[0]:
             raise ValueError(f"resampler has {self.queries.shape[0]} queries, {m} needed; raise max_queries or the ratio")
         anchors = uniform_anchors(n, m, x.device)
-        kv = self.norm(x)[None]
-        q = self.queries[:m][None].to(x.dtype) + x[anchors][None]  # each query starts at its anchor's token
-        y, _ = self.attn(q, kv, kv, need_weights=False)
-        return y[0] + x[anchors], anchors
+        q = self.queries[:m].to(x.dtype) + x[anchors]  # [m, H]: each query starts at its anchor's token
+        return cross_attention(q, self.norm(x), self.attn) + x[anchors], anchors
 
 
 class TextOnly(Compressor):
