@@ -139,8 +139,8 @@ def _read_s(drafter: Any, ctx: PromptContext, root: int) -> float:
 def read_flops(drafter: Any, ctx: PromptContext, root: int) -> int:
     """Floating-point operations of one read of the prompt rows (`_read_s`'s work), counted by
     torch's FlopCounterMode: matrix products, plus attention, which the counter leaves out on CPU
-    (aten._scaled_dot_product_flash_attention_for_cpu), counted as QK^T and PV over every key
-    position (the mask is not read, as the kernel does not skip masked blocks by it)."""
+    (aten._scaled_dot_product_flash_attention_for_cpu), counted as QK^T and PV of every query
+    against every key (the read passes a dense mask, not a causal flag)."""
     from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
     def cpu_sdpa(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
