@@ -50,7 +50,7 @@ def test_ablation_runs_end_to_end_tiny(tmp_path, capsys):
     out = tmp_path / "report"
     only = ["plain", "pool@16x"]
     args = ["bench", "ablate", "--suite", "vision", "--model", str(model_dir), "--steps", "2", "--n", "1", "--n-select", "1",
-            "--max-new-tokens", "8", "--out", str(out), "--runs", str(tmp_path / "runs")]
+            "--max-new-tokens", "8", "--out", str(out), "--runs", str(tmp_path / "runs"), "--blocks", "2", "--pause", "0"]
     for name in only:
         args += ["--only", name]
     assert main(args) == 0, capsys.readouterr().out
@@ -64,7 +64,11 @@ def test_ablation_runs_end_to_end_tiny(tmp_path, capsys):
         assert len(r["per_prompt_select"]["forwards"]) == 7 and r["tau_select"] >= 1.0  # the val-split selection prompts
     assert report["rows"][0]["prefill_576_vs_plain"] == 1.0 and report["rows"][1]["prefill_576_vs_plain"] > 0
     assert (out / "ablation.png").stat().st_size > 0
-    assert "| plain |" in (out / "ablation.md").read_text() and "median of 21 rounds" in (out / "ablation.md").read_text()
+    md = (out / "ablation.md").read_text()
+    assert "| plain |" in md and "2 blocks of 21 rounds, seconds apart" in md
+    assert all(len(r["prefill_576_vs_plain_blocks"]) == 2 for r in report["rows"])
+    lo, hi = min(report["rows"][1]["prefill_576_vs_plain_blocks"]), max(report["rows"][1]["prefill_576_vs_plain_blocks"])
+    assert f"x cheaper ({lo:.1f}-{hi:.1f})" in md, "the blocks' range beside the pooled ratio"
 
     # --reuse loads the finished runs instead of retraining them; the measurements are the same
     assert main(args + ["--reuse", "--rounds", "2"]) == 0, capsys.readouterr().out

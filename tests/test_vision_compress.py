@@ -230,11 +230,13 @@ def test_prefill_at_llava_scale_is_timed_round_robin_and_none_past_a_resamplers_
     target = tiny_target("llava")
     variants = {"plain": VisualConfig(), "resampler@4x": VisualConfig("resampler", 4), "resampler@16x": VisualConfig("resampler", 16),
                 "pool@16x": VisualConfig("pool", 16)}
-    got = prefill_at_scale(target, {n: _variant(target, v) for n, v in variants.items()}, rounds=3)
-    assert got["resampler@4x"] == {"ms": None, "vs_baseline": None, "gflop": None}, "64 queries < 576 / 4"
+    got = prefill_at_scale(target, {n: _variant(target, v) for n, v in variants.items()}, rounds=3, blocks=2)
+    assert got["resampler@4x"] == {"ms": None, "vs_baseline": None, "vs_baseline_blocks": None, "gflop": None}, "64 queries < 576 / 4"
     for name in ("plain", "resampler@16x", "pool@16x"):
         assert isinstance(got[name]["ms"], float) and got[name]["ms"] > 0 and got[name]["vs_baseline"] > 0, got
-    assert got["plain"]["vs_baseline"] == 1.0, "the baseline against itself, round by round"
+        blocks = got[name]["vs_baseline_blocks"]
+        assert len(blocks) == 2 and min(blocks) <= got[name]["vs_baseline"] * (1 + 1e-9) and got[name]["gflop"] > 0
+    assert got["plain"]["vs_baseline"] == 1.0 and got["plain"]["vs_baseline_blocks"] == [1.0, 1.0], "the baseline against itself, round by round"
     no_base = prefill_at_scale(target, {"pool@16x": _variant(target, variants["pool@16x"])}, rounds=1)
     assert no_base["pool@16x"]["ms"] > 0 and no_base["pool@16x"]["vs_baseline"] is None
 
