@@ -281,7 +281,7 @@ def finished_run(run_dir: Path, cfg: DistillConfig, fingerprint: str) -> bool:
 
 
 def run(target: Target, which: str, steps: int, n_per_task: int, runs: Path, base: DistillConfig, max_new_tokens: int = 96,
-        only: list[str] | None = None, n_select: int = 0, reuse: bool = False, rounds: int = 21, blocks: int = 1,
+        only: list[str] | None = None, n_select: int = 0, reuse: bool = False, rounds: int = 21, blocks: int = 8,
         pause_s: float = 5.0) -> list[dict[str, Any]]:
     """Train and measure every variant of the suite (their run folders go under `runs`);
     `n_select` > 0 also measures tau at T=0 on that many selection prompts per task (val split).
