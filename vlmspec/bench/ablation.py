@@ -181,12 +181,12 @@ def prefill_at_scale(target: Target, drafters: dict[str, Any], rounds: int = 21,
     def ratios(k: str, blk: int) -> list[float]:
         return [b / t for b, t in zip(times[baseline][blk], times[k][blk])]
 
+    measured = baseline in able
     out: dict[str, dict[str, Any]] = {}
     for k in drafters:
         if k not in able:
             out[k] = {"ms": None, "vs_baseline": None, "vs_baseline_blocks": None, "gflop": None}
             continue
-        measured = baseline in able
         out[k] = {
             "ms": 1000 * median_high([t for blk in times[k] for t in blk]),
             "vs_baseline": median_high([x for blk in range(blocks) for x in ratios(k, blk)]) if measured else None,

@@ -122,7 +122,7 @@ def cross_attention(q: torch.Tensor, x: torch.Tensor, attn: nn.MultiheadAttentio
     single query, or 36 queries over 576 tokens at H >= 144. Same function either way."""
     m, hidden = q.shape
     heads = attn.num_heads
-    if m * (heads - 1) >= hidden or attn.in_proj_weight is None or attn.bias_k is not None:
+    if m * (heads - 1) >= hidden or attn.in_proj_weight is None or attn.bias_k is not None or (attn.training and attn.dropout > 0):
         return attn(q[None], x[None], x[None], need_weights=False)[0][0]
     d = hidden // heads
     wq, wk, wv = attn.in_proj_weight.to(x.dtype).chunk(3)  # [H, H] each; head h = rows h*d:(h+1)*d
