@@ -2,7 +2,7 @@
 import torch
 
 from vlmspec.draft.base import PromptContext
-from vlmspec.verify.tree import DraftTree
+from vlmspec.tree import DraftTree
 
 
 class OracleDrafter:
@@ -10,11 +10,13 @@ class OracleDrafter:
     front of every right token, so the verifier has to pick the matching child."""
 
     name = "oracle"
+    needs_visual = False
+    tree = None
 
     def __init__(self, continuation: list[int], depth: int, vocab: int, decoys: bool = True):
         self.continuation, self.depth, self.vocab, self.decoys = continuation, depth, vocab, decoys
 
-    def start(self, prompt: PromptContext):
+    def start(self, prompt: PromptContext, tree=None):
         return _OracleSession(self, prompt.token_ids.numel())
 
 

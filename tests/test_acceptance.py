@@ -6,7 +6,7 @@ import torch
 
 from vlmspec.sampling import SamplingParams, logits_to_probs
 from vlmspec.verify.acceptance import verify, verify_greedy, verify_sampling
-from vlmspec.verify.tree import DraftTree
+from vlmspec.tree import DraftTree
 
 V = 64
 

@@ -2,6 +2,7 @@
 import json
 
 from vlmspec.cli import main
+from vlmspec.target import load_target
 
 KEYS = ("tokens_per_s", "speedup_vs_hf_generate", "speedup_vs_vlmspec_none", "mean_accepted_length", "matches_reference")
 
@@ -17,7 +18,7 @@ def test_bench_end_to_end_tiny(tmp_path, capsys):
     from vlmspec.draft.eagle import EagleDrafter
     from vlmspec.target import Target
 
-    EagleDrafter.random_init(Target.load(model_dir)).save(tmp_path / "drafter")
+    EagleDrafter.random_init(load_target(model_dir)).save(tmp_path / "drafter")
     out = tmp_path / "out"
     code = main(["bench", "--model", str(model_dir), "--drafter", str(tmp_path / "drafter"), "-n", "2", "--max-new-tokens", "12", "--warmup", "0", "--out", str(out)])
     assert code == 0, capsys.readouterr().out

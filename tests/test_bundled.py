@@ -9,13 +9,17 @@ from vlmspec.data import toyworld
 from vlmspec.draft import NgramDrafter, NoDrafter
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.target import Target
+from vlmspec.target import load_target
+from vlmspec.prompts import encode_prompt
+from vlmspec.data.heldout import heldout
+from vlmspec.text import generate_text
 
 pytestmark = pytest.mark.skipif(assets.bundled_target() is None, reason="no bundled model in assets/")
 
 
 @pytest.fixture(scope="module")
 def target():
-    return Target.load(assets.BUNDLED_TARGET)
+    return load_target(assets.BUNDLED_TARGET)
 
 
 def test_loads_with_hf_auto_classes_offline(monkeypatch):
@@ -27,22 +31,21 @@ def test_loads_with_hf_auto_classes_offline(monkeypatch):
 
 
 def _held_out(task, n, offset=0):
-    lo = toyworld.SPLITS["test"][0] + 950_000 + offset
-    return [toyworld.make_sample(lo + i, task) for i in range(n)]
+    return [c.sample for c in heldout("smoke", n, per_task=True, tasks=(task,), seed=offset)]
 
 
 def test_answers_counting_questions(target):
     engine = SpecEngine(target, NgramDrafter())
     right = 0
     for s in _held_out("count", 10):
-        text = engine.generate(target.encode(s.prompt, [s.image]), GenerationConfig(max_new_tokens=24)).text
+        text = generate_text(engine, encode_prompt(target, s.prompt, [s.image]), GenerationConfig(max_new_tokens=24)).text
         right += toyworld.score(s, text)["counting"]
     assert right >= 7, f"{right}/10 held-out counting questions right"
 
 
 def test_engine_equals_hf_generate(target):
     for s in _held_out("describe", 2, offset=100):
-        inputs = target.encode(s.prompt, [s.image])
+        inputs = encode_prompt(target, s.prompt, [s.image])
         ref = target.model.generate(**inputs, max_new_tokens=80, do_sample=False)[0, inputs["input_ids"].shape[1] :].tolist()
         for drafter in (NoDrafter(), NgramDrafter()):
             got = SpecEngine(target, drafter).generate(inputs, GenerationConfig(max_new_tokens=80)).token_ids

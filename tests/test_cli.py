@@ -7,6 +7,8 @@ import pytest
 
 from vlmspec.cli import main
 from vlmspec.testing.tiny import build_tiny, tiny_image
+from vlmspec.target import load_target
+from vlmspec.prompts import encode_prompt
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +41,8 @@ def test_generate_json_keys_and_parity(capsys, model_dir, image_path):
     # the same tokens HF generate gives on the same saved model
     from vlmspec.target import Target
 
-    target = Target.load(model_dir)
-    inputs = target.encode("describe", [tiny_image(0)])
+    target = load_target(model_dir)
+    inputs = encode_prompt(target, "describe", [tiny_image(0)])
     ref = target.model.generate(**inputs, max_new_tokens=12, do_sample=False)[0, inputs["input_ids"].shape[1] :].tolist()
     assert rec["token_ids"] == ref
     assert rec["mean_accepted_length"] >= 1.0 and rec["num_target_forwards"] >= 1

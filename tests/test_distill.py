@@ -10,6 +10,7 @@ from vlmspec.draft.eagle import EagleDrafter
 from vlmspec.testing.tiny import tiny_image
 from vlmspec.train.data import DataError, load_jsonl
 from vlmspec.train.distill import DistillConfig, train_drafter
+from vlmspec.prompts import encode_prompt
 
 
 def _cfg(**kw):
@@ -79,13 +80,14 @@ def test_regenerated_answers_are_the_targets_own_and_cached(tmp_path):
     from vlmspec.draft import NoDrafter
     from vlmspec.engine import GenerationConfig, SpecEngine
     from vlmspec.train.data import Conversation
+    from vlmspec.text import generate_text
     from vlmspec.train.distill import AnswerCache
 
     target = tiny_target("llava")
     cache = AnswerCache(tmp_path / "a.jsonl", target, max_new_tokens=8)
     c = Conversation("what is it?", "a dataset answer", [tiny_image(4)], "describe")
     got = cache(c)
-    ref = SpecEngine(target, NoDrafter()).generate(target.encode(c.prompt, c.images), GenerationConfig(max_new_tokens=8)).text
+    ref = generate_text(SpecEngine(target, NoDrafter()), encode_prompt(target, c.prompt, c.images), GenerationConfig(max_new_tokens=8)).text
     assert got.answer == ref != c.answer and got.images == c.images
     again = AnswerCache(tmp_path / "a.jsonl", target, max_new_tokens=8)
     assert again(c).answer == ref and again.generated == 0, "read back from disk, not generated again"

@@ -9,6 +9,7 @@ from vlmspec.draft import load_drafter
 from vlmspec.draft.base import DraftSession, Drafter, NoDrafter, PromptContext, TreeConfig
 from vlmspec.draft.eagle import DrafterLoadError, EagleDrafter
 from vlmspec.draft.ngram import NgramConfig, NgramDrafter
+from vlmspec.prompts import encode_prompt
 
 
 def _ctx(ids, hidden=8):
@@ -52,7 +53,7 @@ def test_eagle_tree_shape_follows_config():
     target = tiny_target("llava")
     cfg = TreeConfig(depth=4, top_k=3, total_tokens=10)
     d = EagleDrafter.random_init(target, cfg)
-    inputs = target.encode("hello there")
+    inputs = encode_prompt(target, "hello there")
     _, out = target.prefill(inputs)
     s = d.start(PromptContext(inputs["input_ids"][0], out.features))
     tree = s.propose(5, max_depth=10)

@@ -10,6 +10,8 @@ from vlmspec.draft.ngram import NgramDrafter
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.sampling import SamplingParams
 from vlmspec.testing.tiny import tiny_image
+from vlmspec.prompts import encode_prompt
+from vlmspec.text import decode, generate_text, stream_text
 
 NEW = 64
 PROMPTS = {
@@ -21,7 +23,7 @@ PROMPTS = {
 
 def _inputs(target, kind):
     text, seeds = PROMPTS[kind]
-    return target.encode(text, [tiny_image(s) for s in seeds])
+    return encode_prompt(target, text, [tiny_image(s) for s in seeds])
 
 
 def _hf_greedy(target, inputs):
@@ -95,9 +97,9 @@ def test_stops_on_eos_and_stop_string():
         target.eos_token_ids = saved
     assert result.token_ids == ref[: first + 1] and result.finish_reason == "stop"
     # a stop string taken from the greedy text: the text ends right before it
-    full = target.decode(ref)
+    full = decode(target.tokenizer, ref)
     stop = full[20:26]
-    result = engine.generate(inputs, GenerationConfig(max_new_tokens=NEW, ignore_eos=True, stop=(stop,)))
+    result = generate_text(engine, inputs, GenerationConfig(max_new_tokens=NEW, ignore_eos=True), stop=(stop,))
     assert result.finish_reason == "stop" and result.text == full[: full.find(stop)]
 
 
@@ -126,9 +128,9 @@ def test_prompt_beyond_context_is_refused():
 def test_streamed_text_concatenates_to_the_final_text():
     target = tiny_target("llava")
     inputs = _inputs(target, "one_image")
-    ref_text = target.decode(_hf_greedy(target, inputs))
+    ref_text = decode(target.tokenizer, _hf_greedy(target, inputs))
     for stop in ((), (ref_text[30:34],)):
-        gen = SpecEngine(target, NgramDrafter()).stream(inputs, GenerationConfig(max_new_tokens=NEW, ignore_eos=True, stop=stop))
+        gen = stream_text(SpecEngine(target, NgramDrafter()), inputs, GenerationConfig(max_new_tokens=NEW, ignore_eos=True), stop=stop)
         streamed = "".join(event.text for event in gen)
-        assert streamed == gen.result.text
-        assert gen.result.text == (ref_text if not stop else ref_text[: ref_text.find(stop[0])])
+        assert streamed == gen.completion.text
+        assert gen.completion.text == (ref_text if not stop else ref_text[: ref_text.find(stop[0])])

@@ -6,6 +6,8 @@ import sys
 import textwrap
 
 import pytest
+from vlmspec.prompts import encode_prompt
+from vlmspec.target import set_attention
 
 SCRIPT = textwrap.dedent(
     """
@@ -15,15 +17,15 @@ SCRIPT = textwrap.dedent(
     from vlmspec.engine import SpecEngine, GenerationConfig
     from vlmspec.draft import TreeConfig
     from vlmspec.draft.eagle import EagleDrafter
-    from vlmspec.verify import triton_attention as ta
+    from vlmspec.kernels import tree_attention as ta
 
     out = {}
     for arch in sys.argv[1].split(","):
         model, processor = build_tiny(arch)
         target = Target(model, processor)
-        inputs = target.encode("describe the image", [tiny_image(0)])
+        inputs = encode_prompt(target, "describe the image", [tiny_image(0)])
         ref = model.generate(**inputs, max_new_tokens=12, do_sample=False, eos_token_id=None)[0, inputs["input_ids"].shape[1]:].tolist()
-        impl = target.set_attention("triton")
+        impl = set_attention(target.model, "triton")
         ta.reset_stats()
         # a random EAGLE head always drafts a full tree (and runs its own layer through the kernel)
         drafter = EagleDrafter.random_init(target, TreeConfig(depth=3, top_k=2, total_tokens=6))

@@ -1,7 +1,7 @@
 """Tier 1: tree masks and position ids on constructed trees."""
 import torch
 
-from vlmspec.verify.tree import DraftTree, ancestor_mask, tree_attention_mask
+from vlmspec.tree import DraftTree, ancestor_mask, tree_attention_mask
 
 #        0
 #      /   \

@@ -19,8 +19,8 @@ import zlib
 import pytest
 import torch
 
-from vlmspec.verify import triton_attention as ta
-from vlmspec.verify.tree import ancestor_mask, tree_attention_mask
+from vlmspec.kernels import tree_attention as ta
+from vlmspec.tree import ancestor_mask, tree_attention_mask
 
 # ---------------------------------------------------------------------------------------------
 # Cases run under the interpreter (a covering set, not the full product)
@@ -308,7 +308,7 @@ def test_hf_function_falls_back_to_sdpa_on_cpu() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU exit")
 def test_kernel_bench_needs_gpu(capsys: pytest.CaptureFixture) -> None:
-    from vlmspec.verify.kernel_bench import main
+    from vlmspec.bench.kernel import main
 
     assert main(["--prefix", "64", "--tree", "4"]) == 2
     err = capsys.readouterr().err.strip()
@@ -344,7 +344,7 @@ def test_kernel_cuda(dtype: torch.dtype, g: int, n: int, p: int, d: int) -> None
 @pytest.mark.gpu
 @needs_cuda
 def test_kernel_bench_runs(tmp_path) -> None:
-    from vlmspec.verify.kernel_bench import main
+    from vlmspec.bench.kernel import main
 
     out = tmp_path / "bench.json"
     assert main(["--prefix", "128", "--tree", "16", "--repeats", "5", "--warmup", "2", "--json", str(out)]) == 0

@@ -12,6 +12,8 @@ from vlmspec.testing.tiny import tiny_image
 from vlmspec.train.distill import DistillConfig, train_drafter
 from vlmspec.vision_compress import FIXED, VisualAdaptor, VisualConfig, build, image_spans
 from vlmspec.vision_compress.compressors import Gate, cross_attention, kept_tokens, token_grid
+from vlmspec.prompts import encode_prompt
+from vlmspec.target import set_attention
 
 H = 16
 
@@ -151,7 +153,7 @@ def test_prompt_rows_keep_positions_and_hand_the_next_token_on():
 
 def test_mrope_positions_of_compressed_tokens_come_from_the_target():
     target = tiny_target("qwen2_5_vl")
-    inputs = target.encode("what is it?", [tiny_image(2, size=56)])
+    inputs = encode_prompt(target, "what is it?", [tiny_image(2, size=56)])
     pos, _ = target._prefill_positions(inputs)  # [3, 1, L]
     mask = inputs["input_ids"][0] == target.model.config.image_token_id
     span = image_spans(mask)[0]
@@ -185,23 +187,23 @@ VARIANTS = [
 
 def test_captured_attention_equals_eager_attention(arch):
     target = tiny_target(arch)
-    inputs = target.encode("what is this?", [tiny_image(1)])
+    inputs = encode_prompt(target, "what is this?", [tiny_image(1)])
     _, out = target.prefill(inputs, visual=True)
     assert out.image_embeds.shape == (int(out.image_mask.sum()), target.hidden_size)
     pos, _ = target._prefill_positions(inputs)
     saved = target.attention
-    target.set_attention("eager")
+    set_attention(target.model, "eager")
     try:
         kw = {**inputs, **({"position_ids": pos} if pos is not None else {})}
         ref = target.model(**kw, output_attentions=True, return_dict=True).attentions[-1][0, :, -1].float().mean(0)
     finally:
-        target.set_attention(saved if saved in ("sdpa", "eager") else "sdpa")
+        set_attention(target.model, saved if saved in ("sdpa", "eager") else "sdpa")
     assert torch.allclose(out.attention, ref, atol=1e-6)
 
 
 def test_greedy_parity_for_every_variant(arch):
     target = tiny_target(arch)
-    inputs = target.encode("describe the picture", [tiny_image(3)])
+    inputs = encode_prompt(target, "describe the picture", [tiny_image(3)])
     gc = GenerationConfig(max_new_tokens=20)
     ref = SpecEngine(target, NoDrafter()).generate(inputs, gc).token_ids
     for vis in VARIANTS:
@@ -219,7 +221,7 @@ def test_variants_train_save_and_load(tmp_path):
         assert loaded.head.config.visual == vis and loaded.needs_visual
         a, b = trained.head.state_dict(), loaded.head.state_dict()
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-        inputs = target.encode("how many?", [tiny_image(5)])
+        inputs = encode_prompt(target, "how many?", [tiny_image(5)])
         gc = GenerationConfig(max_new_tokens=12)
         assert SpecEngine(target, loaded).generate(inputs, gc).token_ids == SpecEngine(target, NoDrafter()).generate(inputs, gc).token_ids
 

@@ -154,7 +154,7 @@ def _bench_verify_cost(argv: list[str]) -> int:
 
 
 def _bench_kernel(argv: list[str]) -> int:
-    from vlmspec.verify.kernel_bench import main as run
+    from vlmspec.bench.kernel import main as run
 
     return run(argv)
 

@@ -1,14 +1,16 @@
-"""The speculative decoding loop: draft a tree, verify it in one target forward, commit, repeat.
+"""The speculative decoding loop, on token ids: draft a tree, verify it in one target forward, commit.
 
     prefill -> first token (root)
-    loop:  tree    = session.propose(root)           # drafter
-           out     = target.forward_tree(tree)       # ONE target forward over all N nodes
-           verdict = verify(tree, out.logits)        # accepted path + recovered/bonus token
-           target.commit(path); session.commit(...)  # keep the accepted KV entries
+    loop:  tree    = session.propose(root, max_depth)    # drafter
+           out     = target.forward_tree(state, tree)   # ONE target forward over all N nodes
+           verdict = verify(tree, out.logits)           # accepted path + recovered/bonus token
+           target.commit(state, path); session.commit(...)  # keep the accepted KV entries
            emit accepted tokens + next token; root = next token
 
 With the `none` drafter every tree is the root alone and this is plain autoregressive decoding,
-which is the oracle every other drafter is tested against.
+which is the oracle every other drafter is tested against. The engine knows token ids only:
+detokenization, stop strings and hold-back live in `vlmspec.text`, wrapped around it. Everything
+one request needs travels in its `GenerationConfig` and its `_Request` state, never on the engine.
 """
 
 from __future__ import annotations
@@ -19,55 +21,68 @@ from typing import Any, Iterator
 
 import torch
 
-from vlmspec.draft.base import Drafter, PromptContext
+from vlmspec.draft.base import Drafter, PromptContext, TreeConfig
 from vlmspec.sampling import SamplingParams, next_token
-from vlmspec.target import ContextLengthError, Target
+from vlmspec.stats import SpecStats
+from vlmspec.target import Target, TargetState
 from vlmspec.verify.acceptance import verify
+
+TIMING_KEYS = ("prefill", "draft", "verify", "commit", "other")
 
 
 @dataclass
 class GenerationConfig:
+    """Per-request options of the token-level engine."""
+
     max_new_tokens: int = 128
     sampling: SamplingParams = field(default_factory=SamplingParams)
     seed: int | None = None
-    stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    tree: TreeConfig | None = None  # this request's draft-tree shape (None: the drafter's default)
+    sync_timings: bool = True  # on CUDA, synchronise before each timing lap (exact split, one sync per lap)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        self.stop = tuple(s for s in self.stop if s)
 
 
 @dataclass
 class StepEvent:
     """What one target forward pass produced."""
 
-    token_ids: list[int]  # tokens emitted to the user by this pass (after stop truncation)
+    token_ids: list[int]  # tokens emitted by this pass (cut at EOS / max tokens)
     num_drafted: int  # drafted nodes in the tree (root excluded)
     num_accepted: int  # accepted drafted tokens (tau of this pass = num_accepted + 1)
-    text: str = ""  # the new text since the previous event (stop strings cut off)
 
 
 @dataclass
 class GenerationResult:
     token_ids: list[int]
-    text: str
-    finish_reason: str  # "stop" (EOS or a stop string) | "length" (max tokens or context)
+    finish_reason: str  # "stop" (EOS) | "length" (max tokens or context)
     prompt_tokens: int
-    num_target_forwards: int  # prefill + verify forwards
-    num_drafted: int
-    num_accepted: int
-    mean_accepted_length: float  # tokens per verify forward, bonus included (1.0 for plain decoding)
-    depth_reached: list[int]  # [d-1]: verify passes whose tree had a drafted node at depth d
-    depth_accepted: list[int]  # [d-1]: verify passes that accepted a token at depth d
+    stats: SpecStats  # counters of this generation's verify forwards
     elapsed_s: float
     timings: dict[str, float]  # seconds: prefill, draft, verify, commit, other
 
     @property
+    def num_target_forwards(self) -> int:  # prefill + verify forwards
+        return 1 + self.stats.num_drafts
+
+    @property
+    def num_drafted(self) -> int:
+        return self.stats.num_draft_tokens
+
+    @property
+    def num_accepted(self) -> int:
+        return self.stats.num_accepted_tokens
+
+    @property
+    def mean_accepted_length(self) -> float:  # tokens per verify forward, bonus included
+        return self.stats.mean_accepted_length
+
+    @property
     def acceptance_by_position(self) -> list[float]:
-        """P(the drafted token at depth d is accepted | the tree reached depth d), d = 1, 2, ..."""
-        return [h / r for h, r in zip(self.depth_accepted, self.depth_reached)]
+        return self.stats.acceptance_by_position
 
     @property
     def tokens_per_s(self) -> float:
@@ -75,7 +90,6 @@ class GenerationResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "text": self.text,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
             "prompt_tokens": self.prompt_tokens,
@@ -90,26 +104,52 @@ class GenerationResult:
         }
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.t: dict[str, float] = {"prefill": 0.0, "draft": 0.0, "verify": 0.0, "commit": 0.0, "other": 0.0}
+class Clock:
+    """Wall-clock laps by phase. On CUDA it synchronises first, so GPU work lands in its own phase."""
+
+    def __init__(self, device: torch.device, sync: bool = True) -> None:
+        self.t = dict.fromkeys(TIMING_KEYS, 0.0)
+        self._sync = sync and device.type == "cuda"
         self._last = time.perf_counter()
 
     def lap(self, key: str) -> None:
+        if self._sync:
+            torch.cuda.synchronize()
         now = time.perf_counter()
         self.t[key] += now - self._last
         self._last = now
 
 
 class Generation:
-    """An iterable of StepEvents; `result` is set once iteration ends (or the consumer stops)."""
+    """An iterable of StepEvents; `result` is set once iteration ends. `close()` stops it early."""
 
-    def __init__(self, it: Iterator[StepEvent]) -> None:
-        self._it = it
+    def __init__(self, engine: "SpecEngine", inputs: dict[str, torch.Tensor], config: GenerationConfig) -> None:
         self.result: GenerationResult | None = None
+        self._it = engine._run(inputs, config, self)
 
     def __iter__(self) -> Iterator[StepEvent]:
         return self._it
+
+    def close(self) -> None:
+        self._it.close()
+
+
+@dataclass
+class _Request:
+    """One request's decoding state (nothing of it lives on the engine)."""
+
+    config: GenerationConfig
+    state: TargetState
+    session: Any  # DraftSession
+    rng: torch.Generator | None
+    eos: set[int]
+    clock: Clock
+    prompt_tokens: int
+    root: int = -1  # last emitted token, not yet in the target's KV cache
+    emitted: list[int] = field(default_factory=list)
+    stats: SpecStats = field(default_factory=SpecStats)
+    finish: str = "length"
+    done: bool = False
 
 
 class SpecEngine:
@@ -125,124 +165,75 @@ class SpecEngine:
         return gen.result
 
     def stream(self, inputs: dict[str, torch.Tensor], config: GenerationConfig) -> Generation:
-        gen = Generation(iter(()))
-        gen._it = self._run(inputs, config, gen)
-        return gen
+        return Generation(self, inputs, config)
 
+    # ---------------------------------------------------------------- the loop
     def _run(self, inputs: dict[str, torch.Tensor], config: GenerationConfig, gen: Generation) -> Iterator[StepEvent]:
-        target, params = self.target, config.sampling
-        rng = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
-        eos = set() if config.ignore_eos else target.eos_token_ids
         t_start = time.perf_counter()
-        clock = _Clock()
+        req = self._start(inputs, config)  # raises before anything was emitted (e.g. ContextLengthError)
+        try:
+            yield self._emit(req, [req.root], 0, 0)
+            while not req.done:
+                event = self._step(req)
+                if event is None:
+                    break
+                yield event
+        finally:
+            gen.result = GenerationResult(req.emitted, req.finish, req.prompt_tokens, req.stats,
+                                          time.perf_counter() - t_start, dict(req.clock.t))
 
-        state, out = target.prefill(inputs, visual=getattr(self.drafter, "needs_visual", False))
-        prompt_len = state.seq_len
+    def _start(self, inputs: dict[str, torch.Tensor], config: GenerationConfig) -> _Request:
+        """Prefill, open the drafter's session, pick the first token."""
+        target = self.target
+        clock = Clock(target.device, config.sync_timings)
+        state, out = target.prefill(inputs, visual=self.drafter.needs_visual)
         clock.lap("prefill")
-        session = self.drafter.start(
-            PromptContext(inputs["input_ids"][0].cpu(), out.features, inputs, out.image_mask, out.image_embeds, out.attention)
-        )
+        prompt = PromptContext(inputs["input_ids"][0].cpu(), out.features, inputs, out.image_mask, out.image_embeds, out.attention)
+        session = self.drafter.start(prompt, config.tree)
         clock.lap("draft")
+        rng = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
+        req = _Request(config, state, session, rng, set() if config.ignore_eos else target.eos_token_ids, clock, state.seq_len)
+        req.root = next_token(out.logits[0], config.sampling, rng)
+        return req
 
-        emitted: list[int] = []
-        text_sent = full_text = ""
-        finish = "length"
-        forwards, drafted, accepted = 1, 0, 0
-        reached: list[int] = []  # reached[d-1]: passes whose tree had a drafted node at depth d
-        hits: list[int] = []  # hits[d-1]: passes that accepted a token at depth d
+    def _step(self, req: _Request) -> StepEvent | None:
+        """One draft -> verify -> commit round. None when the context is full."""
+        target, clock, state = self.target, req.clock, req.state
+        room = target.max_positions - state.seq_len - 1  # the deepest node's position must stay in context
+        if room < 0:
+            return None
+        max_depth = min(req.config.max_new_tokens - len(req.emitted) - 1, room)
+        tree = req.session.propose(req.root, max_depth).truncate_depth(max_depth)
+        clock.lap("draft")
+        out = target.forward_tree(state, tree)
+        verdict = verify(tree, out.logits, req.config.sampling, req.rng)
+        clock.lap("verify")
+        target.commit(state, verdict.path)
+        path = torch.tensor(verdict.path, dtype=torch.long)
+        clock.lap("commit")
+        req.session.commit(tree.tokens[path], out.features[path.to(out.features.device)])
+        clock.lap("draft")
+        req.stats.observe(tree.size - 1, verdict.num_accepted, int(tree.depth.max()))
+        req.root = verdict.next_token
+        event = self._emit(req, tree.tokens[path[1:]].tolist() + [verdict.next_token], tree.size - 1, verdict.num_accepted)
+        if not req.done and state.seq_len >= target.max_positions:
+            req.done = True
+        return event
 
-        hold_back = max((len(s) for s in config.stop), default=1) - 1
-
-        def emit(new: list[int], n_drafted: int, n_acc: int) -> tuple[StepEvent, bool]:
-            """Append tokens, apply EOS / stop strings / max tokens -> (event, finished)."""
-            nonlocal finish, text_sent, full_text
-            stop_now = False
-            keep: list[int] = []
-            for tok in new:
-                keep.append(tok)
-                if tok in eos:
-                    finish, stop_now = "stop", True
-                    break
-                if len(emitted) + len(keep) >= config.max_new_tokens:
-                    stop_now = True
-                    break
-            emitted.extend(keep)
-            text = target.decode(emitted)
-            if config.stop:
-                cut = min((i for i in (text.find(s) for s in config.stop) if i >= 0), default=-1)
-                if cut >= 0:
-                    text, finish, stop_now = text[:cut], "stop", True
-            full_text = visible = text
-            if not stop_now:
-                # hold back a half-decoded character and what could be the start of a stop string
-                visible = visible.rstrip("\ufffd")
-                visible = visible[: max(len(text_sent), len(visible) - hold_back)]
-            delta = visible[len(text_sent) :] if visible.startswith(text_sent) else ""
-            text_sent = visible if visible.startswith(text_sent) else text_sent
-            return StepEvent(keep, n_drafted, n_acc, delta), stop_now
-
-        root = next_token(out.logits[0], params, rng)
-        event, done = emit([root], 0, 0)
-        clock.lap("other")
-        yield event
-        while not done:
-            remaining = config.max_new_tokens - len(emitted)
-            room = target.max_positions - state.seq_len - 1  # deepest node position must stay in context
-            if room < 0:
-                finish = "length"
+    def _emit(self, req: _Request, new: list[int], num_drafted: int, num_accepted: int) -> StepEvent:
+        """Append tokens up to EOS / max tokens; marks the request done when either is reached."""
+        keep: list[int] = []
+        for tok in new:
+            keep.append(tok)
+            if tok in req.eos:
+                req.finish, req.done = "stop", True
                 break
-            max_depth = min(remaining - 1, room)
-            tree = session.propose(root, max_depth).truncate_depth(max_depth)
-            clock.lap("draft")
-            out = target.forward_tree(state, tree)
-            verdict = verify(tree, out.logits, params, rng)
-            clock.lap("verify")
-            target.commit(state, verdict.path)
-            path = torch.tensor(verdict.path, dtype=torch.long)
-            clock.lap("commit")
-            session.commit(tree.tokens[path], out.features[path.to(out.features.device)])
-            clock.lap("draft")
-
-            forwards += 1
-            n_drafted = tree.size - 1
-            drafted += n_drafted
-            accepted += verdict.num_accepted
-            max_d = int(tree.depth.max())
-            for d in range(1, max_d + 1):
-                if d > len(reached):
-                    reached.append(0)
-                    hits.append(0)
-                reached[d - 1] += 1
-                hits[d - 1] += d <= verdict.num_accepted
-            new = tree.tokens[path[1:]].tolist() + [verdict.next_token]
-            root = verdict.next_token
-            event, done = emit(new, n_drafted, verdict.num_accepted)
-            clock.lap("other")
-            yield event
-            if done:
+            if len(req.emitted) + len(keep) >= req.config.max_new_tokens:
+                req.done = True
                 break
-            if state.seq_len >= target.max_positions:
-                finish = "length"
-                break
-
-        if full_text != text_sent and full_text.startswith(text_sent):  # flush what was held back
-            yield StepEvent([], 0, 0, full_text[len(text_sent) :])
-        elapsed = time.perf_counter() - t_start
-        verify_forwards = forwards - 1
-        gen.result = GenerationResult(
-            token_ids=emitted,
-            text=full_text,
-            finish_reason=finish,
-            prompt_tokens=prompt_len,
-            num_target_forwards=forwards,
-            num_drafted=drafted,
-            num_accepted=accepted,
-            mean_accepted_length=(accepted + verify_forwards) / verify_forwards if verify_forwards else 1.0,
-            depth_reached=reached,
-            depth_accepted=hits,
-            elapsed_s=elapsed,
-            timings=dict(clock.t),
-        )
+        req.emitted.extend(keep)
+        req.clock.lap("other")
+        return StepEvent(keep, num_drafted, num_accepted)
 
 
-__all__ = ["SpecEngine", "GenerationConfig", "GenerationResult", "StepEvent", "Generation", "ContextLengthError"]
+__all__ = ["SpecEngine", "GenerationConfig", "GenerationResult", "StepEvent", "Generation", "Clock"]

@@ -43,6 +43,8 @@ from vlmspec.target import Target
 from vlmspec.train.data import Conversation, toyworld_conversation
 from vlmspec.train.distill import DistillConfig, train_drafter
 from vlmspec.vision_compress import FIXED, VisualConfig
+from vlmspec.target import load_target
+from vlmspec.prompts import encode_prompt
 
 
 @dataclass
@@ -82,7 +84,7 @@ def drafter_prefill_ms(target: Target, drafter: Any, prompts: list[Conversation]
     for c in prompts:
         if not c.images:
             continue
-        inputs = target.encode(c.prompt, c.images)
+        inputs = encode_prompt(target, c.prompt, c.images)
         _, out = target.prefill(inputs, visual=getattr(drafter, "needs_visual", False))
         ctx = PromptContext(inputs["input_ids"][0], out.features, inputs, out.image_mask, out.image_embeds, out.attention)
         root = int(out.logits.argmax())
@@ -204,7 +206,7 @@ def run_prompts(target: Target, drafter: Any, prompts: list[Conversation], tempe
     emitted, forwards = [], []
     seconds, tokens = 0.0, 0
     for i, c in enumerate(prompts):
-        inputs = target.encode(c.prompt, c.images)
+        inputs = encode_prompt(target, c.prompt, c.images)
         cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature=temperature), seed=i)
         t0 = time.perf_counter()
         r = engine.generate(inputs, cfg)
@@ -250,7 +252,7 @@ def gate_picks(target: Target, drafter: Any, prompts: list[Conversation]) -> dic
     for c in prompts:
         if not c.images:
             continue
-        inputs = target.encode(c.prompt, c.images)
+        inputs = encode_prompt(target, c.prompt, c.images)
         ids = inputs["input_ids"][0].to(target.device)
         q = question_embedding(drafter.head, ids, ids == img)
         name = visual.names[int(visual.gate(q).argmax())]
@@ -537,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     from vlmspec.cli import resolve_model_and_drafter
 
     model, _ = resolve_model_and_drafter(a.model, "none")
-    target = Target.load(model)
+    target = load_target(model)
     out = Path(a.out)
     base = DistillConfig(batch_size=a.batch_size, lr=a.lr, ckpt_every=10**9)
     runs = Path(a.runs or f"runs/ablate-{a.suite}")

@@ -30,6 +30,8 @@ from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.sampling import SamplingParams
 from vlmspec.target import Target
 from vlmspec.train.data import Conversation, load_jsonl, toyworld_conversation
+from vlmspec.target import load_target
+from vlmspec.prompts import encode_prompt
 
 BREAKDOWN = ("vision", "prefill", "draft", "verify", "commit", "other")
 
@@ -194,7 +196,7 @@ def run_bench(
         methods[f"vlmspec_{name}"] = spec(d)
     stats = {m: MethodStats() for m in methods}
     names = list(methods)
-    encoded = [target.encode(c.prompt, c.images) for c in prompts]
+    encoded = [encode_prompt(target, c.prompt, c.images) for c in prompts]
     total = len(encoded) * (warmup + repeats) * len(names)
     bar = tqdm(total=total, desc="bench", disable=not progress, dynamic_ncols=True)
     for pi, inputs in enumerate(encoded):
@@ -355,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.n < 1 or a.max_new_tokens < 1 or a.temperature < 0 or a.warmup < 0 or a.repeats < 1:
         raise UsageError("-n, --max-new-tokens, --repeats must be >= 1; --warmup and --temperature >= 0")
     model, auto_drafter = resolve_model_and_drafter(a.model, "auto")
-    target = Target.load(model, device=a.device, dtype=torch.bfloat16 if a.device.startswith("cuda") else torch.float32)
+    target = load_target(model, device=a.device, dtype=torch.bfloat16 if a.device.startswith("cuda") else torch.float32)
     base = TreeConfig.for_device(a.device)
     tree = TreeConfig(a.tree_depth or base.depth, a.tree_topk or base.top_k, a.tree_tokens or base.total_tokens)
     drafters: dict[str, Any] = {"none": NoDrafter(), "ngram": NgramDrafter(tree)}

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from vlmspec.target import Target
-from vlmspec.verify.tree import DraftTree
+from vlmspec.tree import DraftTree
+from vlmspec.target import load_target
 
 SHAPES: dict[str, dict[str, int]] = {
     # the bundled target's text decoder (issue #3)
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if a.device.startswith("cuda") else torch.float32)
     sizes = [int(s) for s in a.sizes.split(",")]
     torch.manual_seed(0)
-    target = Target.load(a.model, device=a.device, dtype=dtype) if a.model else synthetic_target(a.shape, a.device, dtype, a.layers)
+    target = load_target(a.model, device=a.device, dtype=dtype) if a.model else synthetic_target(a.shape, a.device, dtype, a.layers)
     with torch.no_grad():
         rows = run(target, a.prefix, sizes, a.repeats, a.warmup)
     env = {"device": a.device, "dtype": str(dtype), "threads": torch.get_num_threads(), "torch": torch.__version__, "target": target.name, "prefix": a.prefix}

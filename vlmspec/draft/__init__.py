@@ -6,6 +6,7 @@ from pathlib import Path
 
 from vlmspec.draft.base import Drafter, DraftSession, NoDrafter, PromptContext, TreeConfig
 from vlmspec.draft.ngram import NgramDrafter
+from vlmspec.errors import DrafterLoadError
 
 MODEL_FREE = ("none", "ngram")
 
@@ -18,8 +19,6 @@ def load_drafter(spec: str, target, tree: TreeConfig | None = None) -> Drafter:
         return NgramDrafter(tree)
     path = Path(spec)
     if not path.is_dir():
-        from vlmspec.draft.eagle import DrafterLoadError
-
         raise DrafterLoadError(f"drafter {spec!r} is neither 'none', 'ngram' nor a drafter folder")
     from vlmspec.draft.eagle import EagleDrafter
 

@@ -1,9 +1,10 @@
 """The one Drafter protocol every drafter implements, and the tree knobs they share.
 
 A Drafter is stateless model/config; ``start`` opens a DraftSession holding one request's
-state (its own KV cache, the token history). The engine only calls:
+state (its own KV cache, the token history, the request's tree shape). The engine only reads
+``needs_visual`` and calls:
 
-    session = drafter.start(prompt)          # after the target's prefill
+    session = drafter.start(prompt, tree)    # after the target's prefill; tree None = drafter.tree
     tree = session.propose(root, max_depth)  # root = last emitted token, not yet in the target KV
     session.commit(tokens, features)         # tokens [k] now in the target KV (root + accepted),
                                              # features [k, H] the target's features for them
@@ -16,7 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from vlmspec.verify.tree import DraftTree
+from vlmspec.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -70,16 +71,22 @@ class DraftSession(Protocol):
 @runtime_checkable
 class Drafter(Protocol):
     name: str
+    needs_visual: bool  # the target's prefill must capture image embeddings and attention (PromptContext)
+    tree: TreeConfig | None  # the default tree shape; None for a drafter that proposes no tree
 
-    def start(self, prompt: PromptContext) -> DraftSession: ...
+    def start(self, prompt: PromptContext, tree: TreeConfig | None = None) -> DraftSession:
+        """One request's session; `tree` overrides the default shape for this request only."""
+        ...
 
 
 class NoDrafter:
     """`none`: proposes nothing, so the engine runs plain autoregressive decoding (the oracle)."""
 
     name = "none"
+    needs_visual = False
+    tree = None
 
-    def start(self, prompt: PromptContext) -> DraftSession:
+    def start(self, prompt: PromptContext, tree: TreeConfig | None = None) -> DraftSession:
         return _NoDraftSession()
 
 

@@ -24,18 +24,15 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
+from vlmspec.errors import DrafterLoadError
 from vlmspec.draft.base import DraftSession, PromptContext, TreeConfig
 from vlmspec.kv_cache import KVCache
 from vlmspec.target import Target
 from vlmspec.vision_compress import VisualAdaptor, VisualConfig
-from vlmspec.verify.tree import DraftTree, tree_attention_mask
+from vlmspec.tree import DraftTree, tree_attention_mask
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-
-
-class DrafterLoadError(ValueError):
-    """A drafter checkpoint is missing, malformed, or was trained for another target."""
 
 
 def _rope_theta(text_config: Any) -> float:
@@ -226,14 +223,14 @@ class EagleDrafter:
         head.load_state_dict(state, strict=True)
         return cls(head.to(device=target.device, dtype=target.dtype), tree)
 
-    def start(self, prompt: PromptContext) -> DraftSession:
-        return _EagleSession(self, prompt)
+    def start(self, prompt: PromptContext, tree: TreeConfig | None = None) -> DraftSession:
+        return _EagleSession(self.head, tree or self.tree, prompt)
 
 
 class _EagleSession:
-    def __init__(self, drafter: EagleDrafter, prompt: PromptContext) -> None:
-        self.head = drafter.head
-        self.tree = drafter.tree
+    def __init__(self, head: EagleHead, tree: TreeConfig, prompt: PromptContext) -> None:
+        self.head = head
+        self.tree = tree
         self.cache = KVCache()
         p = next(self.head.parameters())
         self.device, self.dtype = p.device, p.dtype

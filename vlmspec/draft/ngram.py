@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from vlmspec.draft.base import DraftSession, PromptContext, TreeConfig
-from vlmspec.verify.tree import DraftTree
+from vlmspec.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -28,25 +28,27 @@ class NgramConfig:
 
 class NgramDrafter:
     name = "ngram"
+    needs_visual = False
 
     def __init__(self, tree: TreeConfig | None = None, config: NgramConfig | None = None) -> None:
         self.tree = tree or TreeConfig()
         self.config = config or NgramConfig()
 
-    def start(self, prompt: PromptContext) -> DraftSession:
-        return _NgramSession(self, prompt.token_ids.tolist())
+    def start(self, prompt: PromptContext, tree: TreeConfig | None = None) -> DraftSession:
+        return _NgramSession(self.config, tree or self.tree, prompt.token_ids.tolist())
 
 
 class _NgramSession:
-    def __init__(self, drafter: NgramDrafter, history: list[int]) -> None:
-        self.d = drafter
+    def __init__(self, config: NgramConfig, tree: TreeConfig, history: list[int]) -> None:
+        self.config = config
+        self.tree = tree
         self.history = history  # every token in the target KV, in order
 
     def commit(self, token_ids: torch.Tensor, features: torch.Tensor) -> None:
         self.history.extend(token_ids.tolist())
 
     def _continuations(self, seq: list[int], depth: int) -> list[list[int]]:
-        cfg = self.d.config
+        cfg = self.config
         n_total = len(seq)
         for n in range(min(cfg.max_ngram, n_total - 1), cfg.min_ngram - 1, -1):
             tail = seq[-n:]
@@ -64,7 +66,7 @@ class _NgramSession:
         return []
 
     def propose(self, root: int, max_depth: int) -> DraftTree:
-        depth = min(self.d.tree.depth, max_depth)
+        depth = min(self.tree.depth, max_depth)
         if depth <= 0:
             return DraftTree.root_only(root)
         conts = self._continuations(self.history + [root], depth)
@@ -74,13 +76,13 @@ class _NgramSession:
         for cont in conts:
             node = 0
             new_branch = (0, cont[0]) not in child_of
-            if new_branch and branches >= self.d.tree.top_k:
+            if new_branch and branches >= self.tree.top_k:
                 continue
             branches += new_branch
             for tok in cont:
                 key = (node, tok)
                 if key not in child_of:
-                    if len(tokens) - 1 >= self.d.tree.total_tokens:
+                    if len(tokens) - 1 >= self.tree.total_tokens:
                         break
                     child_of[key] = len(tokens)
                     tokens.append(tok)

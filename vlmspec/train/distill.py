@@ -40,6 +40,7 @@ from vlmspec.train.common import save_checkpoint_dir, warmup_cosine
 from vlmspec.train.data import Conversation, encode_conversations, load_jsonl, toyworld_conversation, toyworld_stream
 from vlmspec.vision_compress import VisualConfig
 from vlmspec.vision_compress.capture import capture, image_token_id, last_layer_attention
+from vlmspec.prompts import encode_prompt
 
 
 @dataclass
@@ -290,7 +291,7 @@ class AnswerCache:
         k = self.key(c)
         if k not in self.answers:
             engine = SpecEngine(self.target, NoDrafter())
-            result = engine.generate(self.target.encode(c.prompt, c.images), GenerationConfig(max_new_tokens=self.max_new_tokens))
+            result = engine.generate(encode_prompt(self.target, c.prompt, c.images), GenerationConfig(max_new_tokens=self.max_new_tokens))
             self.answers[k] = result.text
             self.generated += 1
             with self.path.open("a") as f:
@@ -318,7 +319,7 @@ def accepted_length(
     per: dict[str, list[tuple[int, int]]] = {}
     for i, c in enumerate(prompts):
         cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature=temperature), seed=i)
-        r = engine.generate(target.encode(c.prompt, c.images), cfg)
+        r = engine.generate(encode_prompt(target, c.prompt, c.images), cfg)
         verify_forwards = r.num_target_forwards - 1
         emitted = r.num_accepted + verify_forwards
         per.setdefault(c.task, []).append((emitted, verify_forwards))

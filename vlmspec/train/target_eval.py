@@ -16,6 +16,7 @@ from vlmspec.data import toyworld
 from vlmspec.draft import NgramDrafter
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.target import Target
+from vlmspec.prompts import encode_prompt
 
 # task -> (metric key, max new tokens)
 SCORED = {
@@ -52,7 +53,7 @@ def evaluate(target: Target, n: int = 600, seed: int = 0, progress: bool = True)
     for s in tqdm(samples, desc="eval-target", disable=not progress, dynamic_ncols=True):
         key, max_new = SCORED[s.task]
         for kind, image in (("real", s.image), ("noise", noise_like(s.image, s.seed))):
-            inputs = target.encode(s.prompt, [image])
+            inputs = encode_prompt(target, s.prompt, [image])
             text = engine.generate(inputs, GenerationConfig(max_new_tokens=max_new)).text
             for k, v in toyworld.score(s, text).items():
                 scores[kind][k].append(v)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from vlmspec.sampling import SamplingParams, logits_to_probs
-from vlmspec.verify.tree import DraftTree
+from vlmspec.tree import DraftTree
 
 
 @dataclass

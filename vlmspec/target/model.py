@@ -8,33 +8,23 @@ Three calls, all on explicit state (nothing is hung on the model):
 
 "Features" are the target's last hidden states (what its LM head consumes): what an EAGLE-style
 drafter is trained to predict.
+
+Loading (`vlmspec.target.loading`), the attention backend (`vlmspec.target.attention`) and
+prompts (`vlmspec.prompts`) live next to this class, not in it.
 """
 
 from __future__ import annotations
 
-import os
 from contextlib import nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image
 
+from vlmspec.errors import ContextLengthError
 from vlmspec.kv_cache import KVCache
+from vlmspec.tree import DraftTree, tree_attention_mask
 from vlmspec.vision_compress.capture import capture, image_token_id, last_layer_attention
-from vlmspec.verify.tree import DraftTree, tree_attention_mask
-
-
-ATTENTION_MODES = ("auto", "triton", "sdpa", "eager")
-
-
-class TargetLoadError(RuntimeError):
-    """The target could not be loaded; the message says what to do."""
-
-
-class ContextLengthError(ValueError):
-    """The prompt does not fit the target's context window."""
 
 
 @dataclass
@@ -56,21 +46,6 @@ class ForwardOut:
     attention: torch.Tensor | None = None  # [L] last layer's head-averaged attention of the last token
 
 
-def _hub_reachable(timeout: float = 3.0) -> bool:
-    """A quick look at whether the HF hub answers, so an offline machine fails in seconds, not minutes."""
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
-        return False
-    import socket
-    from urllib.parse import urlparse
-
-    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
-    try:
-        socket.create_connection((host, 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
-
-
 def _text_config(config: Any) -> Any:
     get = getattr(config, "get_text_config", None)
     return get() if get is not None else config
@@ -83,76 +58,24 @@ class Target:
         self.model = model.eval()
         self.processor = processor
         self.name = name
-        self.text_config = _text_config(model.config)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         base = getattr(model, "model", None)
         self._rope_index_fn = getattr(base, "get_rope_index", None)  # Qwen2-VL family: 3-axis M-RoPE
         gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        eos = gen_eos if gen_eos is not None else getattr(self.text_config, "eos_token_id", None)
+        eos = gen_eos if gen_eos is not None else getattr(_text_config(model.config), "eos_token_id", None)
         self.eos_token_ids: set[int] = set() if eos is None else set(eos if isinstance(eos, list) else [eos])
 
-    # ---------------------------------------------------------------- attention
+    # ---------------------------------------------------------------- properties
+    @property
+    def text_config(self) -> Any:
+        return _text_config(self.model.config)
+
     @property
     def attention(self) -> str:
         """The attention implementation the language model runs ('sdpa', 'eager', 'vlmspec_tree', ...)."""
         return str(self.text_config._attn_implementation)
 
-    def set_attention(self, mode: str = "auto") -> str:
-        """Pick the language model's attention: 'auto' (the Triton tree kernel on CUDA when Triton is
-        importable, else SDPA), 'triton', 'sdpa' or 'eager'. The vision tower keeps its own."""
-        if mode not in ATTENTION_MODES:
-            raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {mode!r}")
-        from vlmspec.verify import triton_attention
-
-        use_kernel = mode == "triton" or (mode == "auto" and self.device.type == "cuda" and triton_attention.kernel_available())
-        if mode == "triton" and not triton_attention.kernel_available():
-            raise TargetLoadError("attention 'triton' needs CUDA and Triton (or TRITON_INTERPRET=1); use 'sdpa'")
-        impl = triton_attention.register() if use_kernel else ("eager" if mode == "eager" else "sdpa")
-        has_text = "text_config" in getattr(self.model.config, "sub_configs", {})
-        self.model.set_attn_implementation({"text_config": impl} if has_text else impl)
-        self.text_config = _text_config(self.model.config)
-        return self.attention
-
-    # ---------------------------------------------------------------- loading
-    @classmethod
-    def load(
-        cls,
-        path_or_id: str | os.PathLike,
-        *,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype | None = None,
-        attention: str = "auto",
-    ) -> "Target":
-        """Load a VLM with AutoModelForImageTextToText + AutoProcessor from a folder or a hub id.
-        `attention`: see set_attention."""
-        from transformers import AutoModelForImageTextToText, AutoProcessor
-
-
-        src = str(path_or_id)
-        is_dir = Path(src).is_dir()
-        if not is_dir and (src.startswith((".", "/", "~")) or src.count("/") > 1):
-            raise TargetLoadError(f"model folder not found: {src}")
-        kwargs: dict[str, Any] = {"attn_implementation": "sdpa"}  # the language model's is set below
-        if dtype is not None:
-            kwargs["dtype"] = dtype
-        # a hub id: use the local HF cache when it has the files, the hub only when it answers
-        offline = not is_dir and not _hub_reachable()
-        if offline:
-            kwargs["local_files_only"] = True
-        try:
-            processor = AutoProcessor.from_pretrained(src, local_files_only=offline)
-            model = AutoModelForImageTextToText.from_pretrained(src, **kwargs)
-        except (OSError, ValueError, KeyError) as exc:
-            if is_dir:
-                raise TargetLoadError(f"cannot load a vision-language model from folder {src!r}: {exc}") from exc
-            hint = " (the hub is unreachable from here and it is not in the local cache: pass a local folder)" if offline else ""
-            raise TargetLoadError(f"cannot load a vision-language model from hub id {src!r}{hint}: {str(exc).splitlines()[0]}") from exc
-        target = cls(model.to(device), processor, name=src)
-        target.set_attention(attention)
-        return target
-
-    # ---------------------------------------------------------------- properties
     @property
     def vocab_size(self) -> int:
         return int(self.text_config.vocab_size)
@@ -178,28 +101,6 @@ class Target:
 
     def output_embeddings(self) -> torch.nn.Module:
         return self.model.get_output_embeddings()
-
-    # ---------------------------------------------------------------- prompts
-    def encode(self, prompt: str, images: list[Image.Image] | None = None) -> dict[str, torch.Tensor]:
-        """A user turn (images first, then the text) in the model's chat template -> model inputs.
-
-        Returns the processor's tensors (input_ids [1, L], attention_mask, pixel tensors, ...).
-        """
-        images = list(images or [])
-        content: list[dict[str, Any]] = [{"type": "image"} for _ in images]
-        content.append({"type": "text", "text": prompt})
-        messages = [{"role": "user", "content": content}]
-        if getattr(self.processor, "chat_template", None) is None and getattr(self.tokenizer, "chat_template", None) is None:
-            raise TargetLoadError(f"{self.name}: the processor has no chat template; cannot build a prompt")
-        text = self.processor.apply_chat_template(messages, add_generation_prompt=True)
-        kwargs: dict[str, Any] = {"text": [text], "return_tensors": "pt"}
-        if images:
-            kwargs["images"] = [im.convert("RGB") for im in images]
-        inputs = self.processor(**kwargs)
-        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     # ---------------------------------------------------------------- forwards
     def _prefill_positions(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, int]:

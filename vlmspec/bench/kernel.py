@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from .tree import ancestor_mask, tree_attention_mask
+from vlmspec.tree import ancestor_mask, tree_attention_mask
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("vlmspec bench kernel: a CUDA GPU is needed to time the tree-attention kernel (none found)", file=sys.stderr)
         return 2
-    from . import triton_attention as ta
+    from vlmspec.kernels import tree_attention as ta
 
     if not ta.kernel_available():
         print("vlmspec bench kernel: triton is needed to run the tree-attention kernel (not importable)", file=sys.stderr)

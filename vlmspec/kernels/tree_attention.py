@@ -15,7 +15,7 @@ Public pieces:
 * ``triton_tree_attention_forward`` + ``register(name)``: a transformers attention function. A
   model loaded with ``attn_implementation=register()`` (default name ``"vlmspec_tree"``) runs the
   kernel whenever the 4D mask it is given is "full prefix + tree" (what
-  ``vlmspec.verify.tree.tree_attention_mask`` builds), and transformers' SDPA otherwise (prefill,
+  ``vlmspec.tree.tree_attention_mask`` builds), and transformers' SDPA otherwise (prefill,
   no mask, padded batches, CPU tensors, ...).
 
 The kernel is launched on CUDA tensors, or on any tensors under Triton's interpreter

@@ -1,0 +1,111 @@
+"""The composition root: what to run (an `EngineSpec`) -> a target, a drafter and an engine.
+
+The CLI, the server and the benchmarks build engines here and nowhere else:
+
+    spec = EngineSpec(model=None, drafter="auto", device=None, dtype="auto")   # the bundled defaults
+    engine = build_engine(spec)                  # SpecEngine(target, drafter)
+    target = load(spec)                          # the target alone (training, evaluation)
+
+Resolution rules: no model -> the bundled target; drafter "auto" -> the bundled drafter when the
+model is the bundled target, else n-gram; "eagle" -> the bundled drafter (the name the service
+shows for it); device None -> CUDA when available; dtype "auto" -> bfloat16 on CUDA, float32 on CPU.
+Bad choices raise `ConfigError` with a message that says what to pass instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from vlmspec import assets
+from vlmspec.draft import NoDrafter, TreeConfig, load_drafter
+from vlmspec.draft.base import Drafter
+from vlmspec.engine import SpecEngine
+from vlmspec.errors import ConfigError
+from vlmspec.target import Target, load_target
+
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BUNDLED_DRAFTER_NAME = "eagle"
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    model: str | None = None  # a folder or hub id; None = the bundled target
+    drafter: str = "auto"  # auto | none | ngram | eagle | a drafter folder or hub id
+    device: str | None = None  # cpu | cuda | cuda:N; None = CUDA when available
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    attention: str = "auto"  # auto | triton | sdpa | eager
+    tree_depth: int | None = None  # None: the device's default (TreeConfig.for_device)
+    tree_topk: int | None = None
+    tree_tokens: int | None = None
+
+
+def resolve_device(device: str | None) -> str:
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ConfigError(f"--device must be cpu or cuda, got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for but no CUDA device is available")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    chosen = DTYPES[dtype]
+    if chosen is None:
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return chosen
+
+
+def resolve_model(model: str | None) -> str:
+    if model:
+        return model
+    bundled = assets.bundled_target()
+    if bundled is None:
+        raise ConfigError(f"no --model given and the bundled model is missing ({assets.BUNDLED_TARGET}): pass --model DIR|HUB_ID")
+    return str(bundled)
+
+
+def resolve_drafter(drafter: str, model: str) -> str:
+    """'auto' and 'eagle' -> the bundled drafter folder when `model` is the bundled target."""
+    if drafter not in ("auto", BUNDLED_DRAFTER_NAME):
+        return drafter
+    bundled = assets.bundled_drafter()
+    is_bundled_target = assets.bundled_target() is not None and Path(model).resolve() == assets.BUNDLED_TARGET.resolve()
+    if is_bundled_target and bundled is not None:
+        return str(bundled)
+    if drafter == "auto":
+        return "ngram"
+    raise ConfigError(f"--drafter {BUNDLED_DRAFTER_NAME} names the bundled drafter, which is trained for the bundled model only; "
+                      "pass a drafter folder trained for this model (vlmspec train), or ngram / none")
+
+
+def tree_config(spec: EngineSpec, device: str) -> TreeConfig:
+    base = TreeConfig.for_device(device)
+    return TreeConfig(depth=spec.tree_depth or base.depth, top_k=spec.tree_topk or base.top_k,
+                      total_tokens=spec.tree_tokens or base.total_tokens)
+
+
+def load(spec: EngineSpec) -> Target:
+    """The target of `spec` (TargetLoadError when it cannot be loaded)."""
+    device = resolve_device(spec.device)
+    return load_target(resolve_model(spec.model), device=device, dtype=resolve_dtype(spec.dtype, device), attention=spec.attention)
+
+
+def drafter_for(spec: EngineSpec, target: Target) -> Drafter:
+    """The drafter of `spec` for an already loaded target (DrafterLoadError / ConfigError)."""
+    return load_drafter(resolve_drafter(spec.drafter, target.name), target, tree_config(spec, str(target.device)))
+
+
+def build_engine(spec: EngineSpec) -> SpecEngine:
+    target = load(spec)
+    return SpecEngine(target, drafter_for(spec, target))
+
+
+def plain_engine(engine: SpecEngine) -> SpecEngine:
+    """Plain decoding through the same engine code over the same target (the oracle, the baseline)."""
+    return SpecEngine(engine.target, NoDrafter())

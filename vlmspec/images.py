@@ -1,0 +1,143 @@
+"""The one image loader: bytes, files, data URLs and (opt-in) http(s) URLs -> RGB PIL images, with limits.
+
+Every path into the model goes through `decode_image` (the CLI's files, the server's data URLs, the
+demo's uploads through `checked_rgb`, training JSONL images): non-images, truncated files,
+decompression bombs and extreme aspect ratios are refused with an `InputError` that names the
+field (`param`) and a short `code`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import re
+import urllib.error
+import urllib.request
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from PIL import Image
+
+from vlmspec.errors import InputError
+
+# formats PIL may decode for us: the common web formats only
+IMAGE_FORMATS = ("PNG", "JPEG", "MPO", "GIF", "WEBP", "BMP")
+_DATA_URL = re.compile(r"^data:(?P<mime>[^;,]*)(?P<params>(?:;[^;,]*)*),(?P<data>.*)$", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    max_pixels: int = 4096 * 4096  # decompression-bomb cap, checked on the header before decoding
+    max_aspect_ratio: float = 100.0  # long thin strips blow up when processors resize the short side
+    allow_remote: bool = False
+    remote_max_bytes: int = 20 * 1024 * 1024
+    remote_timeout_s: float = 10.0
+
+
+def decode_image(data: bytes, limits: ImageLimits, param: str | None = None) -> Image.Image:
+    """Bytes -> an RGB PIL image, refusing non-images, truncated files and oversized images."""
+    if not data:
+        raise InputError("the image is empty", param=param, code="invalid_image")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            im = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)  # reads the header only
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise InputError("the image has too many pixels", param=param, code="image_too_large") from None
+    except Exception as exc:  # noqa: BLE001  (UnidentifiedImageError, or a broken header: any failure is bad input)
+        raise InputError(f"the bytes are not a supported image ({', '.join(IMAGE_FORMATS)}): {exc.__class__.__name__}",
+                         param=param, code="invalid_image") from None
+    check_size(im, limits, param)
+    try:
+        im.load()  # decodes the first frame; a truncated or corrupt file raises here
+        return im.convert("RGB")
+    except Exception as exc:  # noqa: BLE001  (decoders raise OSError, ValueError, SyntaxError, zlib.error, ...)
+        raise InputError(f"the image could not be decoded (truncated or corrupt): {exc.__class__.__name__}: {exc}",
+                         param=param, code="invalid_image") from None
+
+
+def check_size(im: Image.Image, limits: ImageLimits, param: str | None = None) -> None:
+    """Refuse an image with no pixels, too many, or an extreme aspect ratio (header sizes suffice)."""
+    width, height = im.size
+    if width < 1 or height < 1:
+        raise InputError("the image has no pixels", param=param, code="invalid_image")
+    if width * height > limits.max_pixels:
+        raise InputError(f"the image is {width}x{height} = {width * height} pixels, over the limit of {limits.max_pixels}",
+                         param=param, code="image_too_large")
+    if max(width, height) / min(width, height) > limits.max_aspect_ratio:
+        raise InputError(f"the image is {width}x{height}: aspect ratio over {limits.max_aspect_ratio:g}",
+                         param=param, code="invalid_image")
+
+
+def checked_rgb(im: Image.Image, limits: ImageLimits, param: str | None = None) -> Image.Image:
+    """An already decoded image (e.g. from the demo UI) through the same limits, as RGB."""
+    check_size(im, limits, param)
+    return im.convert("RGB")
+
+
+def load_image_file(path: str | Path, limits: ImageLimits = ImageLimits(), param: str | None = None) -> Image.Image:
+    """A local image file -> RGB, with the same checks as an uploaded one."""
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"image not found: {path}", param=param, code="image_not_found")
+    return decode_image(p.read_bytes(), limits, param or str(path))
+
+
+def decode_data_url(url: str, limits: ImageLimits, param: str | None = None) -> Image.Image:
+    m = _DATA_URL.match(url)
+    if m is None:
+        raise InputError("malformed data URL: expected data:image/<type>;base64,<data>", param=param, code="invalid_image_url")
+    mime = m.group("mime").strip().lower()
+    params = [p.strip().lower() for p in m.group("params").split(";") if p.strip()]
+    if "base64" not in params:
+        raise InputError("only base64 data URLs are supported (data:image/<type>;base64,...)", param=param, code="invalid_image_url")
+    if mime and not mime.startswith("image/"):
+        raise InputError(f"data URL media type {mime!r} is not an image", param=param, code="invalid_image_url")
+    payload = re.sub(r"\s+", "", m.group("data"))
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise InputError("the data URL's base64 payload is invalid", param=param, code="invalid_base64") from None
+    return decode_image(data, limits, param)
+
+
+def _opener() -> urllib.request.OpenerDirector:
+    # http(s) only: no file:, ftp: or data: handlers, also not through a redirect
+    od = urllib.request.OpenerDirector()
+    for handler in (urllib.request.HTTPHandler(), urllib.request.HTTPSHandler(), urllib.request.HTTPRedirectHandler(),
+                    urllib.request.HTTPErrorProcessor(), urllib.request.HTTPDefaultErrorHandler()):
+        od.add_handler(handler)
+    return od
+
+
+def fetch_remote_image(url: str, limits: ImageLimits, param: str | None = None) -> Image.Image:
+    """Fetch an http(s) image with a size limit and a timeout (only when allow_remote is set)."""
+    if not limits.allow_remote:
+        raise InputError("remote image URLs are disabled on this server: send the image as a data URL "
+                         "(data:image/png;base64,...)", param=param, code="remote_images_disabled")
+    req = urllib.request.Request(url, headers={"User-Agent": "vlmspec-server", "Accept": "image/*"})
+    try:
+        with _opener().open(req, timeout=limits.remote_timeout_s) as resp:
+            length = resp.headers.get("Content-Length")
+            if length is not None and length.isdigit() and int(length) > limits.remote_max_bytes:
+                raise InputError(f"the remote image is over {limits.remote_max_bytes} bytes", param=param, code="image_too_large")
+            data = resp.read(limits.remote_max_bytes + 1)
+    except InputError:
+        raise
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise InputError(f"could not fetch the image: {exc}", param=param, code="image_fetch_failed") from None
+    if len(data) > limits.remote_max_bytes:
+        raise InputError(f"the remote image is over {limits.remote_max_bytes} bytes", param=param, code="image_too_large")
+    return decode_image(data, limits, param)
+
+
+def load_image_url(url: str, limits: ImageLimits, param: str | None = None) -> Image.Image:
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme == "data":
+        return decode_data_url(url, limits, param)
+    if scheme in ("http", "https"):
+        return fetch_remote_image(url, limits, param)
+    raise InputError("image_url.url must be a data URL (data:image/png;base64,...) or an http(s) URL",
+                     param=param, code="invalid_image_url")

@@ -1,0 +1,78 @@
+"""Speculation statistics, defined once: counters (as vLLM keeps them), ratios derived on read.
+
+One `SpecStats` per generation (the engine fills it); the bench, the server's /metrics and the
+trainer's evaluation add generations up with `+=` and read the same derived figures:
+
+    mean_accepted_length   = (accepted + drafts) / drafts     tokens per verify forward, bonus included
+    acceptance_by_position = accepted_per_pos[d] / reached_per_pos[d]
+                             P(the drafted token at depth d+1 is accepted | the tree reached depth d+1)
+
+"drafts" counts verify forwards (one proposal each, an empty tree included), so plain decoding
+through the engine has mean accepted length 1.0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class SpecStats:
+    num_drafts: int = 0  # verify forwards (one proposed tree each, possibly the root alone)
+    num_draft_tokens: int = 0  # drafted tokens sent to verification (roots excluded)
+    num_accepted_tokens: int = 0  # drafted tokens accepted (recovered / bonus tokens excluded)
+    reached_per_pos: list[int] = field(default_factory=list)  # [d]: drafts whose tree had a node at depth d+1
+    accepted_per_pos: list[int] = field(default_factory=list)  # [d]: drafts that accepted a token at depth d+1
+
+    def observe(self, num_drafted: int, num_accepted: int, tree_depth: int) -> None:
+        """One verify forward: `num_drafted` tree nodes (root excluded), `num_accepted` of them on the
+        accepted path, the tree `tree_depth` levels deep."""
+        assert 0 <= num_accepted <= tree_depth and num_accepted <= num_drafted, (num_drafted, num_accepted, tree_depth)
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        self._grow(tree_depth)
+        for d in range(tree_depth):
+            self.reached_per_pos[d] += 1
+            self.accepted_per_pos[d] += d < num_accepted
+
+    def _grow(self, depth: int) -> None:
+        while len(self.reached_per_pos) < depth:
+            self.reached_per_pos.append(0)
+            self.accepted_per_pos.append(0)
+
+    def __iadd__(self, other: "SpecStats") -> "SpecStats":
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        self._grow(len(other.reached_per_pos))
+        for d, (r, a) in enumerate(zip(other.reached_per_pos, other.accepted_per_pos)):
+            self.reached_per_pos[d] += r
+            self.accepted_per_pos[d] += a
+        return self
+
+    @property
+    def num_emitted_tokens(self) -> int:
+        """Tokens the verify forwards emitted: the accepted ones plus one recovered or bonus token each."""
+        return self.num_accepted_tokens + self.num_drafts
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per verify forward, bonus included (1.0 when nothing was verified yet)."""
+        return self.num_emitted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / r for a, r in zip(self.accepted_per_pos, self.reached_per_pos) if r]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "reached_per_pos": list(self.reached_per_pos),
+            "accepted_per_pos": list(self.accepted_per_pos),
+            "mean_accepted_length": self.mean_accepted_length,
+            "acceptance_by_position": self.acceptance_by_position,
+        }
