@@ -27,12 +27,14 @@ test: setup
 test-all: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# the OpenAI-compatible API on the bundled model (prints its URLs); `make demo` runs a terminal demo
+# the OpenAI-compatible API on the bundled model (prints its URLs); `make demo` answers one prompt in the terminal
 serve: setup
 	$(VENV)/bin/vlmspec serve --host $(HOST) --port $(PORT)
 
+DEMO_IMAGE  ?= assets/images/toyworld_scene.png
+DEMO_PROMPT ?= Describe the picture.
 demo: setup
-	$(PY) -m vlmspec.demo
+	$(VENV)/bin/vlmspec generate --image $(DEMO_IMAGE) --prompt "$(DEMO_PROMPT)" --max-new-tokens 128
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,1 +1,70 @@
-"""The HTTP service: an OpenAI-compatible REST API over the vlmspec engine (app.server)."""
+"""The vlmspec service (installed as `vlmspec.app`): an OpenAI-compatible REST API over a speculative
+and a plain engine, and a Gradio demo.
+
+    from vlmspec.app import ServerSettings, create_app, serve
+    app = create_app(engines, ServerSettings(...))   # -> FastAPI; nothing is loaded at import time
+    serve(engine, settings, host, port)               # prints the URLs, runs uvicorn (what `vlmspec serve` calls)
+
+Layering: app -> vlmspec, never the reverse (the CLI's `serve` command imports this package lazily);
+app never imports vlmspec.cli. Engines are built by vlmspec.factory.
+
+Files
+-----
+``settings.py``   ServerSettings (and the ImageLimits they imply)
+``protocol.py``   the wire format: request schemas, OpenAI-shaped errors, request -> ChatInputs, response shapes
+``worker.py``     Job and Service: the bounded queue and the worker thread that owns the engines
+``metrics.py``    Prometheus metrics (acceptance figures from vlmspec.stats.SpecStats)
+``routes.py``     create_app: the edge middleware (API key, request metrics), routes, error handlers, lifespan
+``serve.py``      serve(): print the URLs and run uvicorn
+``ui_runner.py``  the demo's runs through the worker (ServiceRunner, RunState, Comparison)
+``ui.py``         the Gradio Blocks of the demo, mounted at /ui
+
+A request's walk from HTTP to tokens (``POST /v1/chat/completions``, the EAGLE drafter)
+------------------------------------------------------------------------------------------
+1. ``app/routes.py``           EdgeMiddleware (API key, request metrics) -> chat_completions reads the body
+                               (size limit) and hands it, in a thread, to
+2. ``app/protocol.py``         prepare_chat: strict schema, n/logprobs/tools/model/max-token checks ->
+                               (GenerationConfig, stop strings); OpenAI messages -> HF chat messages; each
+                               image through
+3. ``vlmspec/images.py``       load_image_url -> decode_image, with settings.image_limits()
+                               -- back in routes.py: Job.on_loop, Service.submit, await the job's messages --
+4. ``app/worker.py``           the worker thread: Service._prefill / _decode
+5. ``vlmspec/prompts.py``      encode_messages: the target's chat template + processor -> model inputs
+6. ``vlmspec/text.py``         stream_text: incremental detokenization, stop strings, hold-back, around
+7. ``vlmspec/engine.py``       SpecEngine.stream: prefill, then draft -> verify -> commit per step
+8. ``vlmspec/target/model.py`` prefill / forward_tree / commit (KV gather-commit in ``vlmspec/kv_cache.py``)
+9. ``vlmspec/draft/eagle.py``  the drafter's session: start / propose (a ``vlmspec/tree.py`` DraftTree) / commit
+10. ``vlmspec/verify/acceptance.py`` verify (greedy or lossless rejection sampling, ``vlmspec/sampling.py``)
+Token ids flow back: engine StepEvent -> text.TextEvent -> Job message -> routes.py, which shapes the
+answer with protocol.Reply. The app's part is three files in one direction (routes -> protocol ->
+worker); today's server.py <-> chat.py round trips (messages, images, prompt encoding) are gone.
+
+Routes
+------
+``POST /v1/chat/completions``  OpenAI chat completions (stream or not) with images as data URLs;
+                                extensions: ``speculative`` (bool, default true), ``top_k``, ``ignore_eos``.
+``GET  /v1/models``            the served model (``/v1/models/{model}``: one).
+``GET  /healthz``              liveness (never needs the API key).
+``GET  /metrics``              Prometheus text (a per-app registry).
+``GET  /docs``                 OpenAPI UI.
+``GET  /ui``                   Gradio demo (app/ui.py) when gradio is installed and ``ServerSettings.ui``;
+                                it runs its generations through the same worker and queue as the API.
+
+Status codes: 200; 400 bad input (also for what FastAPI would answer 422); 401 missing/wrong API key;
+404 unknown model or route; 405; 413 body too large; 429 queue full (with Retry-After);
+503 shutting down; 504 request timeout; 500 only for a genuine internal failure. Every error body is
+``{"error": {"message", "type", "param", "code"}}``. A stream that fails after it started gets an
+``data: {"error": ...}`` chunk and then ``data: [DONE]``.
+
+Concurrency: one worker thread owns both engines (which share one Target) and runs one generation
+at a time; requests wait in a bounded queue. The worker checks the request's cancel flag (client
+gone, timeout, shutdown) between engine steps.
+
+Metrics (all prefixed ``vlmspec_``): see ``metrics.METRIC_NAMES``.
+"""
+
+from .routes import create_app
+from .serve import serve
+from .settings import ServerSettings
+
+__all__ = ["ServerSettings", "create_app", "serve"]

@@ -181,3 +181,19 @@ def test_sampling_is_seeded():
 
     assert draw(7) == draw(7)
     assert draw(7) != draw(8)
+
+
+def test_sampling_draws_a_steps_uniforms_in_one_call(monkeypatch):
+    """One `torch.rand(N)` per verify step (child i tests against u[i]), not one call per child."""
+    p_root, table, q_root, q_table = _world(seed=5)
+    calls = []
+    real = torch.rand
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: calls.append(a) or real(*a, **k))
+    g = torch.Generator().manual_seed(0)
+    trees = [_fixed_tree(p_root)] + [_sample_tree_with_q(q_root, q_table, g) for _ in range(5)]
+    for tree in trees:
+        probs = _target_probs(tree, p_root, table)
+        before = probs.clone()
+        verify_sampling(tree, probs, g)
+        assert torch.equal(probs, before), "the caller's probabilities are not modified"
+    assert calls == [(tree.size,) for tree in trees]

@@ -90,3 +90,117 @@ def test_console_script_errors_without_traceback(tmp_path):
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
+
+
+# ------------------------------------------------------------------------------------ the one parser
+def _help(capsys, *argv):
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--help"])
+    assert exc.value.code == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.skipif(not __import__("vlmspec.assets", fromlist=["x"]).bundled_drafter()
+                    or not __import__("vlmspec.assets", fromlist=["x"]).bundled_target(), reason="needs assets/toyworld-vlm and its drafter")
+def test_generate_drafter_eagle_is_the_bundled_drafter(capsys):
+    from vlmspec import assets
+
+    rec = _run_json(capsys, "--image", str(assets.SAMPLE_IMAGES / "toyworld_scene.png"), "--prompt", "How many objects are there?",
+                    "--max-new-tokens", "16", "--drafter", "eagle", "--device", "cpu")
+    assert rec["drafter"] == "eagle" and rec["text"] and rec["mean_accepted_length"] >= 1.0
+    # the same tokens as plain decoding through the engine (lossless at T=0)
+    plain = _run_json(capsys, "--image", str(assets.SAMPLE_IMAGES / "toyworld_scene.png"), "--prompt", "How many objects are there?",
+                      "--max-new-tokens", "16", "--drafter", "none", "--device", "cpu")
+    assert rec["token_ids"] == plain["token_ids"] and rec["text"] == plain["text"]
+
+
+def test_generate_drafter_eagle_needs_the_bundled_model(capsys, model_dir):
+    assert main(["generate", "--model", str(model_dir), "--prompt", "hi", "--drafter", "eagle"]) == 2
+    err = capsys.readouterr().err
+    assert "--drafter eagle" in err and err.count("\n") == 1
+
+
+def test_generate_stop_string_cuts_the_text(capsys, model_dir):
+    full = _run_json(capsys, "--model", str(model_dir), "--prompt", "hello", "--max-new-tokens", "12", "--drafter", "none")
+    text = full["text"]
+    if len(text) < 3:
+        pytest.skip("the tiny model's text is too short to cut")
+    stop = text[1:3]
+    cut = _run_json(capsys, "--model", str(model_dir), "--prompt", "hello", "--max-new-tokens", "12", "--drafter", "none", "--stop", stop)
+    assert cut["text"] == text[: text.find(stop)] and cut["finish_reason"] == "stop"
+
+
+def test_bench_help_lists_the_sub_benchmarks(capsys):
+    out = _help(capsys, "bench")
+    for which in ("run", "verify-cost", "kernel", "ablate"):
+        assert which in out
+    assert "--max-new-tokens" in _help(capsys, "bench", "run")
+    assert "--sizes" in _help(capsys, "bench", "verify-cost")
+    assert "--no-flush" in _help(capsys, "bench", "kernel")
+    assert "--n-select" in _help(capsys, "bench", "ablate")
+
+
+def test_serve_help_lists_its_options(capsys):
+    out = _help(capsys, "serve")
+    for opt in ("--port", "--host", "--api-key", "--model", "--drafter", "--tree-depth", "--max-queue", "--no-ui", "--log-level"):
+        assert opt in out, opt
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["bench", "-n", "0"], "-n must be >= 1"),
+        (["bench", "run", "--warmup", "-1"], "--warmup must be >= 0"),
+        (["bench", "verify-cost", "--sizes", "1,x"], "--sizes must be an integer"),
+        (["bench", "ablate", "--suite", "vision", "--out", "x", "--pause", "-1"], "--pause must be in"),
+        (["serve", "--port", "70000"], "--port must be in [0, 65535]"),
+        (["serve", "--max-tokens-cap", "0"], "--max-tokens-cap must be >= 1"),
+        (["eval-drafter", "--n", "0"], "--n must be >= 1"),
+    ],
+)
+def test_every_subcommand_validates_numbers_alike(capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_serve_without_the_server_extra_says_how_to_install(capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
+    assert main(["serve"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "pip install 'vlmspec[serve]'" in err and "\n" not in err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU exit")
+def test_bench_kernel_without_a_gpu_is_one_line(capsys):
+    assert main(["bench", "kernel", "--prefix", "64", "--tree", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("vlmspec bench kernel: error:") and "GPU" in err and "\n" not in err
+
+
+def test_bench_ablate_rejects_an_unknown_variant(capsys, tmp_path):
+    assert main(["bench", "ablate", "--suite", "loss", "--out", str(tmp_path), "--only", "nope"]) == 2
+    assert "is not a variant of the 'loss' suite" in capsys.readouterr().err
+
+
+def test_nothing_imports_the_cli():
+    """The CLI parses and calls the library; no library module reaches back into it."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    offenders = []
+    for f in [*(root / "vlmspec").rglob("*.py"), *(root / "app").rglob("*.py")]:
+        if "cli" in f.relative_to(root).parts[:2]:
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom) else [])
+            if any(n == "vlmspec.cli" or n.startswith("vlmspec.cli.") for n in names):
+                offenders.append(str(f.relative_to(root)))
+    assert not offenders or set(offenders) <= {"app/server.py"}, offenders  # app/server.py: being replaced by vlmspec.app

@@ -1,15 +1,23 @@
 """Drafters on their own: n-gram proposals, EAGLE head save/load and target checks."""
 import json
+import time
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoConfig
 
 from conftest import tiny_target
+from vlmspec import assets
 from vlmspec.draft import load_drafter
 from vlmspec.draft.base import DraftSession, Drafter, NoDrafter, PromptContext, TreeConfig
-from vlmspec.draft.eagle import DrafterLoadError, EagleDrafter
+from vlmspec.draft.eagle import DrafterLoadError, EagleConfig, EagleDrafter, EagleHead, _EagleSession
 from vlmspec.draft.ngram import NgramConfig, NgramDrafter
 from vlmspec.prompts import encode_prompt
+from vlmspec.testing.tiny import tiny_image
+from vlmspec.tree import DraftTree, tree_attention_mask
+from vlmspec.vision_compress import VisualConfig
 
 
 def _ctx(ids, hidden=8):
@@ -71,11 +79,115 @@ def test_eagle_save_load_roundtrip(tmp_path):
     d = EagleDrafter.random_init(target, seed=3)
     d.save(tmp_path / "drafter")
     assert sorted(p.name for p in (tmp_path / "drafter").iterdir()) == ["config.json", "model.safetensors"]
+    raw = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    assert raw["model_type"] == "vlmspec_eagle" and "drafter" not in raw  # the Hugging Face format
+    assert isinstance(AutoConfig.from_pretrained(tmp_path / "drafter"), EagleConfig)
     loaded = load_drafter(str(tmp_path / "drafter"), target)
     for (k1, v1), (k2, v2) in zip(d.head.state_dict().items(), loaded.head.state_dict().items()):
         assert k1 == k2 and torch.equal(v1, v2)
+    for name in EagleConfig.field_names():
+        assert getattr(loaded.head.config, name) == getattr(d.head.config, name), name
     # the shared embedding/LM head are the target's own modules, not copies
     assert loaded.head.embed is target.input_embeddings() and loaded.head.lm_head is target.output_embeddings()
+
+
+def test_eagle_visual_settings_survive_the_roundtrip(tmp_path):
+    target = tiny_target("llava")
+    vis = VisualConfig("gate", 4, decouple=True, global_feature=True)
+    cfg = EagleConfig.from_target(target)
+    cfg.extra["visual"] = vis.to_dict()
+    EagleDrafter(EagleHead(cfg, target.input_embeddings(), target.output_embeddings())).save(tmp_path)
+    loaded = EagleDrafter.load(tmp_path, target)
+    assert loaded.head.config.visual == vis and loaded.needs_visual
+
+
+def _legacy_save(drafter, folder):
+    """The first format: plain JSON with "drafter": "eagle" and the config's fields."""
+    drafter.save(folder)
+    cfg = drafter.head.config
+    legacy = {"drafter": "eagle", **{name: getattr(cfg, name) for name in EagleConfig.field_names()}}
+    (folder / "config.json").write_text(json.dumps(legacy, indent=2))
+
+
+def test_eagle_legacy_folder_still_loads_and_says_how_to_convert(tmp_path, caplog):
+    target = tiny_target("llava")
+    d = EagleDrafter.random_init(target, seed=4)
+    _legacy_save(d, tmp_path / "old")
+    with caplog.at_level("WARNING", logger="vlmspec.draft"):
+        loaded = load_drafter(str(tmp_path / "old"), target)
+    assert "first drafter format" in caplog.text and "EagleDrafter.save" in caplog.text
+    a, b = d.head.state_dict(), loaded.head.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    loaded.save(tmp_path / "new")  # converted once: the new folder loads without the warning
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="vlmspec.draft"):
+        EagleDrafter.load(tmp_path / "new", target)
+    assert "first drafter format" not in caplog.text
+    raw = json.loads((tmp_path / "old" / "config.json").read_text())
+    raw["extra_key"] = 1
+    (tmp_path / "old" / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(DrafterLoadError, match="not a valid"):
+        EagleDrafter.load(tmp_path / "old", target)
+
+
+def test_bundled_drafter_is_a_hugging_face_artefact():
+    folder = assets.BUNDLED_DRAFTER
+    if not (folder / "config.json").is_file():
+        pytest.skip("no bundled drafter")
+    raw = json.loads((folder / "config.json").read_text())
+    assert raw["model_type"] == "vlmspec_eagle"
+    cfg = AutoConfig.from_pretrained(folder)
+    assert isinstance(cfg, EagleConfig) and cfg.target_model_type == "vipllava" and cfg.visual.is_plain
+    state = load_file(str(folder / "model.safetensors"))
+    assert len(state) == 12 and sum(v.numel() for v in state.values()) == 369_280
+
+
+def test_a_drafter_for_another_target_is_refused():
+    """The bundled drafter (hidden 160, vocab 1015) on a tiny target (hidden 64): refused before
+    any weight is read, with what differs and what to do."""
+    if not (assets.BUNDLED_DRAFTER / "config.json").is_file():
+        pytest.skip("no bundled drafter")
+    with pytest.raises(DrafterLoadError, match=r"different target.*hidden_size: drafter 160 != target 64.*vlmspec train"):
+        load_drafter(str(assets.BUNDLED_DRAFTER), tiny_target("llava"))
+
+
+def test_hub_id_while_offline_fails_fast_and_clearly(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    target = tiny_target("llava")
+    t0 = time.perf_counter()
+    with pytest.raises(DrafterLoadError, match=r"'someone/eagle-drafter' looks like a hub id.*not in the local cache") as info:
+        load_drafter("someone/eagle-drafter", target)
+    assert time.perf_counter() - t0 < 5
+    assert info.value.__cause__ is None and info.value.__suppress_context__  # one clear error, no chained traceback
+    with pytest.raises(DrafterLoadError, match="neither 'none', 'ngram' nor a drafter folder"):
+        load_drafter("./no/such/drafter", target)
+
+
+@pytest.mark.parametrize("reachable", [True, False])
+def test_hub_id_goes_through_the_hub_or_the_local_cache(tmp_path, monkeypatch, reachable):
+    """A hub id is fetched with huggingface_hub when the hub answers, else read from the cache
+    (local_files_only); either way the snapshot folder is loaded and checked like any folder."""
+    import huggingface_hub
+
+    import vlmspec.target
+
+    target = tiny_target("llava")
+    EagleDrafter.random_init(target, seed=5).save(tmp_path / "snapshot")
+    calls = []
+
+    def fake_snapshot_download(repo_id, **kwargs):
+        calls.append((repo_id, kwargs))
+        return str(tmp_path / "snapshot")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    monkeypatch.setattr(vlmspec.target, "hub_reachable", lambda: reachable)
+    d = load_drafter("org/eagle-drafter", target, TreeConfig(3, 2, 4))
+    assert isinstance(d, EagleDrafter) and d.tree == TreeConfig(3, 2, 4)
+    (repo_id, kwargs), = calls
+    assert repo_id == "org/eagle-drafter" and kwargs["local_files_only"] is (not reachable)
+    assert {"config.json", "model.safetensors"} <= set(kwargs["allow_patterns"])
 
 
 @pytest.mark.parametrize(
@@ -104,6 +216,174 @@ def test_eagle_bad_checkpoints_are_refused(tmp_path):
     save_file(state, str(tmp_path / "model.safetensors"))
     with pytest.raises(DrafterLoadError, match="missing"):
         EagleDrafter.load(tmp_path, target)
+    (tmp_path / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(DrafterLoadError, match="not a readable safetensors"):
+        EagleDrafter.load(tmp_path, target)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(DrafterLoadError, match="not a valid"):
         EagleDrafter.load(tmp_path, target)
+
+
+# ---------------------------------------------------------------- sync-free proposal == the first algorithm
+@torch.no_grad()
+def _reference_propose(s, root, max_depth):
+    """The EAGLE-2 proposal as first written (one host read per node), kept as the oracle: the
+    sync-free `propose` must draft the identical tree (tokens, parents, order, ties)."""
+    head, cfg = s.head, s.tree
+    if s.prompt is not None:
+        toks, feats, pos, direct, fuse = s._prompt_rows(root)
+    else:
+        toks = torch.cat([s.pending_next, torch.tensor([root], device=s.device)])
+        feats = s.pending_feats
+        pos = torch.arange(s.next_pos, s.next_pos + toks.shape[0], device=s.device)
+        direct, fuse = None, None if s.global_feat is None else torch.ones_like(toks, dtype=torch.bool)
+    start, n = s.cache.seq_len, toks.shape[0]
+    hidden = head(toks, feats, pos, tree_attention_mask(torch.ones(n, n, dtype=torch.bool).tril(), start, s.dtype),
+                  s.cache.hf, direct, fuse, s.global_feat)
+    s.pending_feats = s.pending_feats[:0]
+    s.next_pos = int(pos[-1]) + 1
+    committed, depth = s.cache.seq_len, min(cfg.depth, max_depth)
+    if depth <= 0:
+        return DraftTree.root_only(root)
+    node_fuse = None if s.global_feat is None else torch.ones(1, dtype=torch.bool)
+    k = cfg.top_k
+    tokens, parents, scores = [root], [-1], [0.0]
+    out_hidden, slot = {0: hidden[-1]}, {}
+    logp = torch.log_softmax(head.logits(hidden[-1:]), -1)
+    frontier = [0]
+    for d in range(1, depth + 1):
+        top = torch.topk(logp, k, dim=-1)
+        cand = (torch.tensor([scores[f] for f in frontier])[:, None] + top.values).flatten()
+        children = []
+        for fi, f in enumerate(frontier):
+            for j in range(k):
+                tokens.append(int(top.indices[fi, j]))
+                parents.append(f)
+                scores.append(float(cand[fi * k + j]))
+                children.append(len(tokens) - 1)
+        if d == depth:
+            break
+        frontier = [children[b] for b in torch.topk(cand, min(k, cand.numel())).indices.tolist()]
+        ftoks = torch.tensor([tokens[f] for f in frontier])
+        ffeat = torch.stack([out_hidden[parents[f]] for f in frontier])
+        n_tree = len(slot)
+        allowed = torch.zeros(len(frontier), n_tree + len(frontier), dtype=torch.bool)
+        for i, f in enumerate(frontier):
+            allowed[i, n_tree + i] = True
+            a = parents[f]
+            while a > 0:
+                allowed[i, slot[a]] = True
+                a = parents[a]
+        for i, f in enumerate(frontier):
+            slot[f] = n_tree + i
+        fpos = torch.full((len(frontier),), s.next_pos - 1 + d)
+        ffuse = None if node_fuse is None else node_fuse.expand(len(frontier))
+        h = head(ftoks, ffeat, fpos, tree_attention_mask(allowed, committed, s.dtype), s.cache.hf, None, ffuse, s.global_feat)
+        for i, f in enumerate(frontier):
+            out_hidden[f] = h[i]
+        logp = torch.log_softmax(head.logits(h), -1)
+    s.cache.crop(committed)
+    order = sorted(range(1, len(tokens)), key=lambda i: (-scores[i], i))[: cfg.total_tokens]
+    full = DraftTree(torch.tensor(tokens), torch.tensor(parents))
+    return full.select(torch.tensor([0, *sorted(order)]))
+
+
+def _standalone_drafter(tree, vocab=40, hidden=32, ties=False, seed=0):
+    """An EAGLE head over its own small embedding / LM head (no target). ties=True: the LM head's
+    rows come in equal pairs, so every distribution has exact ties to break."""
+    torch.manual_seed(seed)
+    cfg = EagleConfig(hidden_size=hidden, vocab_size=vocab, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      intermediate_size=64, max_position_embeddings=512)
+    embed, lm_head = torch.nn.Embedding(vocab, hidden), torch.nn.Linear(hidden, vocab, bias=False)
+    if ties:
+        with torch.no_grad():
+            lm_head.weight[1::2] = lm_head.weight[0::2][: vocab // 2]
+    return EagleDrafter(EagleHead(cfg, embed, lm_head), tree)
+
+
+def _same_proposals(drafter, prompt, hidden, steps=3, seed=0):
+    """Run the new propose and the oracle side by side over `steps` propose/commit rounds."""
+    new, ref = drafter.start(prompt), drafter.start(prompt)
+    g = torch.Generator().manual_seed(seed)
+    root = 3
+    for step in range(steps):
+        a, b = new.propose(root, 10), _reference_propose(ref, root, 10)
+        assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist(), step
+        assert new.cache.seq_len == ref.cache.seq_len and new.next_pos == ref.next_pos
+        path = a.path_to(min(a.size - 1, 1 + step))
+        feats = torch.randn(len(path), hidden, generator=g).to(prompt.features.dtype)
+        for s in (new, ref):
+            s.commit(a.tokens[path], feats)
+        root = int(torch.randint(drafter.head.config.vocab_size, (1,), generator=g))
+
+
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("tree", [TreeConfig(4, 3, 10), TreeConfig(7, 10, 60), TreeConfig(1, 1, 1), TreeConfig(3, 5, 200),
+                                  TreeConfig(5, 1, 3)])
+def test_propose_drafts_the_same_tree_as_the_reference(tree, ties):
+    d = _standalone_drafter(tree, ties=ties, seed=tree.depth)
+    g = torch.Generator().manual_seed(tree.top_k)
+    for n in (1, 9):
+        prompt = PromptContext(torch.randint(40, (n,), generator=g), torch.randn(n, 32, generator=g))
+        _same_proposals(d, prompt, 32)
+
+
+@pytest.mark.parametrize("vis", [None, VisualConfig("none", global_feature=True)])
+def test_propose_matches_the_reference_on_a_tiny_vlm(vis):
+    target = tiny_target("llava")
+    tree = TreeConfig(5, 4, 16)
+    if vis is None:
+        d = EagleDrafter.random_init(target, tree, seed=2)
+    else:
+        torch.manual_seed(2)
+        cfg = EagleConfig.from_target(target)
+        cfg.extra["visual"] = vis.to_dict()
+        d = EagleDrafter(EagleHead(cfg, target.input_embeddings(), target.output_embeddings(), target.attention), tree)
+    for text, seeds in (("describe the image", [0]), ("once upon a time", [])):
+        inputs = encode_prompt(target, text, [tiny_image(s) for s in seeds])
+        _, out = target.prefill(inputs, visual=d.needs_visual)
+        prompt = PromptContext(inputs["input_ids"][0], out.features, inputs, out.image_mask, out.image_embeds, out.attention)
+        _same_proposals(d, prompt, target.hidden_size)
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts the ops that read a tensor's value back to Python (`.item()`, `int(t)`, `float(t)`,
+    `bool(t)`, `nonzero`): each one is a host sync when the tensor lives on a GPU."""
+
+    READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default, torch.ops.aten.nonzero.default)
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+def test_propose_reads_the_device_once(monkeypatch):
+    """Running the committed rows and growing the tree read nothing back; the whole tree comes
+    back in ONE `.tolist()` of one float64 vector. The first algorithm read ~1,200 scalars."""
+    d = _standalone_drafter(TreeConfig(7, 10, 60))
+    prompt = PromptContext(torch.arange(5), torch.randn(5, 32))
+    reads = _HostReads()
+    with reads:
+        _reference_propose(d.start(prompt), 1, 10)
+    assert reads.n > 1000, reads.n  # negative control: the per-node reads are seen
+    s = d.start(prompt)
+    for name in ("_run_committed", "_grow"):
+        real = getattr(_EagleSession, name)
+
+        def counted(self, *args, _real=real):
+            with reads:
+                return _real(self, *args)
+
+        monkeypatch.setattr(_EagleSession, name, counted)
+    calls = []
+    real_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: calls.append(t.dtype) or real_tolist(t))
+    reads.n = 0
+    for root in (1, 2):
+        tree = s.propose(root, 10)
+        s.commit(tree.tokens[tree.path_to(1)], torch.randn(2, 32))
+    assert reads.n == 0 and calls.count(torch.float64) == 2, (reads.n, calls)  # one read per proposal

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible service (app/server.py) against live uvicorn servers on loopback.
+"""The OpenAI-compatible service (vlmspec.app, app/) against live uvicorn servers on loopback.
 
 One tiny random LLaVA is built once; several servers (different settings) share its engines:
 the main one (API key, small limits), a load one (queue of 2), a short-timeout one.
@@ -27,7 +27,8 @@ pytest.importorskip("prometheus_client")
 from conftest import tiny_target
 from PIL import Image
 
-from app.server import METRIC_NAMES, ServerSettings, create_app
+from vlmspec.app import ServerSettings, create_app
+from vlmspec.app.metrics import METRIC_NAMES
 from vlmspec.testing.live_server import LiveServer
 from vlmspec.draft import NgramDrafter, NoDrafter, TreeConfig
 from vlmspec.engine import SpecEngine

@@ -1,4 +1,4 @@
-"""The Gradio demo at /ui (app/demo_ui.py) on a tiny random LLaVA.
+"""The Gradio demo at /ui (app/ui.py, app/ui_runner.py) on a tiny random LLaVA.
 
 (1) without a browser: the app serves /ui, and the runner (through the service's worker) returns a
     side-by-side speculative/plain result;
@@ -25,8 +25,8 @@ pytest.importorskip("prometheus_client")
 from conftest import tiny_target
 from PIL import Image
 
-from app.demo_ui import ServiceRunner
-from app.server import ServerSettings, create_app
+from vlmspec.app import ServerSettings, create_app
+from vlmspec.app.ui_runner import ServiceRunner
 from vlmspec.testing.live_server import LiveServer
 from vlmspec.assets import SAMPLE_IMAGES
 from vlmspec.draft import NgramDrafter, NoDrafter, TreeConfig
@@ -98,7 +98,7 @@ def test_ui_mounted_and_runner_side_by_side(engines, tmp_path):
         summary = cmp.summary()
         assert summary["speedup"] is not None and summary["identical"] is True
         # stats rendering the page shows
-        from app.demo_ui import render_stats, render_steps, render_summary
+        from vlmspec.app.ui import render_stats, render_steps, render_summary
 
         assert "tok/s" in render_stats(s, "speculative") and "speedup" in render_summary(cmp)
         assert render_steps(s).count('class="vs-step ') == len(s.steps)

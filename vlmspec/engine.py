@@ -25,6 +25,7 @@ from vlmspec.draft.base import Drafter, PromptContext, TreeConfig
 from vlmspec.sampling import SamplingParams, next_token
 from vlmspec.stats import SpecStats
 from vlmspec.target import Target, TargetState
+from vlmspec.transfer import to_device
 from vlmspec.verify.acceptance import verify
 
 TIMING_KEYS = ("prefill", "draft", "verify", "commit", "other")
@@ -211,7 +212,7 @@ class SpecEngine:
         target.commit(state, verdict.path)
         path = torch.tensor(verdict.path, dtype=torch.long)
         clock.lap("commit")
-        req.session.commit(tree.tokens[path], out.features[path.to(out.features.device)])
+        req.session.commit(tree.tokens[path], out.features[to_device(path, out.features.device)])
         clock.lap("draft")
         req.stats.observe(tree.size - 1, verdict.num_accepted, int(tree.depth.max()))
         req.root = verdict.next_token

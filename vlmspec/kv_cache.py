@@ -12,6 +12,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from vlmspec.transfer import to_device
+
 
 class KVCache:
     def __init__(self, hf_cache: DynamicCache | None = None) -> None:
@@ -48,10 +50,15 @@ class KVCache:
         n_tree = self.seq_len - prefix_len
         assert n_tree >= 0 and (keep.numel() == 0 or int(keep.max()) < n_tree), (prefix_len, self.seq_len, keep)
         k = keep.numel()
+        rows = keep + prefix_len
+        on_device: dict[torch.device, torch.Tensor] = {}  # one copy per device, not per layer
         for layer in self._layers():
             if not layer.is_initialized or layer.keys.numel() == 0:
                 continue
-            idx = (keep + prefix_len).to(layer.keys.device)
+            dev = layer.keys.device
+            if dev not in on_device:
+                on_device[dev] = to_device(rows, dev)
+            idx = on_device[dev]
             # gather first (a copy), then write: sources may overlap the destination rows
             keys = layer.keys.index_select(-2, idx)
             values = layer.values.index_select(-2, idx)

@@ -57,7 +57,10 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """probs [..., V] -> token ids [...] (one draw per row)."""
+    """probs [..., V] -> token ids [...] (one draw per row). A CPU generator draws on the host
+    (device probabilities are copied over), so a seeded run is the same on every device."""
+    if generator is not None and generator.device.type != probs.device.type:
+        probs = probs.to(generator.device)
     flat = probs.reshape(-1, probs.shape[-1])
     ids = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
     return ids.reshape(probs.shape[:-1])

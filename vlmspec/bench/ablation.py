@@ -24,7 +24,6 @@ is such a re-measurement.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,17 +33,19 @@ from typing import Any
 
 import torch
 
+from vlmspec import factory
 from vlmspec.data import toyworld
+from vlmspec.data.heldout import Conversation, heldout
 from vlmspec.draft import NoDrafter, TreeConfig
-from vlmspec.draft.base import PromptContext
+from vlmspec.draft.base import Drafter, PromptContext
 from vlmspec.engine import GenerationConfig, SpecEngine
+from vlmspec.factory import EngineSpec
+from vlmspec.prompts import encode_prompt
 from vlmspec.sampling import SamplingParams
+from vlmspec.stats import SpecStats
 from vlmspec.target import Target
-from vlmspec.train.data import Conversation, toyworld_conversation
 from vlmspec.train.distill import DistillConfig, train_drafter
 from vlmspec.vision_compress import FIXED, VisualConfig
-from vlmspec.target import load_target
-from vlmspec.prompts import encode_prompt
 
 
 @dataclass
@@ -69,13 +70,6 @@ def suite(name: str) -> list[Variant]:
     raise ValueError(f"unknown suite {name!r}: expected 'loss' or 'vision'")
 
 
-def heldout(n_per_task: int, tasks: tuple[str, ...] = toyworld.TASKS, split: str = "test") -> list[Conversation]:
-    """Held-out prompts, n per task: the test-split ones `vlmspec eval-drafter` uses, or
-    (split="val") the selection prompts of `bench ablate`."""
-    lo = toyworld.SPLITS[split][0] + 800_000
-    return [toyworld_conversation(lo + i * len(toyworld.TASKS) + toyworld.TASKS.index(t), t) for i in range(n_per_task) for t in tasks]
-
-
 @torch.no_grad()
 def drafter_prefill_ms(target: Target, drafter: Any, prompts: list[Conversation]) -> float:
     """Mean ms of the drafter's read of the prompt (start + the rows' forward, no tree), after
@@ -85,7 +79,7 @@ def drafter_prefill_ms(target: Target, drafter: Any, prompts: list[Conversation]
         if not c.images:
             continue
         inputs = encode_prompt(target, c.prompt, c.images)
-        _, out = target.prefill(inputs, visual=getattr(drafter, "needs_visual", False))
+        _, out = target.prefill(inputs, visual=drafter.needs_visual)
         ctx = PromptContext(inputs["input_ids"][0], out.features, inputs, out.image_mask, out.image_embeds, out.attention)
         root = int(out.logits.argmax())
         t0 = time.perf_counter()
@@ -203,6 +197,7 @@ def run_prompts(target: Target, drafter: Any, prompts: list[Conversation], tempe
     """tau (bonus included), decode seconds, and per prompt the tokens emitted by verify forwards
     (`emitted`: accepted + one bonus each) and the verify forwards (`forwards`), for intervals."""
     engine = SpecEngine(target, drafter)
+    total = SpecStats()
     emitted, forwards = [], []
     seconds, tokens = 0.0, 0
     for i, c in enumerate(prompts):
@@ -212,11 +207,11 @@ def run_prompts(target: Target, drafter: Any, prompts: list[Conversation], tempe
         r = engine.generate(inputs, cfg)
         seconds += time.perf_counter() - t0
         tokens += len(r.token_ids)
-        f = r.num_target_forwards - 1  # the prefill forward emits the first token; it verifies nothing
-        emitted.append(r.num_accepted + f)
-        forwards.append(f)
-    # the eval-drafter formula: tokens per verify forward, bonus included
-    return {"tau": sum(emitted) / max(1, sum(forwards)), "seconds": seconds, "tokens": tokens,
+        total += r.stats
+        emitted.append(r.stats.num_emitted_tokens)  # the prefill forward's first token excluded: it verifies nothing
+        forwards.append(r.stats.num_drafts)
+    # the eval-drafter figure: tokens per verify forward, bonus included
+    return {"tau": total.mean_accepted_length, "seconds": seconds, "tokens": tokens,
             "per_prompt": {"emitted": emitted, "forwards": forwards}}
 
 
@@ -294,10 +289,8 @@ def run(target: Target, which: str, steps: int, n_per_task: int, runs: Path, bas
     of `rounds` rounds, `pause_s` apart)."""
     from tqdm import tqdm
 
-    from vlmspec.draft import load_drafter
-
-    prompts = heldout(n_per_task)
-    select = heldout(n_select, split="val") if n_select > 0 else []
+    prompts = heldout("drafter-eval", n_per_task, per_task=True)
+    select = heldout("drafter-eval", n_select, per_task=True, split="val") if n_select > 0 else []
     tree = TreeConfig.for_device("cpu")
     variants = [v for v in suite(which) if not only or v.name in only]
     plain_t0 = run_prompts(target, NoDrafter(), prompts, 0.0, max_new_tokens)
@@ -308,7 +301,7 @@ def run(target: Target, which: str, steps: int, n_per_task: int, runs: Path, bas
         run_dir = runs / _slug(v.name)
         reused = reuse and finished_run(run_dir, cfg, fingerprint)
         if reused:
-            drafter = load_drafter(str(run_dir / "drafter"), target, tree)
+            drafter = _load_variant(run_dir, target, tree)
         else:
             drafter = train_drafter(target, "toyworld", run_dir, cfg, tree=tree, progress=False)
             (run_dir / TEACHER).write_text(json.dumps({"sha256": fingerprint}))
@@ -339,6 +332,12 @@ def run(target: Target, which: str, steps: int, n_per_task: int, runs: Path, bas
         r["prefill_576_rounds"] = rounds
         r["prefill_576_blocks"] = blocks
     return rows
+
+
+def _load_variant(run_dir: Path, target: Target, tree: TreeConfig) -> Drafter:
+    """The drafter of a finished variant run, with the ablation's tree."""
+    spec = EngineSpec(drafter=str(run_dir / "drafter"), tree_depth=tree.depth, tree_topk=tree.top_k, tree_tokens=tree.total_tokens)
+    return factory.drafter_for(spec, target)
 
 
 def _slug(name: str) -> str:
@@ -514,39 +513,33 @@ def write_report(rows: list[dict[str, Any]], which: str, out: Path, env: dict[st
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="vlmspec bench ablate", description="drafter variants at equal training steps")
-    p.add_argument("--suite", required=True, choices=["loss", "vision"])
-    p.add_argument("--model", help="target folder (default: the bundled model)")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--n", type=int, default=4, help="held-out test prompts per task")
-    p.add_argument("--n-select", type=int, default=0,
-                   help="selection prompts per task (val split): the best fixed compressor / variant is picked on these")
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--only", action="append", help="run only this variant (repeatable)")
-    p.add_argument("--out", required=True, help="report folder: ablation.md, ablation.json, ablation.png")
-    p.add_argument("--runs", help="folder for the variants' training runs (default: runs/ablate-SUITE)")
-    p.add_argument("--reuse", action="store_true",
-                   help="load a variant whose run folder holds a finished run with the same config and target instead of retraining it")
-    p.add_argument("--rounds", type=int, default=21, help="round-robin rounds per block of the prefill timing at 576 image tokens")
-    p.add_argument("--blocks", type=int, default=8, help="blocks of --rounds rounds, --pause seconds apart: the timing pools them all")
-    p.add_argument("--pause", type=float, default=5.0, help="seconds between two blocks of the prefill timing")
-    a = p.parse_args(argv)
-    if a.steps < 1 or a.n < 1 or a.n_select < 0 or a.rounds < 1 or a.blocks < 1 or a.pause < 0:
-        p.error("--steps, --n, --rounds and --blocks must be >= 1, --n-select and --pause >= 0")
-    from vlmspec.cli import resolve_model_and_drafter
+# ------------------------------------------------------------------------------------ the command
+@dataclass(frozen=True)
+class AblateOptions:
+    """What `vlmspec bench ablate` runs (the target is loaded by the caller, through vlmspec.factory)."""
 
-    model, _ = resolve_model_and_drafter(a.model, "none")
-    target = load_target(model)
-    out = Path(a.out)
-    base = DistillConfig(batch_size=a.batch_size, lr=a.lr, ckpt_every=10**9)
-    runs = Path(a.runs or f"runs/ablate-{a.suite}")
-    rows = run(target, a.suite, a.steps, a.n, runs, base, a.max_new_tokens, a.only, a.n_select, a.reuse, a.rounds, a.blocks, a.pause)
-    env = {"target": model, "threads": torch.get_num_threads(), "torch": torch.__version__, "prompts": a.n * len(toyworld.TASKS),
-           "selection_prompts": a.n_select * len(toyworld.TASKS),
-           "command": "vlmspec bench ablate " + " ".join(argv or [])}
-    write_report(rows, a.suite, out, env)
-    print((out / "ablation.md").read_text())
-    return 0
+    suite: str  # loss | vision
+    steps: int = 300
+    batch_size: int = 8
+    lr: float = 1e-3
+    n: int = 4  # held-out test prompts per task
+    n_select: int = 0  # selection prompts per task (val split)
+    max_new_tokens: int = 96
+    only: tuple[str, ...] = ()  # run only these variants
+    runs: Path | None = None  # the variants' training runs (default: runs/ablate-SUITE)
+    reuse: bool = False
+    rounds: int = 21
+    blocks: int = 8
+    pause_s: float = 5.0
+
+
+def ablate(target: Target, opts: AblateOptions, out: Path, command: str = "") -> list[dict[str, Any]]:
+    """Train and measure the suite's variants on `target`; write ablation.md / .json / .png to `out`."""
+    base = DistillConfig(batch_size=opts.batch_size, lr=opts.lr, ckpt_every=10**9)
+    runs = Path(opts.runs or f"runs/ablate-{opts.suite}")
+    rows = run(target, opts.suite, opts.steps, opts.n, runs, base, opts.max_new_tokens, list(opts.only) or None, opts.n_select,
+               opts.reuse, opts.rounds, opts.blocks, opts.pause_s)
+    env = {"target": target.name, "threads": torch.get_num_threads(), "torch": torch.__version__, "prompts": opts.n * len(toyworld.TASKS),
+           "selection_prompts": opts.n_select * len(toyworld.TASKS), "command": command}
+    write_report(rows, opts.suite, Path(out), env)
+    return rows

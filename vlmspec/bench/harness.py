@@ -9,29 +9,35 @@ peak memory; at T=0 every method's tokens must equal (a)'s, else the run reports
     vlmspec bench run [--model DIR|HUB_ID] [--drafter DIR] [--prompts test|FILE.jsonl] [-n 12]
                       [--temperature 0] [--max-new-tokens 96] [--warmup 1] [--repeats 1]
                       [--json PATH] [--out DIR]
+
+    report = bench(EngineSpec(model=...), RunOptions(n=12))   # what the command runs
+    table = save_report(report, out=Path("docs/bench-t0"))     # results.json / .md / .png
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import resource
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 
-from vlmspec.draft import NgramDrafter, NoDrafter, TreeConfig, load_drafter
+from vlmspec import factory
+from vlmspec.data.heldout import Conversation, heldout
+from vlmspec.draft import NgramDrafter, NoDrafter
+from vlmspec.draft.base import Drafter
 from vlmspec.engine import GenerationConfig, SpecEngine
-from vlmspec.sampling import SamplingParams
-from vlmspec.target import Target
-from vlmspec.train.data import Conversation, load_jsonl, toyworld_conversation
-from vlmspec.target import load_target
+from vlmspec.factory import EngineSpec
 from vlmspec.prompts import encode_prompt
+from vlmspec.sampling import SamplingParams
+from vlmspec.stats import SpecStats
+from vlmspec.target import Target
+from vlmspec.train.data import load_jsonl
 
 BREAKDOWN = ("vision", "prefill", "draft", "verify", "commit", "other")
 
@@ -42,10 +48,7 @@ class MethodStats:
     seconds: float = 0.0
     decode_tokens: int = 0
     decode_seconds: float = 0.0
-    verify_forwards: int = 0
-    accepted: int = 0
-    reached: list[int] = field(default_factory=list)
-    hits: list[int] = field(default_factory=list)
+    spec: SpecStats = field(default_factory=SpecStats)  # the engine methods' speculation counters, all prompts
     breakdown: dict[str, float] = field(default_factory=lambda: dict.fromkeys(BREAKDOWN, 0.0))
     peak_mem_mb: float = 0.0
     mismatches: list[int] = field(default_factory=list)
@@ -66,14 +69,7 @@ class MethodStats:
             self.breakdown["prefill"] += max(0.0, prefill - vision_s)
             for k in ("draft", "verify", "commit", "other"):
                 self.breakdown[k] += result.timings[k]
-            self.verify_forwards += result.num_target_forwards - 1
-            self.accepted += result.num_accepted
-            for d, (r, h) in enumerate(zip(result.depth_reached, result.depth_accepted)):
-                if d >= len(self.reached):
-                    self.reached.append(0)
-                    self.hits.append(0)
-                self.reached[d] += r
-                self.hits[d] += h
+            self.spec += result.stats
         self.decode_tokens += max(0, len(ids) - 1)
         self.decode_seconds += max(1e-9, seconds - prefill)
 
@@ -83,8 +79,8 @@ class MethodStats:
             "seconds": self.seconds,
             "tokens_per_s": self.tokens / self.seconds if self.seconds else 0.0,
             "decode_tokens_per_s": self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0,
-            "mean_accepted_length": (self.accepted + self.verify_forwards) / self.verify_forwards if self.verify_forwards else None,
-            "acceptance_by_position": [h / r for h, r in zip(self.hits, self.reached) if r],
+            "mean_accepted_length": self.spec.mean_accepted_length if self.spec.num_drafts else None,  # None: HF methods
+            "acceptance_by_position": self.spec.acceptance_by_position,
             "time_breakdown_s": self.breakdown,
             "peak_memory_mb": self.peak_mem_mb,
             "matches_reference": not self.mismatches,
@@ -133,12 +129,10 @@ def _peak_mb(device: torch.device) -> float:
 
 
 def load_prompts(spec: str, n: int) -> list[Conversation]:
-    """'test' / 'val': held-out ToyWorld items (mixed tasks); else a LLaVA-style JSONL file."""
+    """'test' / 'val': held-out ToyWorld items (mixed tasks, the "bench" set); else a LLaVA-style
+    JSONL file (DataError when it cannot be used)."""
     if spec in ("test", "val"):
-        from vlmspec.data import toyworld
-
-        lo = toyworld.SPLITS[spec][0] + 7 * 10**5
-        return [toyworld_conversation(lo + i) for i in range(n)]
+        return heldout("bench", n, split=spec)
     convs, _ = load_jsonl(spec)
     return convs[:n]
 
@@ -335,51 +329,59 @@ def plot(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="vlmspec bench", description="speed of every method, side by side")
-    p.add_argument("--model", help="target folder or hub id (default: the bundled model)")
-    p.add_argument("--drafter", action="append", default=[], help="EAGLE drafter folder(s) (default: the bundled drafter)")
-    p.add_argument("--prompts", default="test", help="'test' / 'val' (held-out ToyWorld) or a LLaVA-style JSONL")
-    p.add_argument("-n", type=int, default=12, help="number of prompts")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--tree-depth", type=int)
-    p.add_argument("--tree-topk", type=int)
-    p.add_argument("--tree-tokens", type=int)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--json", dest="json_path", help="write the results JSON here")
-    p.add_argument("--out", help="folder for results.json, results.md and results.png")
-    a = p.parse_args(argv)
-    from vlmspec.cli import UsageError, resolve_model_and_drafter
+# ------------------------------------------------------------------------------------ the command
+@dataclass(frozen=True)
+class RunOptions:
+    """What `vlmspec bench run` measures (the engine side is an `EngineSpec`)."""
 
-    if a.n < 1 or a.max_new_tokens < 1 or a.temperature < 0 or a.warmup < 0 or a.repeats < 1:
-        raise UsageError("-n, --max-new-tokens, --repeats must be >= 1; --warmup and --temperature >= 0")
-    model, auto_drafter = resolve_model_and_drafter(a.model, "auto")
-    target = load_target(model, device=a.device, dtype=torch.bfloat16 if a.device.startswith("cuda") else torch.float32)
-    base = TreeConfig.for_device(a.device)
-    tree = TreeConfig(a.tree_depth or base.depth, a.tree_topk or base.top_k, a.tree_tokens or base.total_tokens)
-    drafters: dict[str, Any] = {"none": NoDrafter(), "ngram": NgramDrafter(tree)}
-    eagle_dirs = a.drafter or ([auto_drafter] if auto_drafter not in ("ngram", "none") else [])
-    for i, d in enumerate(eagle_dirs):
-        drafters["eagle" if i == 0 else f"eagle_{Path(d).name}"] = load_drafter(d, target, tree)
-    prompts = load_prompts(a.prompts, a.n)
-    report = run_bench(target, drafters, prompts, a.temperature, a.max_new_tokens, a.warmup, a.repeats)
+    prompts: str = "test"  # 'test' / 'val' (held-out ToyWorld) or a LLaVA-style JSONL file
+    n: int = 12
+    temperature: float = 0.0
+    max_new_tokens: int = 96
+    warmup: int = 1
+    repeats: int = 1
+    eagle: tuple[str, ...] = ()  # EAGLE drafter folders; () = the bundled drafter when the target is the bundled model
+
+    def __post_init__(self) -> None:
+        if self.n < 1 or self.max_new_tokens < 1 or self.repeats < 1 or self.warmup < 0 or self.temperature < 0:
+            raise ValueError(f"n, max_new_tokens and repeats must be >= 1, warmup and temperature >= 0: {self}")
+
+
+def bench_drafters(spec: EngineSpec, target: Target, eagle: tuple[str, ...] = ()) -> dict[str, Drafter]:
+    """none, ngram, and one EAGLE drafter per folder in `eagle` (default: the drafter `spec`'s
+    "auto" resolves to, when that is a trained one), all with `spec`'s tree on the target's device."""
+    drafters: dict[str, Drafter] = {"none": NoDrafter(), "ngram": NgramDrafter(factory.tree_config(spec, str(target.device)))}
+    auto = factory.resolve_drafter("auto", target.name)
+    for i, folder in enumerate(eagle or ([auto] if auto not in ("ngram", "none") else [])):
+        drafters["eagle" if i == 0 else f"eagle_{Path(folder).name}"] = factory.drafter_for(replace(spec, drafter=folder), target)
+    return drafters
+
+
+def bench(spec: EngineSpec, opts: RunOptions, progress: bool = True) -> dict[str, Any]:
+    """`vlmspec bench run`: load the target of `spec`, measure every method on the prompts."""
+    target = factory.load(spec)
+    drafters = bench_drafters(spec, target, opts.eagle)
+    prompts = load_prompts(opts.prompts, opts.n)
+    report = run_bench(target, drafters, prompts, opts.temperature, opts.max_new_tokens, opts.warmup, opts.repeats, progress=progress)
+    tree = factory.tree_config(spec, str(target.device))
     report["env"]["tree"] = {"depth": tree.depth, "top_k": tree.top_k, "total_tokens": tree.total_tokens}
-    report["env"]["command"] = "vlmspec bench " + " ".join(argv or [])
+    return report
+
+
+def save_report(report: dict[str, Any], out: Path | None = None, json_path: Path | None = None) -> str:
+    """Write the report (JSON at `json_path`; results.json / .md / .png in `out`); -> the Markdown table."""
     table = markdown_table(report)
-    print(table)
-    if a.json_path:
-        Path(a.json_path).write_text(json.dumps(report, indent=2))
-    if a.out:
-        out = Path(a.out)
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=2))
+    if out:
+        out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps(report, indent=2))
         (out / "results.md").write_text(table + "\n")
         plot(report, out / "results.png")
-    bad = [m for m, s in report["methods"].items() if s["matches_reference"] is False]
-    if bad:
-        print(f"ERROR: at T=0 these methods did not reproduce hf_generate's tokens: {bad}")
-        return 1
-    return 0
+    return table
+
+
+def mismatched(report: dict[str, Any]) -> list[str]:
+    """The methods that did not reproduce hf_generate's tokens at T=0."""
+    return [m for m, s in report["methods"].items() if s["matches_reference"] is False]

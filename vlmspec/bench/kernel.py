@@ -6,39 +6,39 @@ timed alone with CUDA events, after writing a buffer larger than L2 (so K/V come
 do when every layer has its own cache), and the median over the repeats is reported.
 
     vlmspec bench kernel [--prefix 1024 4096] [--tree 16 32 64] [--json out.json]
+
+    report = run(KernelOptions(prefix=(1024,), tree=(16,)))   # ConfigError without CUDA + triton
+    print(format_table(report))
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import statistics
-import sys
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
+from vlmspec.errors import ConfigError
 from vlmspec.tree import ancestor_mask, tree_attention_mask
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="vlmspec bench kernel", description=__doc__.splitlines()[0])
-    ap.add_argument("--prefix", type=int, nargs="+", default=[1024, 4096], help="prefix lengths P")
-    ap.add_argument("--tree", type=int, nargs="+", default=[16, 32, 64], help="tree sizes N")
-    ap.add_argument("--heads", type=int, default=32, help="query heads")
-    ap.add_argument("--kv-heads", type=int, default=None, help="KV heads (default: = heads, no GQA)")
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
-    ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--repeats", type=int, default=100)
-    ap.add_argument("--no-flush", action="store_true", help="do not flush L2 between calls")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", metavar="PATH", default=None, help="also write the numbers as JSON")
-    return ap
+@dataclass(frozen=True)
+class KernelOptions:
+    prefix: tuple[int, ...] = (1024, 4096)  # prefix lengths P
+    tree: tuple[int, ...] = (16, 32, 64)  # tree sizes N
+    heads: int = 32  # query heads
+    kv_heads: int | None = None  # None: = heads (no GQA)
+    head_dim: int = 128
+    batch: int = 1
+    dtype: str = "bf16"
+    warmup: int = 10
+    repeats: int = 100
+    flush: bool = True  # flush L2 between calls
+    seed: int = 0
 
 
 def _random_parents(n: int, gen: torch.Generator) -> torch.Tensor:
@@ -46,7 +46,7 @@ def _random_parents(n: int, gen: torch.Generator) -> torch.Tensor:
     return torch.tensor(par, dtype=torch.long)
 
 
-def _time_us(fn: Callable[[], object], warmup: int, repeats: int, flush: torch.Tensor | None) -> dict:
+def _time_us(fn: Callable[[], object], warmup: int, repeats: int, flush: torch.Tensor | None) -> dict[str, float]:
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -63,30 +63,33 @@ def _time_us(fn: Callable[[], object], warmup: int, repeats: int, flush: torch.T
     return {"median_us": statistics.median(times), "min_us": min(times), "mean_us": statistics.fmean(times)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def run(opts: KernelOptions) -> dict[str, Any]:
+    """Time every (P, N): -> {"device", "torch", "triton", "config", "rows"}. ConfigError when
+    there is no CUDA GPU or no importable triton, or the heads do not split into the KV heads."""
     if not torch.cuda.is_available():
-        print("vlmspec bench kernel: a CUDA GPU is needed to time the tree-attention kernel (none found)", file=sys.stderr)
-        return 2
+        raise ConfigError("a CUDA GPU is needed to time the tree-attention kernel (none found)")
     from vlmspec.kernels import tree_attention as ta
 
     if not ta.kernel_available():
-        print("vlmspec bench kernel: triton is needed to run the tree-attention kernel (not importable)", file=sys.stderr)
-        return 2
+        raise ConfigError("triton is needed to run the tree-attention kernel (not importable)")
+    hq, d, bsz = opts.heads, opts.head_dim, opts.batch
+    hkv = opts.kv_heads or hq
+    if hq % hkv:
+        raise ConfigError(f"--heads {hq} must be a multiple of --kv-heads {hkv}")
+    if opts.dtype not in DTYPES:
+        raise ConfigError(f"--dtype must be one of {sorted(DTYPES)}, got {opts.dtype!r}")
 
     dev = torch.device("cuda")
-    dtype = _DTYPES[args.dtype]
-    hq, d, bsz = args.heads, args.head_dim, args.batch
-    hkv = args.kv_heads or hq
+    dtype = DTYPES[opts.dtype]
     g = hq // hkv
     scale = 1.0 / math.sqrt(d)
-    gen = torch.Generator().manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(opts.seed)
     l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 50 * 2**20)
-    flush = None if args.no_flush else torch.empty(max(2 * l2, 64 * 2**20) // 4, dtype=torch.int32, device=dev)
+    flush = torch.empty(max(2 * l2, 64 * 2**20) // 4, dtype=torch.int32, device=dev) if opts.flush else None
 
     rows = []
-    for p in args.prefix:
-        for n in args.tree:
+    for p in opts.prefix:
+        for n in opts.tree:
             tree = ancestor_mask(_random_parents(n, gen))
             q = torch.randn(bsz, hq, n, d, device=dev, dtype=dtype)
             k = torch.randn(bsz, hkv, p + n, d, device=dev, dtype=dtype)
@@ -111,9 +114,9 @@ def main(argv: list[str] | None = None) -> int:
                 "triton": (run_triton().float() - ref).abs().max().item(),
                 "sdpa_bool": (run_sdpa_bool().float() - ref).abs().max().item(),
             }
-            t_tri = _time_us(run_triton, args.warmup, args.repeats, flush)
-            t_bool = _time_us(run_sdpa_bool, args.warmup, args.repeats, flush)
-            t_add = _time_us(run_sdpa_add, args.warmup, args.repeats, flush)
+            t_tri = _time_us(run_triton, opts.warmup, opts.repeats, flush)
+            t_bool = _time_us(run_sdpa_bool, opts.warmup, opts.repeats, flush)
+            t_add = _time_us(run_sdpa_add, opts.warmup, opts.repeats, flush)
             best_sdpa = min(t_bool["median_us"], t_add["median_us"])
             rows.append(
                 {
@@ -128,35 +131,34 @@ def main(argv: list[str] | None = None) -> int:
             )
             del q, k, v, ke, ve, add_mask, bool_mask
 
-    name = torch.cuda.get_device_name(dev)
-    print(
-        f"Tree attention, one layer: B={bsz}, Hq={hq}, Hkv={hkv}, D={d}, {args.dtype}, {name}; "
-        f"median of {args.repeats} calls{'' if args.no_flush else ', L2 flushed between calls'}.\n"
-    )
-    print("| prefix P | tree N | triton (us) | SDPA bool mask (us) | SDPA additive mask (us) | speedup vs best SDPA | max err triton / SDPA |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
+    return {
+        "device": torch.cuda.get_device_name(dev),
+        "torch": torch.__version__,
+        "triton": getattr(__import__("triton"), "__version__", None),
+        "config": {
+            "batch": bsz, "heads": hq, "kv_heads": hkv, "head_dim": d, "dtype": opts.dtype,
+            "warmup": opts.warmup, "repeats": opts.repeats, "l2_flush": opts.flush,
+        },
+        "rows": rows,
+    }
+
+
+def format_table(report: dict[str, Any]) -> str:
+    c = report["config"]
+    lines = [
+        f"Tree attention, one layer: B={c['batch']}, Hq={c['heads']}, Hkv={c['kv_heads']}, D={c['head_dim']}, {c['dtype']}, "
+        f"{report['device']}; median of {c['repeats']} calls{', L2 flushed between calls' if c['l2_flush'] else ''}.\n",
+        "| prefix P | tree N | triton (us) | SDPA bool mask (us) | SDPA additive mask (us) | speedup vs best SDPA | max err triton / SDPA |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["rows"]:
         e = r["max_abs_err_vs_fp32_reference"]
-        print(
+        lines.append(
             f"| {r['prefix']} | {r['tree']} | {r['triton']['median_us']:.1f} | {r['sdpa_bool_mask']['median_us']:.1f} "
             f"| {r['sdpa_additive_mask']['median_us']:.1f} | {r['speedup_vs_best_sdpa']:.2f}x "
             f"| {e['triton']:.2e} / {e['sdpa_bool']:.2e} |"
         )
-    if args.json:
-        payload = {
-            "device": name,
-            "torch": torch.__version__,
-            "triton": getattr(__import__("triton"), "__version__", None),
-            "config": {
-                "batch": bsz, "heads": hq, "kv_heads": hkv, "head_dim": d, "dtype": args.dtype,
-                "warmup": args.warmup, "repeats": args.repeats, "l2_flush": not args.no_flush,
-            },
-            "rows": rows,
-        }
-        with open(args.json, "w") as f:
-            json.dump(payload, f, indent=2)
-    return 0
+    return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+__all__ = ["DTYPES", "KernelOptions", "format_table", "run"]

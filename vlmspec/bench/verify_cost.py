@@ -9,21 +9,23 @@ tree forward / one-token forward is what sizes the draft tree per device.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from vlmspec import factory
+from vlmspec.factory import EngineSpec
 from vlmspec.target import Target
 from vlmspec.tree import DraftTree
-from vlmspec.target import load_target
 
 SHAPES: dict[str, dict[str, int]] = {
-    # the bundled target's text decoder (issue #3)
-    "bundled": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, vocab_size=3001),
+    # the bundled target's text decoder (v4, assets/toyworld-vlm)
+    "bundled": dict(hidden_size=160, intermediate_size=448, num_hidden_layers=8, num_attention_heads=5, num_key_value_heads=5, vocab_size=1015),
+    # the wider v2 target's decoder (the shape `--shape bundled` had before v4)
+    "bundled-v2": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, vocab_size=3001),
     # LLaVA-1.5-7B's language model (Vicuna-7B)
     "llava-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, vocab_size=32064),
 }
@@ -76,31 +78,38 @@ def run(target: Target, prefix: int, sizes: list[int], repeats: int, warmup: int
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="vlmspec bench verify-cost", description=__doc__.split("\n")[1])
-    p.add_argument("--model", help="a model folder (default: a synthetic --shape with random weights)")
-    p.add_argument("--shape", default="bundled", choices=sorted(SHAPES))
-    p.add_argument("--layers", type=int, default=None, help="override the synthetic shape's layer count")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--prefix", type=int, default=256)
-    p.add_argument("--sizes", default="1,2,4,8,16,32,64")
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--json", dest="json_path")
-    a = p.parse_args(argv)
-    dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if a.device.startswith("cuda") else torch.float32)
-    sizes = [int(s) for s in a.sizes.split(",")]
+@dataclass(frozen=True)
+class VerifyCostOptions:
+    model: str | None = None  # a model folder or hub id; None = a synthetic `shape` with random weights
+    shape: str = "bundled"
+    layers: int | None = None  # override the synthetic shape's layer count
+    device: str | None = None  # None: CUDA when available (vlmspec.factory)
+    dtype: str = "auto"
+    prefix: int = 256
+    sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    repeats: int = 10
+    warmup: int = 3
+
+
+def measure(opts: VerifyCostOptions) -> dict[str, Any]:
+    """`vlmspec bench verify-cost`: -> {"env": {...}, "rows": run(...)}."""
+    device = factory.resolve_device(opts.device)
+    dtype = factory.resolve_dtype(opts.dtype, device)
     torch.manual_seed(0)
-    target = load_target(a.model, device=a.device, dtype=dtype) if a.model else synthetic_target(a.shape, a.device, dtype, a.layers)
+    if opts.model:
+        target = factory.load(EngineSpec(model=opts.model, device=device, dtype=opts.dtype))
+    else:
+        target = synthetic_target(opts.shape, device, dtype, opts.layers)
     with torch.no_grad():
-        rows = run(target, a.prefix, sizes, a.repeats, a.warmup)
-    env = {"device": a.device, "dtype": str(dtype), "threads": torch.get_num_threads(), "torch": torch.__version__, "target": target.name, "prefix": a.prefix}
-    print(f"verify cost on {target.name} ({a.device}, {dtype}, {env['threads']} threads), prefix {a.prefix}")
-    print("| tree tokens | ms / forward | x one-token step |\n|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['tree_tokens']} | {r['ms']:.2f} | {r['ratio_vs_first']:.2f} |")
-    if a.json_path:
-        with open(a.json_path, "w") as f:
-            json.dump({"env": env, "rows": rows}, f, indent=2)
-    return 0
+        rows = run(target, opts.prefix, list(opts.sizes), opts.repeats, opts.warmup)
+    env = {"device": device, "dtype": str(dtype), "threads": torch.get_num_threads(), "torch": torch.__version__,
+           "target": target.name, "prefix": opts.prefix}
+    return {"env": env, "rows": rows}
+
+
+def format_table(report: dict[str, Any]) -> str:
+    env = report["env"]
+    lines = [f"verify cost on {env['target']} ({env['device']}, {env['dtype']}, {env['threads']} threads), prefix {env['prefix']}",
+             "| tree tokens | ms / forward | x one-token step |", "|---:|---:|---:|"]
+    lines += [f"| {r['tree_tokens']} | {r['ms']:.2f} | {r['ratio_vs_first']:.2f} |" for r in report["rows"]]
+    return "\n".join(lines)

@@ -12,17 +12,19 @@ MODEL_FREE = ("none", "ngram")
 
 
 def load_drafter(spec: str, target, tree: TreeConfig | None = None) -> Drafter:
-    """`none` | `ngram` | a drafter folder (config.json + model.safetensors), checked against target."""
+    """`none` | `ngram` | a drafter folder | a drafter's hub id ("org/name"), checked against target.
+
+    A hub id is fetched when the hub answers, else read from the local Hugging Face cache.
+    """
     if spec == "none":
         return NoDrafter()
     if spec == "ngram":
         return NgramDrafter(tree)
-    path = Path(spec)
-    if not path.is_dir():
-        raise DrafterLoadError(f"drafter {spec!r} is neither 'none', 'ngram' nor a drafter folder")
-    from vlmspec.draft.eagle import EagleDrafter
+    from vlmspec.draft.eagle import EagleDrafter, looks_like_hub_id
 
-    return EagleDrafter.load(path, target, tree)
+    if not Path(spec).expanduser().is_dir() and not looks_like_hub_id(spec):
+        raise DrafterLoadError(f"drafter {spec!r} is neither 'none', 'ngram' nor a drafter folder (or a hub id: org/name)")
+    return EagleDrafter.from_pretrained(spec, target, tree)
 
 
 __all__ = ["Drafter", "DraftSession", "NoDrafter", "NgramDrafter", "PromptContext", "TreeConfig", "load_drafter"]

@@ -8,23 +8,34 @@ The head reads pairs (target feature at position i, token at position i+1):
 
 h_i is trained to predict the target's feature at position i+1, so drafting feeds it back.
 Embedding and LM head are the target's own modules, shared and frozen; only fc, the norms and
-the decoder layer are the head's weights (saved as config.json + model.safetensors).
+the decoder layer are the head's weights.
+
+A drafter checkpoint is a Hugging Face artefact: `config.json` written by `EagleConfig`
+(a `PretrainedConfig`, model_type "vlmspec_eagle", registered with `AutoConfig`) plus
+`model.safetensors` with the head's weights. It loads from a folder or a hub id ("org/name");
+the first format (config.json with "drafter": "eagle") still loads and is converted in memory.
+
+On CUDA, a proposal grows the whole tree on the device and reads it back with ONE
+device->host transfer (not one per node); see `_EagleSession.propose`.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import logging
+from dataclasses import field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import DynamicCache, LlamaConfig
+from transformers import AutoConfig, DynamicCache, LlamaConfig, PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from vlmspec.errors import DrafterLoadError
+from vlmspec.transfer import to_device
 from vlmspec.draft.base import DraftSession, PromptContext, TreeConfig
 from vlmspec.kv_cache import KVCache
 from vlmspec.target import Target
@@ -33,6 +44,10 @@ from vlmspec.tree import DraftTree, tree_attention_mask
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+MODEL_TYPE = "vlmspec_eagle"
+LEGACY_KEY = "drafter"  # the first format's marker: {"drafter": "eagle", <EagleConfig fields>}
+
+logger = logging.getLogger("vlmspec.draft")
 
 
 def _rope_theta(text_config: Any) -> float:
@@ -41,8 +56,15 @@ def _rope_theta(text_config: Any) -> float:
     return float(theta) if theta is not None else 10000.0
 
 
-@dataclass
-class EagleConfig:
+class EagleConfig(PretrainedConfig):
+    """The head's shape, the target it was trained for, and its variant settings (`extra`).
+
+    A `PretrainedConfig`: `save_pretrained(dir)` writes config.json, `from_pretrained(dir or hub id)`
+    reads it, and `AutoConfig` knows model_type "vlmspec_eagle".
+    """
+
+    model_type = MODEL_TYPE
+
     hidden_size: int
     vocab_size: int
     num_attention_heads: int
@@ -50,14 +72,41 @@ class EagleConfig:
     head_dim: int
     intermediate_size: int
     max_position_embeddings: int
-    rope_theta: float
+    rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     target_model_type: str = ""
     extra: dict[str, Any] = field(default_factory=dict)  # variant settings: {"visual": VisualConfig dict}
 
+    def __post_init__(self, **kwargs: Any) -> None:
+        for name in ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "intermediate_size", "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.rope_theta, self.rms_norm_eps = float(self.rope_theta), float(self.rms_norm_eps)
+        if not isinstance(self.extra, dict):
+            raise ValueError(f"extra must be a JSON object, got {self.extra!r}")
+        super().__post_init__(**kwargs)
+
     @property
     def visual(self) -> VisualConfig:
         return VisualConfig.from_dict(self.extra.get("visual"))
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """The head's own settings (what the first, plain-JSON format held)."""
+        own = {f.name for f in fields(PretrainedConfig)}
+        return tuple(f.name for f in fields(cls) if f.name not in own)
+
+    @classmethod
+    def from_legacy_dict(cls, raw: dict[str, Any]) -> "EagleConfig":
+        """The first format: {"drafter": "eagle", <the fields above>}."""
+        raw = dict(raw)
+        kind = raw.pop(LEGACY_KEY, None)
+        unknown = sorted(set(raw) - set(cls.field_names()))
+        if kind != "eagle" or unknown:
+            raise ValueError(f"drafter kind {kind!r}, unknown keys {unknown[:5]}")
+        return cls(**raw)
 
     @classmethod
     def from_target(cls, target: Target) -> "EagleConfig":
@@ -105,6 +154,9 @@ class EagleConfig:
                 "this drafter was trained for a different target (" + "; ".join(problems) + "). "
                 "Train one for this target with `vlmspec train`, or pass the matching --model."
             )
+
+
+AutoConfig.register(MODEL_TYPE, EagleConfig, exist_ok=True)  # AutoConfig.from_pretrained(drafter) works too
 
 
 class EagleHead(nn.Module):
@@ -196,30 +248,37 @@ class EagleDrafter:
         return cls(head.to(device=target.device, dtype=target.dtype), tree)
 
     def save(self, directory: str | Path) -> None:
+        """config.json (`EagleConfig.save_pretrained`) + model.safetensors (the head's weights only)."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        (d / CONFIG_NAME).write_text(json.dumps({"drafter": "eagle", **asdict(self.head.config)}, indent=2))
-        save_file(self.head.head_state_dict(), str(d / WEIGHTS_NAME))
+        self.head.config.save_pretrained(d)
+        save_file(self.head.head_state_dict(), str(d / WEIGHTS_NAME), metadata={"format": "pt"})
+
+    @classmethod
+    def from_pretrained(cls, folder_or_hub_id: str | Path, target: Target, tree: TreeConfig | None = None) -> "EagleDrafter":
+        """A drafter folder, or a hub id ("org/name"): from the hub when it answers, else from the
+        local Hugging Face cache (DrafterLoadError when neither has it)."""
+        return cls.load(_checkpoint_folder(str(folder_or_hub_id)), target, tree)
 
     @classmethod
     def load(cls, directory: str | Path, target: Target, tree: TreeConfig | None = None) -> "EagleDrafter":
+        """A drafter folder (either format), checked against `target`, weights loaded strictly."""
         d = Path(directory)
-        cfg_path, w_path = d / CONFIG_NAME, d / WEIGHTS_NAME
-        if not cfg_path.is_file() or not w_path.is_file():
+        w_path = d / WEIGHTS_NAME
+        if not (d / CONFIG_NAME).is_file() or not w_path.is_file():
             raise DrafterLoadError(f"{d} is not a drafter folder: it needs {CONFIG_NAME} and {WEIGHTS_NAME}")
-        try:
-            raw = json.loads(cfg_path.read_text())
-            raw.pop("drafter", None)
-            config = EagleConfig(**raw)
-        except (json.JSONDecodeError, TypeError) as exc:
-            raise DrafterLoadError(f"{cfg_path}: not a valid EAGLE drafter config ({exc})") from exc
+        config = _read_config(d)
         config.check_against(target)
         head = EagleHead(config, target.input_embeddings(), target.output_embeddings(), target.attention)
-        state = load_file(str(w_path))
+        try:
+            state = load_file(str(w_path))
+        except SafetensorError as exc:
+            raise DrafterLoadError(f"{w_path}: not a readable safetensors file ({exc})") from exc
         expected = set(head.state_dict())
         missing, unexpected = expected - set(state), set(state) - expected
         if missing or unexpected:
-            raise DrafterLoadError(f"{w_path}: weights do not match the config (missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})")
+            raise DrafterLoadError(f"{w_path}: weights do not match the config "
+                                   f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})")
         head.load_state_dict(state, strict=True)
         return cls(head.to(device=target.device, dtype=target.dtype), tree)
 
@@ -227,7 +286,64 @@ class EagleDrafter:
         return _EagleSession(self.head, tree or self.tree, prompt)
 
 
+def _read_config(folder: Path) -> EagleConfig:
+    """config.json in the Hugging Face format, or the first format (converted in memory, with a warning)."""
+    path = folder / CONFIG_NAME
+    try:
+        raw = json.loads(path.read_text())
+        if not isinstance(raw, dict):
+            raise ValueError("not a JSON object")
+        if raw.get("model_type") == MODEL_TYPE:
+            return EagleConfig.from_pretrained(str(folder), local_files_only=True)
+        if LEGACY_KEY not in raw:
+            raise ValueError(f'neither model_type "{MODEL_TYPE}" nor "{LEGACY_KEY}": "eagle"')
+        config = EagleConfig.from_legacy_dict(raw)
+    except (OSError, ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError
+        raise DrafterLoadError(f"{path}: not a valid EAGLE drafter config ({exc})") from exc
+    logger.warning("%s is in the first drafter format (\"drafter\": \"eagle\"); converted in memory. "
+                   "Re-save it as a Hugging Face artefact with `vlmspec.draft.eagle.EagleDrafter.save`.", path)
+    return config
+
+
+def looks_like_hub_id(spec: str) -> bool:
+    """"org/name" with the hub's characters (a drafter repo always has an owner)."""
+    parts = spec.split("/")
+    ok = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+    return len(parts) == 2 and all(p and set(p) <= ok and not p.startswith(".") for p in parts)
+
+
+def _checkpoint_folder(spec: str) -> Path:
+    """A local folder for `spec`: the folder itself, or a hub id's snapshot in the local HF cache."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    if not looks_like_hub_id(spec):
+        raise DrafterLoadError(f"drafter {spec!r} is neither a drafter folder nor a hub id (org/name)")
+    from huggingface_hub import snapshot_download
+
+    from vlmspec.target import hub_reachable
+
+    offline = not hub_reachable()
+    try:
+        local = snapshot_download(spec, allow_patterns=[CONFIG_NAME, WEIGHTS_NAME, "README.md"], local_files_only=offline)
+    except (OSError, ValueError) as exc:  # hub errors are OSErrors (HTTP, not cached), id errors ValueErrors
+        if offline:
+            raise DrafterLoadError(f"drafter {spec!r} looks like a hub id, but the hub is unreachable from here (or "
+                                   "HF_HUB_OFFLINE is set) and it is not in the local cache: pass a drafter folder, "
+                                   f"or fetch it where the hub answers (`hf download {spec}`)") from None
+        raise DrafterLoadError(f"cannot fetch drafter {spec!r} from the hub: {str(exc).splitlines()[0]}") from exc
+    return Path(local)
+
+
 class _EagleSession:
+    """One request's drafting state: the head's own KV cache over the committed pairs.
+
+    Host <-> device traffic (CUDA): commit() and propose() each move one small token tensor to the
+    device (pinned, non-blocking: no sync); propose() grows the whole tree on the device and reads
+    it back with ONE device->host transfer, whatever the depth. The first propose of a VLM-aware
+    variant also reads its prompt rows (boolean selections, once per request).
+    """
+
     def __init__(self, head: EagleHead, tree: TreeConfig, prompt: PromptContext) -> None:
         self.head = head
         self.tree = tree
@@ -238,104 +354,141 @@ class _EagleSession:
         self.global_feat: torch.Tensor | None = None  # [H] ViSpec global image feature
         self.next_pos = 0  # position of the next row (rows of a compressed image span are gone)
         # features not yet paired with the token that follows them
-        self.pending_feats = prompt.features[:0].to(self.device, self.dtype)
-        self.pending_next = prompt.token_ids[:0].to(self.device)
+        self.pending_feats = prompt.features[:0].to(self.device, self.dtype)  # [0, H]
+        self.pending_next = prompt.token_ids[:0].to(self.device)  # [0]
 
     def commit(self, token_ids: torch.Tensor, features: torch.Tensor) -> None:
+        """token_ids [k] (root + accepted, any device), features [k, H] (the target's, on its device)."""
         assert self.pending_feats.shape[0] == 0 and self.prompt is None, "propose() must run between commits"
         self.pending_feats = features.to(self.device, self.dtype)
-        self.pending_next = token_ids[1:].to(self.device)
+        self.pending_next = to_device(token_ids[1:], self.device)
 
     def _prompt_rows(self, root: int) -> tuple[torch.Tensor, ...]:
-        """(tokens [n], feats [n, H], positions [n], direct [n] | None, fuse [n] | None)."""
+        """(tokens [n], feats [n, H], positions [n], direct [n] | None, fuse [n] | None); sets next_pos."""
         prompt, self.prompt = self.prompt, None
-        ids = torch.cat([prompt.token_ids.to(self.device), torch.tensor([root], device=self.device)])
+        ids = to_device(torch.cat([prompt.token_ids.cpu(), torch.tensor([root])]), self.device)  # [L + 1]
         feats = prompt.features.to(self.device, self.dtype)
         adaptor = self.head.visual
         if adaptor is None:
+            self.next_pos = feats.shape[0]
             return ids[1:], feats, torch.arange(feats.shape[0], device=self.device), None, None
         rows = adaptor.prompt_rows(
             ids, feats, _image_mask(prompt, ids.shape[0] - 1, self.device), _to(prompt.image_embeds, self.device, self.dtype),
-            _to(prompt.attention, self.device, torch.float32), question_embedding(self.head, prompt.token_ids.to(self.device), prompt.image_mask),
+            _to(prompt.attention, self.device, torch.float32), question_embedding(self.head, ids[:-1], prompt.image_mask),
         ).kept()
         self.global_feat = rows.global_feat
+        self.next_pos = int(rows.positions[-1]) + 1  # one read, once per request (compressed spans drop rows)
         return rows.tokens, rows.feats, rows.positions, rows.direct, rows.fuse
 
-    @torch.no_grad()
-    def propose(self, root: int, max_depth: int) -> DraftTree:
-        head, cfg = self.head, self.tree
-        # 1. the committed pairs (feature_i, token_{i+1}); the last one pairs with the root
+    def _run_committed(self, root: int) -> torch.Tensor:
+        """Run the head over the committed pairs (feature_i, token_{i+1}), the last one pairing with
+        the root; their entries stay in the cache. Returns the head's outputs [n, H]."""
         if self.prompt is not None:
             toks, feats, pos, direct, fuse = self._prompt_rows(root)
         else:
-            toks = torch.cat([self.pending_next, torch.tensor([root], device=self.device)])
+            toks = torch.cat([self.pending_next, to_device(torch.tensor([root]), self.device)])  # [n]
             feats = self.pending_feats
             pos = torch.arange(self.next_pos, self.next_pos + toks.shape[0], device=self.device)
+            self.next_pos += toks.shape[0]
             direct = None
             fuse = None if self.global_feat is None else torch.ones_like(toks, dtype=torch.bool)
-        start = self.cache.seq_len
         n = toks.shape[0]
         assert n == feats.shape[0]
         causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
-        mask = tree_attention_mask(causal, start, self.dtype)
-        hidden = head(toks, feats, pos, mask, self.cache.hf, direct, fuse, self.global_feat)
+        mask = tree_attention_mask(causal, self.cache.seq_len, self.dtype)
+        hidden = self.head(toks, feats, pos, mask, self.cache.hf, direct, fuse, self.global_feat)
         self.pending_feats = self.pending_feats[:0]
-        self.next_pos = int(pos[-1]) + 1
+        return hidden
+
+    @torch.no_grad()
+    def propose(self, root: int, max_depth: int) -> DraftTree:
+        """The EAGLE-2 tree after `root` (depth <= max_depth, at most total_tokens drafted nodes).
+        Node for node the same tree as the first, per-node-read algorithm (tests/test_drafters.py
+        keeps it as the oracle): same top-k calls on the same numbers, same rerank on the host."""
+        hidden = self._run_committed(root)  # [n, H]
         committed = self.cache.seq_len
-        depth = min(cfg.depth, max_depth)
+        depth = min(self.tree.depth, max_depth)
         if depth <= 0:
             return DraftTree.root_only(root)
-        node_fuse = None if self.global_feat is None else torch.ones(1, dtype=torch.bool, device=self.device)
-
-        # 2. grow: nodes hold token, parent, cumulative log-prob; node 0 = root
-        k = cfg.top_k
-        tokens, parents, scores = [root], [-1], [0.0]
-        out_hidden: dict[int, torch.Tensor] = {0: hidden[-1]}  # node -> head output at its pair
-        slot: dict[int, int] = {}  # expanded node -> index of its entry in the draft-tree KV part
-        logp = torch.log_softmax(head.logits(hidden[-1:]), -1)  # [1, V]
-        frontier = [0]
-        for d in range(1, depth + 1):
-            top = torch.topk(logp, k, dim=-1)  # per frontier node: [F, k]
-            cand = (torch.tensor([scores[f] for f in frontier], device=logp.device)[:, None] + top.values).flatten()
-            children = []
-            for fi, f in enumerate(frontier):
-                for j in range(k):
-                    tokens.append(int(top.indices[fi, j]))
-                    parents.append(f)
-                    scores.append(float(cand[fi * k + j]))
-                    children.append(len(tokens) - 1)
-            if d == depth:
-                break
-            best = torch.topk(cand, min(k, cand.numel())).indices.tolist()
-            frontier = [children[b] for b in best]
-            # run the head on the new frontier: token of the node, feature = its parent's output
-            ftoks = torch.tensor([tokens[f] for f in frontier], device=self.device)
-            ffeat = torch.stack([out_hidden[parents[f]] for f in frontier])
-            n_tree = len(slot)
-            allowed = torch.zeros(len(frontier), n_tree + len(frontier), dtype=torch.bool, device=self.device)
-            for i, f in enumerate(frontier):
-                allowed[i, n_tree + i] = True
-                a = parents[f]
-                while a > 0:
-                    allowed[i, slot[a]] = True
-                    a = parents[a]
-            for i, f in enumerate(frontier):
-                slot[f] = n_tree + i
-            mask = tree_attention_mask(allowed, committed, self.dtype)
-            fpos = torch.full((len(frontier),), self.next_pos - 1 + d, device=self.device)
-            ffuse = None if node_fuse is None else node_fuse.expand(len(frontier))
-            h = head(ftoks, ffeat, fpos, mask, self.cache.hf, None, ffuse, self.global_feat)
-            for i, f in enumerate(frontier):
-                out_hidden[f] = h[i]
-            logp = torch.log_softmax(head.logits(h), -1)
+        levels = self._grow(hidden[-1:], committed, depth)  # on the device, no sync
         self.cache.crop(committed)
-
-        # 3. rerank: keep the best total_tokens drafted nodes (a child never outscores its parent,
-        #    ties go to the earlier node, so the selection is closed under parents)
-        order = sorted(range(1, len(tokens)), key=lambda i: (-scores[i], i))[: cfg.total_tokens]
+        tokens, parents, scores = _read_levels(root, levels)  # the one device->host transfer
+        # rerank: keep the best total_tokens drafted nodes (a child never outscores its parent,
+        # ties go to the earlier node, so the selection is closed under parents)
+        order = sorted(range(1, len(tokens)), key=lambda i: (-scores[i], i))[: self.tree.total_tokens]
         keep = torch.tensor([0, *sorted(order)], dtype=torch.long)
         full = DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
         return full.select(keep)
+
+    def _grow(self, root_hidden: torch.Tensor, committed: int, depth: int) -> list[_Level]:
+        """EAGLE-2 growth, all on the device: each level gives every frontier node its top_k
+        children, scored by cumulative log-prob; the top_k best children are the next frontier
+        and run through the head (their KV entries go after the committed prefix, in frontier
+        order). Sizes are known on the host (F = 1, then min(k, F * k)), so nothing is read back.
+
+        root_hidden: [1, H], the head's output at the root's pair. Returns one _Level per depth.
+        """
+        head, k, dev = self.head, self.tree.top_k, self.device
+        logp = torch.log_softmax(head.logits(root_hidden), -1)  # [F, V], F = 1: the root
+        front_h = root_hidden  # [F, H] head outputs at the frontier nodes' pairs (their children's features)
+        front_seen = torch.zeros(1, 0, dtype=torch.bool, device=dev)  # [F, n_tree]: tree KV entries each sees
+        front_scores = torch.zeros(1, device=dev)  # [F] float32 cumulative log-probs
+        fuse = None if self.global_feat is None else torch.ones(1, dtype=torch.bool, device=dev)
+        levels: list[_Level] = []
+        for d in range(1, depth + 1):
+            top = torch.topk(logp, k, dim=-1)  # values / indices [F, k]
+            cand = (front_scores[:, None] + top.values).flatten()  # [F * k], child j of node fi at fi * k + j
+            if d == depth:
+                levels.append(_Level(top.indices, cand, None))
+                break
+            best = torch.topk(cand, min(k, cand.numel())).indices  # [F'] the next frontier, best first
+            levels.append(_Level(top.indices, cand, best))
+            parent = torch.div(best, k, rounding_mode="floor")  # [F'] row of each one's parent in the frontier
+            n_new = best.shape[0]
+            # a node sees its parent's entries plus itself (its entry goes right after the tree's so far)
+            seen = torch.cat([front_seen.index_select(0, parent), torch.eye(n_new, dtype=torch.bool, device=dev)], dim=1)
+            mask = tree_attention_mask(seen, committed, self.dtype)  # [1, 1, F', committed + n_tree + F']
+            ftoks = top.indices.flatten().index_select(0, best)  # [F']
+            ffeat = front_h.index_select(0, parent)  # [F', H]: a node's feature is its parent's output
+            fpos = torch.full((n_new,), self.next_pos - 1 + d, device=dev)
+            ffuse = None if fuse is None else fuse.expand(n_new)
+            front_h = head(ftoks, ffeat, fpos, mask, self.cache.hf, None, ffuse, self.global_feat)  # [F', H]
+            logp = torch.log_softmax(head.logits(front_h), -1)  # [F', V]
+            front_seen, front_scores = seen, cand.index_select(0, best)
+        return levels
+
+
+class _Level(NamedTuple):
+    """One level of growth, on the device (F = that level's frontier size, k = top_k)."""
+
+    indices: torch.Tensor  # [F, k] long: the children's tokens, per frontier node
+    scores: torch.Tensor  # [F * k] float32: the children's cumulative log-probs (child j of node fi at fi * k + j)
+    best: torch.Tensor | None  # [F'] long: flat ids of the children that form the next frontier; None at the last level
+
+
+def _read_levels(root: int, levels: list[_Level]) -> tuple[list[int], list[int], list[float]]:
+    """The drafted nodes in order (tokens, parents, cumulative log-probs; node 0 = root), read from
+    the device with ONE transfer: every level's numbers go into one float64 vector (exact for
+    token ids and float32 scores) and come back with a single `.tolist()`."""
+    parts = [t.reshape(-1).to(torch.float64) for lvl in levels for t in lvl if t is not None]
+    values = torch.cat(parts).tolist()
+    tokens, parents, scores = [root], [-1], [0.0]
+    frontier, at = [0], 0
+    for lvl in levels:
+        n = lvl.indices.numel()  # F * k, known from the shape
+        ids, cand = values[at : at + n], values[at + n : at + 2 * n]
+        at += 2 * n
+        k = lvl.indices.shape[1]
+        first = len(tokens)  # node id of child j of frontier node fi: first + fi * k + j
+        for i in range(n):
+            tokens.append(int(ids[i]))
+            parents.append(frontier[i // k])
+            scores.append(cand[i])
+        if lvl.best is not None:
+            m = lvl.best.numel()
+            frontier = [first + int(b) for b in values[at : at + m]]
+            at += m
+    return tokens, parents, scores
 
 
 def _to(x: torch.Tensor | None, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:

@@ -23,6 +23,7 @@ import torch
 
 from vlmspec.errors import ContextLengthError
 from vlmspec.kv_cache import KVCache
+from vlmspec.transfer import to_device
 from vlmspec.tree import DraftTree, tree_attention_mask
 from vlmspec.vision_compress.capture import capture, image_token_id, last_layer_attention
 
@@ -156,7 +157,7 @@ class Target:
 
         depth: [N] -> [1, N] (1-D RoPE) or [3, 1, N] (M-RoPE).
         """
-        pos = (state.seq_len + state.rope_delta + depth).to(self.device)[None]
+        pos = to_device(state.seq_len + state.rope_delta + depth, self.device)[None]
         if self.uses_mrope:
             return pos[None].expand(3, 1, -1)
         return pos
@@ -168,9 +169,10 @@ class Target:
         if state.seq_len + int(tree.depth.max()) + 1 > self.max_positions:
             raise ContextLengthError(f"tree reaches past the context of {self.max_positions} tokens")
         # a lone root is a plain decode step: the causal default is exact and takes the fast kernels
-        mask = None if tree.size == 1 else tree_attention_mask(tree.ancestor_mask().to(self.device), state.seq_len, self.dtype)
+        # built on the host, copied without a host sync on CUDA
+        mask = None if tree.size == 1 else to_device(tree_attention_mask(tree.ancestor_mask(), state.seq_len, self.dtype), self.device)
         out = self.model(
-            input_ids=tree.tokens[None].to(self.device),
+            input_ids=to_device(tree.tokens[None], self.device),
             attention_mask=mask,
             position_ids=self.tree_position_ids(state, tree.depth),
             past_key_values=state.cache.hf,

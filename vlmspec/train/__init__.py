@@ -1,1 +1,2 @@
-"""Online-logit distillation of draft heads. Not built yet: issue #4."""
+"""Training and evaluation: `train-target` (SFT of the bundled VLM, `target_sft`), `train` (online
+distillation of draft heads, `distill`), `eval-target` (`target_eval`); data in `data`."""

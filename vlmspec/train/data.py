@@ -1,35 +1,31 @@
 """Training data: conversations from ToyWorld or a LLaVA-style JSONL, encoded with the target's
-own processor and chat template; labels cover the answer (and its end-of-turn token) only."""
+own processor and chat template; labels cover the answer (and its end-of-turn token) only.
+
+`Conversation` and `toyworld_conversation` live in `vlmspec.data.heldout` (re-exported here);
+JSONL images load through `vlmspec.images.load_image_file`, with the limits every image gets."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
-from PIL import Image, UnidentifiedImageError
 
-from vlmspec.data import toyworld
-
-
-@dataclass
-class Conversation:
-    prompt: str
-    answer: str
-    images: list[Image.Image] = field(default_factory=list)
-    task: str = ""
+from vlmspec.data.heldout import Conversation, toyworld_conversation
+from vlmspec.errors import VlmspecError
+from vlmspec.images import load_image_file
+from vlmspec.prompts import user_turn
 
 
-class DataError(ValueError):
+class DataError(VlmspecError, ValueError):
     """A training file that cannot be used; the message names the file and line."""
 
 
 def messages(prompt: str, n_images: int, answer: str | None = None) -> list[dict[str, Any]]:
-    content: list[dict[str, Any]] = [{"type": "image"} for _ in range(n_images)]
-    content.append({"type": "text", "text": prompt})
-    msgs = [{"role": "user", "content": content}]
+    """The user turn (`vlmspec.prompts.user_turn`: images first, then the text), and the answer
+    as the assistant turn when given."""
+    msgs = user_turn(prompt, n_images)
     if answer is not None:
         msgs.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
     return msgs
@@ -67,11 +63,6 @@ def encode_conversations(processor: Any, convs: list[Conversation]) -> dict[str,
     return out
 
 
-def toyworld_conversation(seed: int, task: str | None = None) -> Conversation:
-    s = toyworld.make_sample(seed, task)
-    return Conversation(s.prompt, s.answer, [s.image] if s.image is not None else [], s.task)
-
-
 def toyworld_stream(
     first_seed: int, multimodal_share: Callable[[int], float] = lambda i: 1.0
 ) -> Iterator[Conversation]:
@@ -104,7 +95,7 @@ def load_jsonl(path: str | Path, skip_bad: bool = True) -> tuple[list[Conversati
                 continue
             try:
                 convs.append(_parse_record(json.loads(line), path.parent))
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError, OSError, UnidentifiedImageError) as exc:
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError, OSError) as exc:  # InputError is a ValueError
                 msg = f"{path}:{lineno}: {exc.__class__.__name__}: {exc}"
                 if not skip_bad:
                     raise DataError(msg) from None
@@ -124,10 +115,11 @@ def _parse_record(rec: dict[str, Any], root: Path) -> Conversation:
         raise ValueError("empty or non-text turn")
     images = []
     for rel in rec.get("images") or ([rec["image"]] if rec.get("image") else []):
-        with Image.open(root / rel) as im:
-            im.load()
-            images.append(im.convert("RGB"))
+        images.append(load_image_file(root / rel))
     if human.count("<image>") not in (0, len(images)):
         raise ValueError(f"{human.count('<image>')} <image> tags for {len(images)} images")
     prompt = human.replace("<image>\n", "").replace("<image>", "").strip()
     return Conversation(prompt, answer, images, rec.get("task", ""))
+
+
+__all__ = ["Conversation", "DataError", "encode_conversations", "load_jsonl", "messages", "toyworld_conversation", "toyworld_stream"]

@@ -22,7 +22,7 @@ import json
 import os
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -31,16 +31,19 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from vlmspec.data import toyworld
+from vlmspec.data.heldout import Conversation, heldout
 from vlmspec.draft.base import NoDrafter, TreeConfig
 from vlmspec.draft.eagle import EagleConfig, EagleDrafter, EagleHead
 from vlmspec.engine import GenerationConfig, SpecEngine
+from vlmspec.prompts import encode_prompt
 from vlmspec.sampling import SamplingParams
+from vlmspec.stats import SpecStats
 from vlmspec.target import Target
+from vlmspec.text import generate_text
 from vlmspec.train.common import save_checkpoint_dir, warmup_cosine
-from vlmspec.train.data import Conversation, encode_conversations, load_jsonl, toyworld_conversation, toyworld_stream
+from vlmspec.train.data import encode_conversations, load_jsonl, toyworld_stream
 from vlmspec.vision_compress import VisualConfig
 from vlmspec.vision_compress.capture import capture, image_token_id, last_layer_attention
-from vlmspec.prompts import encode_prompt
 
 
 @dataclass
@@ -291,21 +294,16 @@ class AnswerCache:
         k = self.key(c)
         if k not in self.answers:
             engine = SpecEngine(self.target, NoDrafter())
-            result = engine.generate(encode_prompt(self.target, c.prompt, c.images), GenerationConfig(max_new_tokens=self.max_new_tokens))
-            self.answers[k] = result.text
+            inputs = encode_prompt(self.target, c.prompt, c.images)
+            text = generate_text(engine, inputs, GenerationConfig(max_new_tokens=self.max_new_tokens)).text
+            self.answers[k] = text
             self.generated += 1
             with self.path.open("a") as f:
-                f.write(json.dumps({"key": k, "answer": result.text}) + "\n")
-        return Conversation(c.prompt, self.answers[k], c.images, c.task)
+                f.write(json.dumps({"key": k, "answer": text}) + "\n")
+        return replace(c, answer=self.answers[k])
 
 
 # ------------------------------------------------------------------------------------ eval
-def eval_prompts(n: int, seed: int = 0) -> list[Conversation]:
-    """Held-out ToyWorld prompts (val split), mixed tasks."""
-    lo = toyworld.SPLITS["val"][0] + 5 * 10**5 + seed * 10**4
-    return [toyworld_conversation(lo + i) for i in range(n)]
-
-
 @torch.no_grad()
 def accepted_length(
     target: Target,
@@ -314,19 +312,19 @@ def accepted_length(
     temperature: float = 0.0,
     max_new_tokens: int = 96,
 ) -> dict[str, float]:
-    """Mean accepted length (bonus included) per task and overall, over the given prompts."""
+    """Mean accepted length (bonus included, `SpecStats.mean_accepted_length`) per task and
+    overall ("all"), over the given prompts: each generation's stats added up per task."""
     engine = SpecEngine(target, drafter)
-    per: dict[str, list[tuple[int, int]]] = {}
+    per: dict[str, SpecStats] = {}
+    total = SpecStats()
     for i, c in enumerate(prompts):
         cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature=temperature), seed=i)
         r = engine.generate(encode_prompt(target, c.prompt, c.images), cfg)
-        verify_forwards = r.num_target_forwards - 1
-        emitted = r.num_accepted + verify_forwards
-        per.setdefault(c.task, []).append((emitted, verify_forwards))
-    out = {task: sum(e for e, _ in v) / max(1, sum(f for _, f in v)) for task, v in per.items()}
-    all_e = sum(e for v in per.values() for e, _ in v)
-    all_f = sum(f for v in per.values() for _, f in v)
-    out["all"] = all_e / max(1, all_f)
+        task = per.setdefault(c.task, SpecStats())
+        task += r.stats
+        total += r.stats
+    out = {task: stats.mean_accepted_length for task, stats in per.items()}
+    out["all"] = total.mean_accepted_length
     return out
 
 
@@ -410,7 +408,7 @@ def train_drafter(
         state = json.loads((ck / "trainer_state.json").read_text())
     state["config"] = asdict(cfg)
     drafter = EagleDrafter(head, tree)
-    held_out = eval_prompts(cfg.eval_n)
+    held_out = heldout("distill-eval", cfg.eval_n)
     bar = tqdm(total=cfg.steps, initial=state["step"], disable=not progress or rank != 0, desc="train", dynamic_ncols=True)
     t0, elapsed0 = time.perf_counter(), state["elapsed_s"]
     tau_text = "-"

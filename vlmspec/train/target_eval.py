@@ -13,10 +13,12 @@ import numpy as np
 from PIL import Image
 
 from vlmspec.data import toyworld
+from vlmspec.data.heldout import heldout
 from vlmspec.draft import NgramDrafter
 from vlmspec.engine import GenerationConfig, SpecEngine
-from vlmspec.target import Target
 from vlmspec.prompts import encode_prompt
+from vlmspec.target import Target
+from vlmspec.text import generate_text
 
 # task -> (metric key, max new tokens)
 SCORED = {
@@ -36,25 +38,19 @@ def noise_like(image: Image.Image, seed: int) -> Image.Image:
     return Image.fromarray(arr, "RGB")
 
 
-def held_out(n: int, seed: int = 0) -> list[toyworld.Sample]:
-    """n test-split samples, balanced over the scored tasks, seeds never used in training."""
-    lo, _ = toyworld.SPLITS["test"]
-    per = max(1, n // len(SCORED))
-    return [toyworld.make_sample(lo + seed * 10**5 + i * len(SCORED) + j, task) for i in range(per) for j, task in enumerate(SCORED)]
-
-
 def evaluate(target: Target, n: int = 600, seed: int = 0, progress: bool = True) -> dict[str, Any]:
     from tqdm import tqdm
 
     engine = SpecEngine(target, NgramDrafter())
-    samples = held_out(n, seed)
+    # n test-split items balanced over the scored tasks (`vlmspec.data.heldout`'s "target-eval" set)
+    samples = [c.sample for c in heldout("target-eval", max(1, n // len(SCORED)), per_task=True, tasks=tuple(SCORED), seed=seed)]
     scores: dict[str, dict[str, list[float]]] = {"real": defaultdict(list), "noise": defaultdict(list)}
     examples: list[dict[str, str]] = []
     for s in tqdm(samples, desc="eval-target", disable=not progress, dynamic_ncols=True):
         key, max_new = SCORED[s.task]
         for kind, image in (("real", s.image), ("noise", noise_like(s.image, s.seed))):
             inputs = encode_prompt(target, s.prompt, [image])
-            text = engine.generate(inputs, GenerationConfig(max_new_tokens=max_new)).text
+            text = generate_text(engine, inputs, GenerationConfig(max_new_tokens=max_new)).text
             for k, v in toyworld.score(s, text).items():
                 scores[kind][k].append(v)
             if kind == "real" and len(examples) < len(SCORED) and all(e["task"] != s.task for e in examples):
@@ -75,4 +71,4 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-__all__ = ["evaluate", "format_table", "held_out", "noise_like", "REQUIRED"]
+__all__ = ["evaluate", "format_table", "noise_like", "REQUIRED"]

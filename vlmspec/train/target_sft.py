@@ -21,9 +21,10 @@ import torch
 from safetensors.torch import load_file
 
 from vlmspec.data import toyworld
+from vlmspec.data.heldout import Conversation
 from vlmspec.data.processor import build_processor, corpus_for_tokenizer, llava_config_kwargs, train_tokenizer
 from vlmspec.train.common import save_checkpoint_dir, warmup_cosine
-from vlmspec.train.data import Conversation, encode_conversations
+from vlmspec.train.data import encode_conversations
 from vlmspec.train.vision_pretrain import SceneProbe, image_tokens, pretrain_batch, scene_labels
 
 
@@ -48,6 +49,18 @@ class TargetArch:
     max_positions: int = 1024
     tokenizer_vocab: int = 3000
     tokenizer_corpus: int = 20000
+
+
+def saved_sizes(folder: str | Path) -> dict[str, int]:
+    """The decoder sizes of an exported model folder, as TargetArch fields (hidden, intermediate,
+    heads, kv_heads); {} when the folder has no config.json."""
+    config = Path(folder) / "config.json"
+    if not config.is_file():
+        return {}
+    text = json.loads(config.read_text()).get("text_config", {})
+    names = (("hidden", "hidden_size"), ("intermediate", "intermediate_size"), ("heads", "num_attention_heads"),
+             ("kv_heads", "num_key_value_heads"))
+    return {k: text[hf] for k, hf in names if hf in text}
 
 
 @dataclass
@@ -146,7 +159,7 @@ def warm_start(model: torch.nn.Module, folder: Path) -> int:
 # ---------------------------------------------------------------------------------------- data
 def encode_batch(samples: list[toyworld.Sample], processor: Any) -> dict[str, torch.Tensor]:
     """ToyWorld samples -> padded tensors with labels on the answers only."""
-    convs = [Conversation(s.prompt, s.answer, [s.image] if s.image is not None else [], s.task) for s in samples]
+    convs = [Conversation.from_sample(s) for s in samples]
     return encode_conversations(processor, convs)
 
 

@@ -58,21 +58,26 @@ def verify_sampling(tree: DraftTree, target_probs: torch.Tensor, generator: torc
     q (children were drawn from q without replacement). q is one-hot per child when the tree
     has no draft_probs, so rejecting x just zeroes p(x). If no child is accepted the recovered
     token is drawn from the residual p; at a leaf the bonus token is drawn from p.
+
+    No device syncs in the loop: the probabilities come to the host in one transfer and all the
+    uniforms of the step are drawn in one call (node i's acceptance test uses u[i], each at most
+    once, so they stay independent). `generator` is a CPU generator (or None: the default one).
     """
     assert target_probs.shape[0] == tree.size
+    probs, draft = _on_host(target_probs, tree.draft_probs)  # [N, V] float32 each (draft: None or [N, V])
+    u = torch.rand(tree.size, generator=generator).tolist()  # [N]; u[0] (the root) is never used
     tokens = tree.tokens.tolist()
     children = tree.children()
     node, path = 0, [0]
     while True:
-        p = target_probs[node].float().clone()
+        p = probs[node].clone()
         kids = children[node]
-        q = None if tree.draft_probs is None else tree.draft_probs[node].float().clone()
+        q = None if draft is None else draft[node].clone()
         accepted = None
         for child in kids:
             x = tokens[child]
             ratio = p[x] if q is None else p[x] / q[x].clamp_min(1e-30)
-            u = torch.rand((), generator=generator)
-            if u < ratio:
+            if u[child] < float(ratio):
                 accepted = child
                 break
             if q is None:
@@ -85,7 +90,7 @@ def verify_sampling(tree: DraftTree, target_probs: torch.Tensor, generator: torc
                     q = q / q_sum
             total = p.sum()
             if total <= 0:  # only reachable through rounding when p == q: fall back to the target
-                p = target_probs[node].float().clone()
+                p = probs[node].clone()
                 total = p.sum()
             p = p / total
         if accepted is None:
@@ -93,6 +98,15 @@ def verify_sampling(tree: DraftTree, target_probs: torch.Tensor, generator: torc
             return Verdict(path, token, is_bonus=not kids)
         node = accepted
         path.append(node)
+
+
+def _on_host(target_probs: torch.Tensor, draft_probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[N, V] target (and draft) probabilities as float32 host tensors, with at most one
+    device->host transfer (both go in one copy when both are on the same device)."""
+    if draft_probs is not None and draft_probs.device == target_probs.device and target_probs.device.type != "cpu":
+        both = torch.stack([target_probs.float(), draft_probs.float()]).cpu()  # [2, N, V]
+        return both[0], both[1]
+    return target_probs.float().cpu(), None if draft_probs is None else draft_probs.float().cpu()
 
 
 def verify(

@@ -1,0 +1,310 @@
+"""The wire format: OpenAI request schemas, OpenAI-shaped errors, and request -> what the worker runs.
+
+    inputs = prepare_chat(body, settings)   # bytes -> ChatInputs (or APIError), in this order: JSON and
+                                            # types, n/logprobs/tools, model, max tokens, a user turn,
+                                            # image count, then the images themselves
+    completion_body(...) / chunk(...)       # the response shapes (non-stream / server-sent events)
+
+Every error body is ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from PIL import Image
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from vlmspec.engine import GenerationConfig
+from vlmspec.errors import InputError
+from vlmspec.images import load_image_url
+from vlmspec.sampling import SamplingParams
+from vlmspec.text import Completion
+
+from .settings import ServerSettings
+
+# ------------------------------------------------------------------------------------------ schemas
+
+
+class _Strict(BaseModel):
+    # strict: "8" is not an int, 1 is not a bool; unknown fields are ignored (OpenAI clients send many)
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(_Strict):
+    url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | Annotated[list[ContentPart], Field(min_length=1)]
+    name: str | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+
+
+class ChatCompletionRequest(_Strict):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)  # OpenAI default: 1
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=0)  # extension (vLLM-style)
+    seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    speculative: bool = True  # extension: false = plain autoregressive decoding
+    ignore_eos: bool = False  # extension (vLLM-style)
+    logprobs: bool | None = None
+    tools: list[Any] | None = None
+
+
+# ------------------------------------------------------------------------------------------ errors
+
+
+class APIError(Exception):
+    """An OpenAI-shaped error response: HTTP `status`, the body's fields, extra response headers."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    @classmethod
+    def from_input(cls, exc: InputError) -> "APIError":
+        return cls(exc.status, exc.message, type=exc.type, param=exc.param, code=exc.code)
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    """A pydantic error on the request body -> a 400 naming the parameter as the client wrote it."""
+    errors = exc.errors(include_url=False)
+    # the deepest error: for a union (str | list of parts) that is the branch the client meant
+    err = max(errors, key=lambda e: len(e.get("loc", ()))) if errors else {"type": "invalid", "loc": (), "msg": str(exc)}
+    if err["type"] == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}", code="invalid_json")
+    loc = [str(p) for p in err.get("loc", ()) if p not in ("function-after", "union")]
+    # drop pydantic's union-member tags ("str", "list[...]", "text", ...) for a readable parameter path
+    loc = [p for p in loc if p.isidentifier() or p.isdigit()]
+    loc = [p for p in loc if p not in ("str", "TextPart", "ImagePart") and not p.startswith("list")]
+    # and the discriminated union's tag: messages.0.content.1.image_url.image_url.url -> ...content.1.image_url.url
+    param = re.sub(r"(content\.\d+)\.(?:text|image_url)\.", r"\1.", ".".join(loc)) or None
+    if err["type"] == "model_type" and not loc:
+        return APIError(400, "the request body must be a JSON object", code="invalid_json")
+    if err["type"] == "missing":
+        return APIError(400, f"missing required parameter: {param}", param=param, code="missing_required_parameter")
+    return APIError(400, f"invalid value for {param or 'the request'}: {err['msg']}", param=param, code="invalid_value")
+
+
+def model_not_found(model: str, settings: ServerSettings) -> APIError:
+    return APIError(404, f"the model {model!r} does not exist (this server serves {settings.model!r})",
+                    param="model", code="model_not_found")
+
+
+def queue_full(max_queue: int, retry_after_s: int) -> APIError:
+    return APIError(429, f"the server is busy ({max_queue} requests queued): retry after {retry_after_s} s",
+                    type="rate_limit_error", code="queue_full", headers={"Retry-After": str(retry_after_s)})
+
+
+def shutting_down(retry_after: bool = False) -> APIError:
+    return APIError(503, "the server is shutting down", type="server_error", code="shutting_down",
+                    headers={"Retry-After": "5"} if retry_after else None)
+
+
+def cancelled(reason: str, timeout_s: float) -> APIError:
+    """Why a generation stopped early: "timeout" (504), "disconnect" (499), "shutdown" (503)."""
+    if reason == "timeout":
+        return APIError(504, f"the request did not finish within {timeout_s:g} s", type="timeout", code="timeout")
+    if reason == "disconnect":
+        return APIError(499, "the client disconnected", type="cancelled", code="client_disconnected")
+    return shutting_down()
+
+
+def internal(message: str = "internal error") -> APIError:
+    return APIError(500, message, type="server_error", code="internal_error")
+
+
+# ------------------------------------------------------------------------------------------ request -> inputs
+
+
+@dataclass
+class ChatInputs:
+    """A validated chat request, ready for the worker."""
+
+    request: ChatCompletionRequest
+    messages: list[dict[str, Any]]  # HF chat-template messages ({"type": "image"} placeholders in place)
+    images: list[Image.Image]  # RGB, in the order of the placeholders
+    config: GenerationConfig
+    stop: tuple[str, ...]  # stop strings (the text layer cuts at them)
+
+
+def prepare_chat(body: bytes, settings: ServerSettings) -> ChatInputs:
+    """The raw body -> ChatInputs, or APIError. Blocking (may fetch remote images): run it in a thread."""
+    try:
+        req = ChatCompletionRequest.model_validate_json(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    config, stop = generation_config(req, settings)
+    messages, urls = to_hf_messages([m.model_dump() for m in req.messages])
+    if len(urls) > settings.max_images:
+        raise APIError(400, f"too many images: {len(urls)} (at most {settings.max_images} per request)",
+                       param="messages", code="too_many_images")
+    limits = settings.image_limits()
+    try:
+        images = [load_image_url(url, limits, param) for param, url in urls]
+    except InputError as exc:
+        raise APIError.from_input(exc) from None
+    return ChatInputs(req, messages, images, config, stop)
+
+
+def _unsupported(req: ChatCompletionRequest) -> APIError | None:
+    if req.n is not None and req.n != 1:
+        return APIError(400, "only n=1 is supported", param="n", code="unsupported_value")
+    if req.logprobs:
+        return APIError(400, "logprobs are not supported", param="logprobs", code="unsupported_value")
+    if req.tools:
+        return APIError(400, "tools are not supported", param="tools", code="unsupported_value")
+    return None
+
+
+def generation_config(req: ChatCompletionRequest, settings: ServerSettings) -> tuple[GenerationConfig, tuple[str, ...]]:
+    """The request's decoding options -> (GenerationConfig, stop strings), checked against the settings."""
+    err = _unsupported(req)
+    if err is not None:
+        raise err
+    if req.model is not None and not settings.serves(req.model):
+        raise model_not_found(req.model, settings)
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = getattr(req, name)
+        if value is not None and value > settings.max_tokens_cap:
+            raise APIError(400, f"{name} must be <= {settings.max_tokens_cap}, got {value}", param=name, code="invalid_value")
+    max_tokens = req.max_completion_tokens or req.max_tokens or min(settings.default_max_tokens, settings.max_tokens_cap)
+    if not any(m.role == "user" for m in req.messages):
+        raise APIError(400, "messages must contain at least one user message", param="messages", code="invalid_value")
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    sampling = SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_k=req.top_k or 0,
+        top_p=1.0 if req.top_p is None else req.top_p,
+    )
+    return GenerationConfig(max_new_tokens=max_tokens, sampling=sampling, seed=req.seed, ignore_eos=req.ignore_eos), stop
+
+
+def to_hf_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
+    """OpenAI messages (plain dicts) -> HF chat-template messages and the image URLs in order, as
+    (param, url) pairs. Roles are kept (``developer`` is sent as ``system``); a string content is one
+    text part; an image part becomes a ``{"type": "image"}`` placeholder where it was."""
+    hf: list[dict[str, Any]] = []
+    urls: list[tuple[str, str]] = []
+    for i, msg in enumerate(messages):
+        role = "system" if msg["role"] == "developer" else msg["role"]
+        content = msg["content"]
+        parts: list[dict[str, Any]] = []
+        if isinstance(content, str):
+            parts.append({"type": "text", "text": content})
+        else:
+            for j, part in enumerate(content):
+                if part["type"] == "text":
+                    parts.append({"type": "text", "text": part["text"]})
+                else:
+                    parts.append({"type": "image"})
+                    urls.append((f"messages.{i}.content.{j}.image_url.url", part["image_url"]["url"]))
+        hf.append({"role": role, "content": parts})
+    return hf, urls
+
+
+# ------------------------------------------------------------------------------------------ responses
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+def speculative_block(enabled: bool, drafter: str, completion: Completion) -> dict[str, Any]:
+    """The `speculative` extension of a response: what speculation did for this request."""
+    result = completion.result
+    return {
+        "enabled": enabled,
+        "drafter": drafter if enabled else "none",
+        "target_forwards": result.num_target_forwards,
+        "drafted_tokens": result.num_drafted,
+        "accepted_tokens": result.num_accepted,
+        "mean_accepted_length": result.mean_accepted_length,
+        "acceptance_by_position": result.acceptance_by_position,
+    }
+
+
+@dataclass
+class Reply:
+    """What every response of one request shares."""
+
+    id: str
+    created: int  # unix seconds
+    model: str
+    speculative: bool
+    drafter: str
+    prompt_tokens: int
+
+    def completion_body(self, completion: Completion) -> dict[str, Any]:
+        """The non-streaming `chat.completion` object."""
+        return {
+            "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+            "system_fingerprint": None,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": completion.text},
+                         "logprobs": None, "finish_reason": completion.finish_reason}],
+            "usage": usage(self.prompt_tokens, len(completion.result.token_ids)),
+            "speculative": speculative_block(self.speculative, self.drafter, completion),
+        }
+
+    def chunk(self, delta: dict | None, finish: str | None = None, **extra: Any) -> str:
+        """One server-sent `chat.completion.chunk` event (delta None: no choices, e.g. the usage chunk)."""
+        obj: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                               "model": self.model, "system_fingerprint": None}
+        obj["choices"] = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        obj.update(extra)
+        return f"data: {json.dumps(obj)}\n\n"
+
+    def final_chunks(self, completion: Completion) -> list[str]:
+        """The finish-reason chunk, then the usage + `speculative` chunk."""
+        return [self.chunk({}, completion.finish_reason),
+                self.chunk(None, usage=usage(self.prompt_tokens, len(completion.result.token_ids)),
+                           speculative=speculative_block(self.speculative, self.drafter, completion))]
+
+
+def error_event(err: APIError) -> str:
+    return f"data: {json.dumps(err.body())}\n\n"
+
+
+DONE_EVENT = "data: [DONE]\n\n"

@@ -1,0 +1,47 @@
+"""Run the service: print its URLs, then uvicorn until interrupted (the CLI's `vlmspec serve` parses
+the options, builds the engine through vlmspec.factory and calls `serve`)."""
+
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+import uvicorn
+
+from vlmspec.engine import SpecEngine
+
+from .routes import create_app
+from .settings import ServerSettings
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def serve(engine: SpecEngine, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000,
+          log_level: str = "info") -> int:
+    """Serve `engine` (and plain decoding over its target) until interrupted. Returns the exit code:
+    0, or 130 after Ctrl-C."""
+    app = create_app(engine, settings)
+    print_urls(settings, engine.drafter.name, host, port, app.state.ui_path, sys.stderr)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=int(settings.request_timeout_s))
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def print_urls(settings: ServerSettings, drafter: str, host: str, port: int, ui_path: str | None, out: TextIO) -> None:
+    """What `vlmspec serve` prints before it starts listening."""
+    shown = f"[{host}]" if ":" in host else host
+    base = f"http://{shown}:{port}"
+    print(f"vlmspec serve: model {settings.model!r}, drafter {drafter!r}", file=out)
+    print(f"  API base: {base}/v1", file=out)
+    print(f"  docs:     {base}/docs", file=out)
+    print(f"  metrics:  {base}/metrics", file=out)
+    print(f"  health:   {base}/healthz", file=out)
+    if ui_path is not None:
+        login = "  (login: any user name, the API key as password)" if settings.api_key else ""
+        print(f"  demo UI:  {base}{ui_path}{login}", file=out)
+    elif settings.ui:
+        print("  demo UI:  not mounted (pip install gradio)", file=out)
+    if host not in LOOPBACK and settings.api_key is None:
+        print("  warning: listening beyond loopback without --api-key", file=out)

@@ -1,0 +1,42 @@
+"""The service's settings: one object, read per request (a test may change a field on a live app)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vlmspec.images import ImageLimits
+
+
+@dataclass
+class ServerSettings:
+    model: str = "vlmspec"  # the name clients pass as `model`
+    model_aliases: tuple[str, ...] = ()  # other accepted names (e.g. the model's full path)
+    api_key: str | None = None  # None = open
+    allow_remote_images: bool = False
+    max_queue: int = 16  # requests waiting for the worker (the running one excluded)
+    request_timeout_s: float = 120.0  # from arrival to the last token
+    max_tokens_cap: int = 1024
+    default_max_tokens: int = 256  # when the request gives no max_tokens (clamped to the cap)
+    max_images: int = 4
+    max_image_pixels: int = 4096 * 4096
+    max_image_aspect_ratio: float = 100.0
+    max_body_bytes: int = 20 * 1024 * 1024
+    remote_image_timeout_s: float = 10.0
+    shutdown_grace_s: float = 30.0  # lifespan shutdown: how long the running generation may finish
+    ui: bool = True  # mount the Gradio demo at /ui when gradio is importable (with api_key: a login page)
+
+    def __post_init__(self) -> None:
+        if self.max_queue < 0 or self.max_tokens_cap < 1 or self.max_images < 0 or self.max_body_bytes < 1:
+            raise ValueError(f"invalid server settings: {self}")
+        if self.request_timeout_s <= 0:
+            raise ValueError("request_timeout_s must be > 0")
+
+    def serves(self, model: str) -> bool:
+        """Whether `model` names the served model (its name or an alias)."""
+        return model in (self.model, *self.model_aliases)
+
+    def image_limits(self) -> ImageLimits:
+        """The limits every image (API data URL, remote URL, demo upload) is checked against."""
+        return ImageLimits(max_pixels=self.max_image_pixels, max_aspect_ratio=self.max_image_aspect_ratio,
+                           allow_remote=self.allow_remote_images, remote_max_bytes=self.max_body_bytes,
+                           remote_timeout_s=self.remote_image_timeout_s)

@@ -1,0 +1,268 @@
+"""A Gradio demo of speculative vs plain decoding, mounted at /ui in the service's FastAPI app.
+
+    mount_ui(app, ServiceRunner(app.state.service, settings))   # done by create_app when gradio is installed
+    build_ui(runner) -> gr.Blocks
+
+A "Run" submits the speculative job, then the plain one (one after the other, through the same
+worker and queue as the API; see ui_runner.py), and streams both answers, their tokens/s, the
+speedup, and a step-by-step view where each target forward's emitted tokens (accepted drafts + the
+bonus token) are highlighted. The tree-size slider sets the speculative job's tree size (its
+GenerationConfig.tree); it is hidden when the drafter has no tree.
+"""
+
+from __future__ import annotations
+
+import hmac
+import html
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+
+from vlmspec.assets import SAMPLE_IMAGES
+
+from .ui_runner import Comparison, RunError, RunState, ServiceRunner
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
+DEFAULT_PROMPT = "Describe the image."
+TITLE = "# vlmspec: lossless speculative decoding for VLMs"
+
+
+def sample_images(folder: Path = SAMPLE_IMAGES) -> list[Path]:
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+
+
+# ------------------------------------------------------------------------------------------ rendering
+
+CSS = """
+#vlmspec-header h1 { margin-bottom: 0; }
+#speedup { min-height: 3.2em; }
+.vs-banner { display: flex; gap: 1.2em; align-items: baseline; flex-wrap: wrap; padding: .6em .9em;
+             border-radius: 10px; background: var(--block-background-fill); border: 1px solid var(--border-color-primary); }
+.vs-big { font-size: 1.9em; font-weight: 700; color: #15803d; }
+.vs-big.slow { color: #b45309; }
+.vs-muted { color: var(--body-text-color-subdued); }
+.vs-ok { color: #15803d; font-weight: 600; }
+.vs-bad { color: #b91c1c; font-weight: 600; }
+.vs-steps { line-height: 2.0; white-space: pre-wrap; font-family: var(--font-mono); font-size: .92em;
+            padding: .6em; border-radius: 10px; border: 1px solid var(--border-color-primary); min-height: 4em; }
+.vs-step { border-radius: 4px; padding: 2px 1px; margin: 0 1px; }
+.vs-step sub { font-size: .65em; color: #334155; font-family: var(--font); margin-left: 1px; }
+.vs-t1 { background: #e2e8f0; } .vs-t2 { background: #bbf7d0; } .vs-t3 { background: #86efac; }
+.vs-t4 { background: #4ade80; } .vs-t5 { background: #22c55e; } .vs-t6 { background: #16a34a; color: white; }
+.vs-alt { outline: 1px solid #94a3b8; }
+.vs-legend span { display: inline-block; padding: 0 .5em; margin-right: .3em; border-radius: 4px; font-size: .85em; }
+"""
+
+
+def _tier(n: int) -> int:
+    return max(1, min(n, 6))
+
+
+def render_steps(state: RunState | None) -> str:
+    """The step view: one highlighted span per target forward (its text, subscript: tokens emitted)."""
+    legend = ('<div class="vs-legend vs-muted">tokens per target forward: '
+              + "".join(f'<span class="vs-t{k}">{k if k < 6 else "6+"}</span>' for k in range(1, 7))
+              + " &nbsp;(the subscript: tokens this forward emitted = accepted drafts + 1)</div>")
+    if state is None:
+        return legend + '<div class="vs-steps vs-muted">speculative decoding is off</div>'
+    if not state.steps:
+        body = "waiting for the worker ..." if state.waiting else ""
+        return legend + f'<div class="vs-steps vs-muted">{body}</div>'
+    spans = []
+    for i, (text, n, acc, drafted) in enumerate(state.steps):
+        what = "prefill" if i == 0 else f"forward {i}"
+        title = f"{what}: {n} token(s) emitted, {acc} of {drafted} drafted accepted"
+        shown = html.escape(text) if text else "&#8203;"
+        alt = " vs-alt" if i % 2 else ""
+        spans.append(f'<span class="vs-step vs-t{_tier(n)}{alt}" title="{html.escape(title)}">{shown}<sub>{n}</sub></span>')
+    return legend + '<div class="vs-steps" id="vs-steps">' + "".join(spans) + "</div>"
+
+
+def render_stats(state: RunState | None, label: str) -> str:
+    if state is None:
+        return f"*{label}: off*"
+    if state.error:
+        return f"**error:** {state.error}"
+    if state.waiting and not state.tokens:
+        return "*queued ...*"
+    res = state.result
+    if res is None:
+        return f"**{state.tokens_per_s:.1f} tok/s** · {state.tokens} tokens · *running ...*"
+    return (f"**{res.tokens_per_s:.1f} tok/s** · {len(res.token_ids)} tokens in {res.elapsed_s:.2f} s · "
+            f"{res.num_target_forwards} target forwards · {res.mean_accepted_length:.2f} tokens/forward"
+            + (f" · {res.num_accepted}/{res.num_drafted} drafts accepted" if res.num_drafted else "")
+            + f" · finish: {res.finish_reason}")
+
+
+def _pending_banner(cmp: Comparison) -> str:
+    running = [r.mode for r in (cmp.spec, cmp.plain) if r is not None and r.result is None and not r.error]
+    msg = f"running {running[0]} decoding ..." if running else "done"
+    if cmp.spec is not None and cmp.spec.result is not None and cmp.plain is None:
+        msg = f"speculative: {cmp.spec.result.tokens_per_s:.1f} tok/s (plain decoding not run: no speedup)"
+    return f'<div class="vs-banner"><span class="vs-muted">{html.escape(msg)}</span></div>'
+
+
+def render_summary(cmp: Comparison | None, temperature: float = 0.0) -> str:
+    if cmp is None:
+        return '<div class="vs-banner vs-muted">Pick an image, type a prompt and press Run.</div>'
+    sp = cmp.speedup
+    if sp is None:
+        return _pending_banner(cmp)
+    if cmp.identical:
+        check = '<span class="vs-ok">identical outputs ✓</span>'
+    elif temperature > 0:
+        check = '<span class="vs-muted">outputs differ (sampling at temperature > 0: both are exact samples)</span>'
+    else:
+        check = '<span class="vs-bad">outputs differ at temperature 0!</span>'
+    s, p = cmp.spec.result, cmp.plain.result
+    return (f'<div class="vs-banner"><span class="vs-big{"" if sp >= 1 else " slow"}" id="vs-speedup">{sp:.2f}× speedup</span>'
+            f'<span>{s.tokens_per_s:.1f} vs {p.tokens_per_s:.1f} tok/s</span>'
+            f'<span>{s.num_target_forwards} vs {p.num_target_forwards} target forwards</span>{check}</div>')
+
+
+def render_outputs(cmp: Comparison, temperature: float) -> tuple[str, str, str, str, str, str]:
+    """(summary, speculative answer, its stats, plain answer, its stats, step view) for the page."""
+    return (render_summary(cmp, temperature),
+            cmp.spec.text if cmp.spec else "", render_stats(cmp.spec, "speculative decoding"),
+            cmp.plain.text if cmp.plain else "", render_stats(cmp.plain, "plain decoding"),
+            render_steps(cmp.spec))
+
+
+# ------------------------------------------------------------------------------------------ the Blocks
+
+
+@dataclass
+class _Inputs:
+    image: gr.Image
+    gallery: gr.Gallery
+    prompt: gr.Textbox
+    max_tokens: gr.Slider
+    temperature: gr.Slider
+    speculative: gr.Checkbox
+    compare: gr.Checkbox
+    tree_size: gr.Slider
+    run: gr.Button
+
+    def run_args(self) -> list[Any]:  # in the order of _Handlers.on_run's parameters
+        return [self.image, self.prompt, self.max_tokens, self.temperature, self.speculative, self.compare, self.tree_size]
+
+
+def _input_column(samples: list[Path], cap: int) -> _Inputs:
+    first = str(samples[0]) if samples else None
+    with gr.Column(scale=2, min_width=320):
+        image = gr.Image(value=first, type="pil", label="image (upload, paste, or pick a sample below)",
+                         sources=["upload", "clipboard"], height=260, elem_id="image-input")
+        gallery = gr.Gallery(value=[str(p) for p in samples], label="sample images", columns=4, height=230,
+                             allow_preview=False, object_fit="cover", elem_id="samples", visible=bool(samples))
+        prompt = gr.Textbox(value=DEFAULT_PROMPT, label="prompt", lines=2, elem_id="prompt")
+        with gr.Row():
+            max_tokens = gr.Slider(1, min(cap, 512), value=min(64, cap), step=1, label="max tokens", elem_id="max-tokens")
+            temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="temperature", elem_id="temperature")
+        with gr.Row():
+            speculative = gr.Checkbox(value=True, label="speculative decoding", elem_id="speculative")
+            compare = gr.Checkbox(value=True, label="also run plain decoding (speedup)", elem_id="compare")
+        tree_size = gr.Slider(1, 128, value=16, step=1, label="draft tree size (drafted tokens per forward)",
+                              visible=False, elem_id="tree-size")
+        run = gr.Button("Run", variant="primary", elem_id="run")
+    return _Inputs(image, gallery, prompt, max_tokens, temperature, speculative, compare, tree_size, run)
+
+
+def _output_column() -> list[Any]:
+    """The output components, in the order of render_outputs."""
+    with gr.Column(scale=3, min_width=420):
+        summary = gr.HTML(render_summary(None), elem_id="speedup")
+        with gr.Row(equal_height=True):
+            with gr.Column():
+                spec_text = gr.Textbox(label="speculative decoding", lines=7, max_lines=14, interactive=False,
+                                       elem_id="spec-answer")
+                spec_stats = gr.Markdown("", elem_id="spec-stats")
+            with gr.Column():
+                plain_text = gr.Textbox(label="plain decoding", lines=7, max_lines=14, interactive=False,
+                                        elem_id="plain-answer")
+                plain_stats = gr.Markdown("", elem_id="plain-stats")
+        gr.Markdown("#### step by step: what each target forward emitted (speculative run; hover a step for details)")
+        steps = gr.HTML(render_steps(RunState("speculative")), elem_id="steps")
+    return [summary, spec_text, spec_stats, plain_text, plain_stats, steps]
+
+
+class _Handlers:
+    """The page's event handlers (bound methods, so Gradio sees their real signatures)."""
+
+    def __init__(self, runner: ServiceRunner, samples: list[Path]) -> None:
+        self.runner, self.samples = runner, samples
+
+    def on_load(self) -> tuple[str, Any]:
+        info = self.runner.info()
+        n = info["tree_total_tokens"]
+        text = (f"{TITLE}\nmodel **{info['model']}** · drafter **{info['drafter']}**"
+                + (f" · tree of {n} drafted tokens" if n else "")
+                + " · every run goes through the server's worker queue, like the API")
+        slider = gr.update(visible=n is not None, value=n if n else 16, maximum=max(128, n or 0))
+        return text, slider
+
+    def on_pick(self, evt: gr.SelectData) -> Any:
+        if evt.index is None or not 0 <= evt.index < len(self.samples):
+            return gr.update()
+        return str(self.samples[evt.index])
+
+    async def on_run(self, img: Any, text: str, n_tokens: float, temp: float, spec_on: bool, plain_on: bool,
+                     tree_n: float | None) -> AsyncIterator[tuple[str, ...]]:
+        if not spec_on and not plain_on:
+            raise gr.Error("turn on speculative decoding, plain decoding, or both")
+        last, cmp = 0.0, None
+        tree = int(tree_n) if tree_n else None
+        try:
+            async for cmp in self.runner.compare(img, text, max_tokens=int(n_tokens), temperature=float(temp),
+                                                 speculative=bool(spec_on), plain=bool(plain_on), tree_total_tokens=tree):
+                now = time.monotonic()
+                done = any(r is not None and (r.result is not None or r.error) for r in (cmp.spec, cmp.plain))
+                if now - last < 0.05 and not done:  # at most ~20 page updates a second
+                    continue
+                last = now
+                yield render_outputs(cmp, float(temp))
+        except RunError as exc:
+            raise gr.Error(str(exc)) from None
+        if cmp is not None:
+            yield render_outputs(cmp, float(temp))
+
+
+def build_ui(runner: ServiceRunner) -> gr.Blocks:
+    samples = sample_images()
+    handlers = _Handlers(runner, samples)
+    with gr.Blocks(title="vlmspec demo", analytics_enabled=False) as demo:
+        header = gr.Markdown(f"{TITLE}\nloading ...", elem_id="vlmspec-header")
+        with gr.Row(equal_height=False):
+            inputs = _input_column(samples, int(runner.settings.max_tokens_cap))
+            outputs = _output_column()
+        demo.load(handlers.on_load, outputs=[header, inputs.tree_size], queue=False)
+        inputs.gallery.select(handlers.on_pick, outputs=inputs.image, queue=False)
+        inputs.run.click(handlers.on_run, inputs=inputs.run_args(), outputs=outputs, concurrency_limit=1)
+        inputs.prompt.submit(handlers.on_run, inputs=inputs.run_args(), outputs=outputs, concurrency_limit=1)
+    return demo
+
+
+def _theme() -> gr.themes.Theme:
+    # system fonts only: the page must not fetch Google Fonts (offline servers, headless tests)
+    return gr.themes.Soft(primary_hue="green", neutral_hue="slate",
+                          font=["ui-sans-serif", "system-ui", "Segoe UI", "Helvetica", "Arial", "sans-serif"],
+                          font_mono=["ui-monospace", "SFMono-Regular", "Menlo", "Consolas", "monospace"])
+
+
+def mount_ui(app: Any, runner: ServiceRunner, path: str = "/ui") -> Any:
+    """Mount the demo at `path` of the FastAPI app. With an API key, Gradio's login page asks for it
+    (any user name; the key as password)."""
+    key = runner.settings.api_key
+    auth = None
+    if key:
+        def auth(username: str, password: str) -> bool:
+            return hmac.compare_digest(password.encode(), key.encode())
+
+    return gr.mount_gradio_app(app, build_ui(runner), path=path, auth=auth, allowed_paths=[str(SAMPLE_IMAGES)],
+                               footer_links=[], theme=_theme(), css=CSS, ssr_mode=False, mcp_server=False,
+                               max_file_size=runner.settings.max_body_bytes)

@@ -1,0 +1,194 @@
+"""The demo UI's generations, run through the service's worker and queue like any API request.
+
+    runner = ServiceRunner(app.state.service, settings)
+    async for cmp in runner.compare(image, "Describe the image."):   # the speculative run, then the plain one
+        cmp.spec.text, cmp.plain.text, cmp.speedup, cmp.identical
+
+The runner submits a `Job` and awaits its messages on the event loop, so the model is only ever
+touched by the worker thread. The image goes through `vlmspec.images.checked_rgb` with the
+server's limits; the tree-size knob becomes this job's `GenerationConfig.tree`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from PIL import Image
+
+from vlmspec.engine import GenerationConfig, GenerationResult
+from vlmspec.errors import InputError
+from vlmspec.images import checked_rgb
+from vlmspec.prompts import user_turn
+from vlmspec.sampling import SamplingParams
+from vlmspec.text import Completion, TextEvent
+
+from .protocol import APIError
+from .settings import ServerSettings
+from .worker import Job, Service
+
+
+class RunError(Exception):
+    """A generation the service refused or failed (queue full, timeout, bad input, ...)."""
+
+
+@dataclass
+class RunState:
+    """One generation as it streams: the UI renders it after every event."""
+
+    mode: str  # "speculative" | "plain"
+    text: str = ""
+    steps: list[tuple[str, int, int, int]] = field(default_factory=list)  # (text, tokens, accepted, drafted) per forward
+    tokens: int = 0
+    t0: float = field(default_factory=time.monotonic)
+    result: GenerationResult | None = None  # once done
+    error: str | None = None
+    waiting: bool = True  # queued, not started yet
+
+    @property
+    def tokens_per_s(self) -> float:
+        if self.result is not None:
+            return self.result.tokens_per_s
+        dt = time.monotonic() - self.t0
+        return self.tokens / dt if dt > 0 else 0.0
+
+    def apply(self, kind: str, payload: Any) -> None:
+        """One worker message: "start" (prompt tokens), "event" (TextEvent) or "done" (Completion)."""
+        if kind == "start":
+            self.waiting = False
+            self.t0 = time.monotonic()
+        elif kind == "event":
+            self._add_event(payload)
+        elif kind == "done":
+            completion: Completion = payload
+            self.result = completion.result
+            self.text = completion.text
+
+    def _add_event(self, event: TextEvent) -> None:
+        self.text += event.text
+        step = event.step
+        if step is None:  # the text layer's final flush: text held back from earlier tokens
+            if self.steps:
+                text, n, acc, drafted = self.steps[-1]
+                self.steps[-1] = (text + event.text, n, acc, drafted)
+            return
+        self.tokens += len(step.token_ids)
+        if step.token_ids or event.text:
+            self.steps.append((event.text, len(step.token_ids), step.num_accepted, step.num_drafted))
+
+
+@dataclass
+class Comparison:
+    spec: RunState | None
+    plain: RunState | None
+
+    @property
+    def speedup(self) -> float | None:
+        s, p = self.spec, self.plain
+        if s is None or p is None or s.result is None or p.result is None or p.result.tokens_per_s <= 0:
+            return None
+        return s.result.tokens_per_s / p.result.tokens_per_s
+
+    @property
+    def identical(self) -> bool | None:
+        if self.spec is None or self.plain is None or self.spec.result is None or self.plain.result is None:
+            return None
+        return self.spec.result.token_ids == self.plain.result.token_ids
+
+    def summary(self) -> dict[str, Any]:
+        return {"speculative": _run_summary(self.spec), "plain": _run_summary(self.plain),
+                "speedup": self.speedup, "identical": self.identical}
+
+
+def _run_summary(r: RunState | None) -> dict[str, Any] | None:
+    if r is None:
+        return None
+    res = r.result
+    return {"text": r.text, "error": r.error, "tokens": r.tokens, "tokens_per_s": r.tokens_per_s,
+            "target_forwards": res.num_target_forwards if res else None,
+            "mean_accepted_length": res.mean_accepted_length if res else None,
+            "steps": [n for _, n, _, _ in r.steps]}
+
+
+class ServiceRunner:
+    """Runs UI generations through the service's worker (app.worker.Service) as ordinary Jobs."""
+
+    def __init__(self, service: Service, settings: ServerSettings) -> None:
+        self.service = service
+        self.settings = settings
+
+    def info(self) -> dict[str, Any]:
+        return {"model": self.settings.model, "drafter": self.service.drafter_name,
+                "tree_total_tokens": self.service.tree_total_tokens, "max_tokens_cap": self.settings.max_tokens_cap}
+
+    def _job(self, image: Image.Image | None, prompt: str, speculative: bool, max_tokens: int, temperature: float,
+             seed: int | None, tree_total_tokens: int | None) -> Job:
+        prompt = (prompt or "").strip()
+        if not prompt:
+            raise RunError("the prompt is empty")
+        try:
+            images = [] if image is None else [checked_rgb(image, self.settings.image_limits(), "image")]
+        except InputError as exc:
+            raise RunError(exc.message) from None
+        max_tokens = max(1, min(int(max_tokens), self.settings.max_tokens_cap))
+        tree = self.service.tree_config(tree_total_tokens) if speculative else None
+        config = GenerationConfig(max_new_tokens=max_tokens, sampling=SamplingParams(temperature=float(temperature)),
+                                  seed=seed, tree=tree)
+        return Job.on_loop(user_turn(prompt, len(images)), images, config, speculative=speculative,
+                           timeout_s=self.settings.request_timeout_s)
+
+    async def stream(self, image: Image.Image | None, prompt: str, *, speculative: bool, max_tokens: int = 64,
+                     temperature: float = 0.0, seed: int | None = 0, tree_total_tokens: int | None = None,
+                     ) -> AsyncIterator[RunState]:
+        """Submit one job and yield its RunState after each engine step (and once when it is done)."""
+        job = self._job(image, prompt, speculative, max_tokens, temperature, seed, tree_total_tokens)
+        try:
+            self.service.submit(job)
+        except APIError as exc:  # queue full, shutting down
+            raise RunError(exc.message) from None
+        state = RunState(job.mode)
+        try:
+            while True:
+                kind, payload = await job.receive(self.settings.request_timeout_s)
+                if kind == "error":
+                    raise RunError(payload.message)
+                state.apply(kind, payload)
+                if kind != "start":
+                    yield state
+                if kind == "done":
+                    return
+        finally:
+            job.cancel("disconnect")  # the UI went away mid-stream: a no-op once the job finished
+
+    async def compare(self, image: Image.Image | None, prompt: str, *, max_tokens: int = 64, temperature: float = 0.0,
+                      seed: int | None = 0, speculative: bool = True, plain: bool = True,
+                      tree_total_tokens: int | None = None) -> AsyncIterator[Comparison]:
+        """The speculative run, then the plain run (each through the worker); yields the pair as it fills."""
+        cmp = Comparison(RunState("speculative") if speculative else None, RunState("plain") if plain else None)
+        kw: dict[str, Any] = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}
+        if speculative:
+            try:
+                async for st in self.stream(image, prompt, speculative=True, tree_total_tokens=tree_total_tokens, **kw):
+                    cmp.spec = st
+                    yield cmp
+            except RunError as exc:
+                cmp.spec.error = str(exc)
+                yield cmp
+                return
+        if plain:
+            try:
+                async for st in self.stream(image, prompt, speculative=False, **kw):
+                    cmp.plain = st
+                    yield cmp
+            except RunError as exc:
+                cmp.plain.error = str(exc)
+                yield cmp
+
+    async def compare_final(self, *args: Any, **kwargs: Any) -> Comparison | None:
+        """The last Comparison of `compare` (both runs done)."""
+        cmp = None
+        async for cmp in self.compare(*args, **kwargs):
+            pass
+        return cmp

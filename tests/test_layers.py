@@ -1,0 +1,155 @@
+"""The layer rule, checked on the import graph (imports inside functions included):
+
+    cli -> app -> train / bench -> factory -> text -> engine -> draft -> target / verify / prompts -> core
+
+A module may import its own layer and the layers below it, never one above; and no two modules
+import each other, directly or through others (no cycle). `app/` is installed as `vlmspec.app`.
+"""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# lowest first; a module's layer is that of its longest matching prefix
+LAYERS = [
+    ("core", ("vlmspec.errors", "vlmspec.sampling", "vlmspec.tree", "vlmspec.stats", "vlmspec.kv_cache", "vlmspec.assets",
+              "vlmspec.images", "vlmspec.transfer", "vlmspec.kernels", "vlmspec.vision_compress", "vlmspec.data")),
+    ("target", ("vlmspec.target", "vlmspec.verify", "vlmspec.prompts")),
+    ("draft", ("vlmspec.draft",)),
+    ("engine", ("vlmspec.engine",)),
+    ("text", ("vlmspec.text",)),
+    ("factory", ("vlmspec.factory",)),
+    ("tools", ("vlmspec.train", "vlmspec.bench")),
+    ("app", ("vlmspec.app", "vlmspec.testing")),
+    ("cli", ("vlmspec.cli",)),
+]
+
+
+def modules(root: Path = ROOT) -> dict[str, Path]:
+    found = {}
+    for top, prefix in (("vlmspec", ("vlmspec",)), ("app", ("vlmspec", "app"))):
+        for f in (root / top).rglob("*.py"):
+            parts = f.relative_to(root / top).with_suffix("").parts
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            found[".".join(prefix + parts)] = f
+    return found
+
+
+def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
+    def resolve(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for m, f in mods.items():
+        pkg = m if f.name == "__init__.py" else m.rpartition(".")[0]
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = pkg.split(".")
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+                names = [base] + [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            for name in names:
+                r = resolve(name)
+                if r and r != m and not m.startswith(r + "."):  # a package's own __init__ is not an upward edge
+                    graph[m].add(r)
+    return graph
+
+
+def layer_of(module: str) -> int:
+    best, rank = -1, None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > best:
+                best, rank = len(p), i
+    assert rank is not None, f"{module} belongs to no layer: add it to LAYERS in {__file__}"
+    return rank
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} ({LAYERS[layer_of(m)][0]}) imports {t} ({LAYERS[layer_of(t)][0]})"
+                  for m, targets in graph.items() if m != "vlmspec" for t in targets
+                  if t != "vlmspec" and layer_of(t) > layer_of(m))
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            strong(v)
+    return found
+
+
+def test_every_module_has_a_layer():
+    for m in modules():
+        if m != "vlmspec":
+            layer_of(m)
+
+
+def test_no_upward_import():
+    upward = upward_imports(import_graph(modules()))
+    assert not upward, "imports against the layer rule:\n" + "\n".join(upward)
+
+
+def test_no_import_cycle():
+    found = cycles(import_graph(modules()))
+    assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_the_checks_catch_a_planted_cycle_and_upward_import(tmp_path):
+    """Negative control: a tree with an upward import (engine -> factory, inside a function) and a
+    cycle through app/ (relative import) must fail both checks."""
+    (tmp_path / "vlmspec").mkdir()
+    (tmp_path / "app").mkdir()
+    (tmp_path / "vlmspec" / "__init__.py").write_text("")
+    (tmp_path / "vlmspec" / "engine.py").write_text("def f():\n    from vlmspec.factory import build_engine\n")
+    (tmp_path / "vlmspec" / "factory.py").write_text("from vlmspec.engine import f\n")
+    (tmp_path / "app" / "__init__.py").write_text("")
+    (tmp_path / "app" / "routes.py").write_text("from .worker import Job\n")
+    (tmp_path / "app" / "worker.py").write_text("from vlmspec.app import routes\n")
+    graph = import_graph(modules(tmp_path))
+    assert upward_imports(graph) == ["vlmspec.engine (engine) imports vlmspec.factory (factory)"]
+    assert sorted(map(tuple, cycles(graph))) == [("vlmspec.app.routes", "vlmspec.app.worker"), ("vlmspec.engine", "vlmspec.factory")]
+
+
+def test_every_package_is_installed_and_app_is_not_top_level():
+    """pyproject lists the packages (app/ installs as vlmspec.app): a new subpackage must be listed."""
+    import tomllib
+
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    on_disk = {m for m, f in modules().items() if f.name == "__init__.py"}
+    assert set(cfg["packages"]) == on_disk, f"pyproject lists {sorted(set(cfg['packages']) ^ on_disk)} wrongly"
+    assert cfg["package-dir"] == {"vlmspec.app": "app"} and "app" not in cfg["packages"]

@@ -1,0 +1,40 @@
+"""Tier 1: speculation counters and the figures derived from them."""
+import pytest
+
+from vlmspec.stats import SpecStats
+
+
+def test_counters_and_derived_figures():
+    s = SpecStats()
+    s.observe(num_drafted=10, num_accepted=3, tree_depth=5)  # 4 tokens from this forward
+    s.observe(num_drafted=8, num_accepted=0, tree_depth=2)  # 1 token
+    s.observe(num_drafted=0, num_accepted=0, tree_depth=0)  # root only: plain step
+    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (3, 18, 3)
+    assert s.reached_per_pos == [2, 2, 1, 1, 1] and s.accepted_per_pos == [1, 1, 1, 0, 0]
+    assert s.mean_accepted_length == pytest.approx((3 + 3) / 3)
+    assert s.acceptance_by_position == [0.5, 0.5, 1.0, 0.0, 0.0]
+
+
+def test_merging_equals_observing_everything_in_one():
+    steps = [(12, 4, 5), (3, 1, 3), (0, 0, 0), (16, 5, 7), (9, 0, 4)]
+    one, parts = SpecStats(), [SpecStats(), SpecStats()]
+    for i, step in enumerate(steps):
+        one.observe(*step)
+        parts[i % 2].observe(*step)
+    merged = SpecStats()
+    merged += parts[0]
+    merged += parts[1]
+    assert merged == one and merged.to_dict() == one.to_dict()
+
+
+def test_plain_decoding_has_tau_one_and_no_positions():
+    s = SpecStats()
+    for _ in range(7):
+        s.observe(0, 0, 0)
+    assert s.mean_accepted_length == 1.0 and s.acceptance_by_position == [] and s.num_emitted_tokens == 7
+    assert SpecStats().mean_accepted_length == 1.0
+
+
+def test_impossible_observation_is_refused():
+    with pytest.raises(AssertionError):
+        SpecStats().observe(num_drafted=2, num_accepted=3, tree_depth=3)

@@ -1,0 +1,48 @@
+"""The `vlmspec` command line: the only argument parser in the project. Each command parses its
+options here and calls the library (engines through `vlmspec.factory`); nothing imports the CLI.
+
+    vlmspec generate        vlmspec/cli/generate.py
+    vlmspec serve           vlmspec/cli/serve.py      (lazily imports vlmspec.app)
+    vlmspec bench [run|verify-cost|kernel|ablate]      vlmspec/cli/bench.py
+    vlmspec train-target | train | eval-target | eval-drafter    vlmspec/cli/train.py
+    number validators, engine options                  vlmspec/cli/options.py
+
+Bad input ends with one line on stderr and exit code 2: argparse's usage error for a bad option,
+"vlmspec COMMAND: error: ..." for every `vlmspec.errors.VlmspecError` the library raises.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from vlmspec.cli import bench, generate, serve, train
+from vlmspec.cli.options import EXIT_USAGE, UsageError
+from vlmspec.errors import VlmspecError
+
+__all__ = ["EXIT_USAGE", "UsageError", "build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vlmspec", description="Lossless speculative decoding for vision-language models")
+    sub = parser.add_subparsers(dest="command", required=True)
+    generate.register(sub)
+    serve.register(sub)
+    bench.register(sub)
+    train.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    given = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(bench.default_to_run(given))  # argparse exits 2 with a one-line usage error
+    args.command_line = " ".join(["vlmspec", *given])
+    prog = " ".join(["vlmspec", args.command] + ([args.bench] if args.command == "bench" else []))
+    try:
+        return args.func(args)
+    except VlmspecError as exc:  # UsageError, ConfigError, TargetLoadError, DrafterLoadError, InputError, ...
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130

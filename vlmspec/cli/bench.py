@@ -1,0 +1,162 @@
+"""`vlmspec bench [run|verify-cost|kernel|ablate]`: the benchmarks' options; the work is `vlmspec.bench.*`.
+
+`vlmspec bench` with no sub-benchmark (or with options only) runs `bench run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from vlmspec.cli.options import (
+    UsageError,
+    add_device_args,
+    add_tree_args,
+    engine_spec,
+    float_in,
+    int_list,
+    non_negative_int,
+    positive_int,
+)
+
+BENCHES = ("run", "verify-cost", "kernel", "ablate")
+DEFAULT = "run"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    b = sub.add_parser(
+        "bench",
+        help="speed of every method side by side (default: run), or verify-cost, kernel, ablate",
+        description="Benchmarks. `vlmspec bench WHICH --help` for the options of each; without WHICH, `run`.",
+    )
+    which = b.add_subparsers(dest="bench", metavar="{" + ",".join(BENCHES) + "}", required=True)
+
+    r = which.add_parser("run", help="every method side by side on the same prompts: HF generate, HF prompt lookup, "
+                                     "vlmspec none / ngram / eagle (T=0 parity checked)")
+    r.add_argument("--model", help="target folder or hub id (default: the bundled model)")
+    r.add_argument("--drafter", action="append", default=[], help="EAGLE drafter folder (repeatable; default: the bundled drafter)")
+    r.add_argument("--prompts", default="test", help="'test' / 'val' (held-out ToyWorld) or a LLaVA-style JSONL")
+    r.add_argument("-n", type=positive_int("-n"), default=12, help="number of prompts")
+    r.add_argument("--temperature", type=float_in("--temperature", 0.0, 100.0), default=0.0)
+    r.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=96)
+    r.add_argument("--warmup", type=non_negative_int("--warmup"), default=1, help="unmeasured runs per prompt and method")
+    r.add_argument("--repeats", type=positive_int("--repeats"), default=1, help="measured runs per prompt and method")
+    add_tree_args(r)
+    add_device_args(r)
+    r.add_argument("--json", dest="json_path", help="write the results JSON here")
+    r.add_argument("--out", help="folder for results.json, results.md and results.png")
+    r.set_defaults(func=run_bench)
+
+    v = which.add_parser("verify-cost", help="ms per target forward over a tree of N nodes vs a one-token step")
+    v.add_argument("--model", help="a model folder (default: a synthetic --shape with random weights)")
+    v.add_argument("--shape", default="bundled", choices=["bundled", "bundled-v2", "llava-7b"])
+    v.add_argument("--layers", type=positive_int("--layers"), default=None, help="override the synthetic shape's layer count")
+    add_device_args(v)
+    v.add_argument("--prefix", type=positive_int("--prefix"), default=256, help="cached prompt tokens before the tree")
+    v.add_argument("--sizes", type=int_list("--sizes"), default=(1, 2, 4, 8, 16, 32, 64), help="tree sizes, e.g. 1,2,4,8")
+    v.add_argument("--repeats", type=positive_int("--repeats"), default=10)
+    v.add_argument("--warmup", type=non_negative_int("--warmup"), default=3)
+    v.add_argument("--json", dest="json_path", help="write the results JSON here")
+    v.set_defaults(func=run_verify_cost)
+
+    k = which.add_parser("kernel", help="the Triton tree-attention kernel vs SDPA with a tree mask (needs a CUDA GPU)")
+    k.add_argument("--prefix", type=non_negative_int("--prefix"), nargs="+", default=[1024, 4096], help="prefix lengths P")
+    k.add_argument("--tree", type=positive_int("--tree"), nargs="+", default=[16, 32, 64], help="tree sizes N")
+    k.add_argument("--heads", type=positive_int("--heads"), default=32, help="query heads")
+    k.add_argument("--kv-heads", type=positive_int("--kv-heads"), default=None, help="KV heads (default: = heads, no GQA)")
+    k.add_argument("--head-dim", type=positive_int("--head-dim"), default=128)
+    k.add_argument("--batch", type=positive_int("--batch"), default=1)
+    k.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    k.add_argument("--warmup", type=non_negative_int("--warmup"), default=10)
+    k.add_argument("--repeats", type=positive_int("--repeats"), default=100)
+    k.add_argument("--no-flush", action="store_true", help="do not flush L2 between calls")
+    k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--json", metavar="PATH", dest="json_path", default=None, help="also write the numbers as JSON")
+    k.set_defaults(func=run_kernel)
+
+    a = which.add_parser("ablate", help="drafter variants trained at equal steps, measured on the same held-out prompts")
+    a.add_argument("--suite", required=True, choices=["loss", "vision"])
+    a.add_argument("--model", help="target folder (default: the bundled model)")
+    add_device_args(a)
+    a.add_argument("--steps", type=positive_int("--steps"), default=300)
+    a.add_argument("--batch-size", type=positive_int("--batch-size"), default=8)
+    a.add_argument("--lr", type=float_in("--lr", 0.0, 1.0, low_open=True), default=1e-3)
+    a.add_argument("--n", type=positive_int("--n"), default=4, help="held-out test prompts per task")
+    a.add_argument("--n-select", type=non_negative_int("--n-select"), default=0,
+                   help="selection prompts per task (val split): the best fixed compressor / variant is picked on these")
+    a.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=96)
+    a.add_argument("--only", action="append", default=[], help="run only this variant (repeatable)")
+    a.add_argument("--out", required=True, help="report folder: ablation.md, ablation.json, ablation.png")
+    a.add_argument("--runs", help="folder for the variants' training runs (default: runs/ablate-SUITE)")
+    a.add_argument("--reuse", action="store_true",
+                   help="load a variant whose run folder holds a finished run with the same config and target instead of retraining it")
+    a.add_argument("--rounds", type=positive_int("--rounds"), default=21, help="round-robin rounds per block of the prefill timing at 576 image tokens")
+    a.add_argument("--blocks", type=positive_int("--blocks"), default=8, help="blocks of --rounds rounds, --pause seconds apart: the timing pools them all")
+    a.add_argument("--pause", type=float_in("--pause", 0.0, 3600.0), default=5.0, help="seconds between two blocks of the prefill timing")
+    a.set_defaults(func=run_ablate)
+
+
+def default_to_run(argv: list[str]) -> list[str]:
+    """`vlmspec bench [OPTIONS]` means `vlmspec bench run [OPTIONS]` (help stays the bench overview)."""
+    if argv[:1] == ["bench"] and (len(argv) == 1 or (argv[1] not in BENCHES and argv[1] not in ("-h", "--help"))):
+        return ["bench", DEFAULT, *argv[1:]]
+    return argv
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from vlmspec.bench.harness import RunOptions, bench, mismatched, save_report
+
+    opts = RunOptions(prompts=args.prompts, n=args.n, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                      warmup=args.warmup, repeats=args.repeats, eagle=tuple(args.drafter))
+    report = bench(engine_spec(args, drafter="auto"), opts)  # the drafters: --drafter folders, none, ngram
+    report["env"]["command"] = args.command_line
+    print(save_report(report, out=Path(args.out) if args.out else None, json_path=Path(args.json_path) if args.json_path else None))
+    bad = mismatched(report)
+    if bad:
+        print(f"ERROR: at T=0 these methods did not reproduce hf_generate's tokens: {bad}")
+        return 1
+    return 0
+
+
+def run_verify_cost(args: argparse.Namespace) -> int:
+    from vlmspec.bench.verify_cost import VerifyCostOptions, format_table, measure
+
+    opts = VerifyCostOptions(model=args.model, shape=args.shape, layers=args.layers, device=args.device, dtype=args.dtype,
+                             prefix=args.prefix, sizes=tuple(args.sizes), repeats=args.repeats, warmup=args.warmup)
+    report = measure(opts)
+    print(format_table(report))
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def run_kernel(args: argparse.Namespace) -> int:
+    from vlmspec.bench.kernel import KernelOptions, format_table, run
+
+    opts = KernelOptions(prefix=tuple(args.prefix), tree=tuple(args.tree), heads=args.heads, kv_heads=args.kv_heads,
+                         head_dim=args.head_dim, batch=args.batch, dtype=args.dtype, warmup=args.warmup, repeats=args.repeats,
+                         flush=not args.no_flush, seed=args.seed)
+    report = run(opts)  # ConfigError without CUDA / triton: one line, exit 2
+    print(format_table(report))
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def run_ablate(args: argparse.Namespace) -> int:
+    from vlmspec import factory
+    from vlmspec.bench.ablation import AblateOptions, ablate, suite
+
+    names = [v.name for v in suite(args.suite)]
+    unknown = [o for o in args.only if o not in names]
+    if unknown:
+        raise UsageError(f"--only {unknown[0]!r} is not a variant of the {args.suite!r} suite: one of {', '.join(names)}")
+    target = factory.load(engine_spec(args))
+    opts = AblateOptions(suite=args.suite, steps=args.steps, batch_size=args.batch_size, lr=args.lr, n=args.n, n_select=args.n_select,
+                         max_new_tokens=args.max_new_tokens, only=tuple(args.only), runs=Path(args.runs) if args.runs else None,
+                         reuse=args.reuse, rounds=args.rounds, blocks=args.blocks, pause_s=args.pause)
+    out = Path(args.out)
+    ablate(target, opts, out, command=args.command_line)
+    print((out / "ablation.md").read_text())
+    return 0

@@ -1,0 +1,119 @@
+"""What every subcommand shares: the number validators, the engine options, the usage error.
+
+Validators are argparse `type=` callables; a bad value ends in argparse's one usage line with
+exit code 2 and a message of one shape for every option of every subcommand:
+
+    --max-new-tokens must be >= 1, got 0        --top-p must be in (0.0, 1.0], got 0
+    --steps must be an integer, got 'ten'       --pause must be a number, got 'x'
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Callable
+
+from vlmspec.errors import VlmspecError
+
+EXIT_USAGE = 2
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_CHOICES = ("auto", "triton", "sdpa", "eager")
+
+
+class UsageError(VlmspecError):
+    """Bad input the CLI itself finds (a missing checkpoint, an impossible combination of options)."""
+
+
+# ---------------------------------------------------------------------------------------- numbers
+def int_in(name: str, low: int | None = None, high: int | None = None) -> Callable[[str], int]:
+    """An integer in [low, high] (either bound optional)."""
+
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {value!r}") from None
+        too_low, too_high = low is not None and n < low, high is not None and n > high
+        if (too_low or too_high) and low is not None and high is not None:
+            raise argparse.ArgumentTypeError(f"{name} must be in [{low}, {high}], got {n}")
+        if too_low:
+            raise argparse.ArgumentTypeError(f"{name} must be >= {low}, got {n}")
+        if too_high:
+            raise argparse.ArgumentTypeError(f"{name} must be <= {high}, got {n}")
+        return n
+
+    return parse
+
+
+def positive_int(name: str) -> Callable[[str], int]:
+    return int_in(name, 1)
+
+
+def non_negative_int(name: str) -> Callable[[str], int]:
+    return int_in(name, 0)
+
+
+def float_in(name: str, low: float, high: float, low_open: bool = False) -> Callable[[str], float]:
+    """A number in [low, high], or (low, high] with low_open."""
+
+    def parse(value: str) -> float:
+        try:
+            x = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {value!r}") from None
+        if x != x or x > high or x < low or (low_open and x == low):
+            bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"{name} must be in {bound}, got {value}")
+        return x
+
+    return parse
+
+
+def int_list(name: str, low: int = 1) -> Callable[[str], tuple[int, ...]]:
+    """A comma-separated list of integers, each >= low ('1,2,4')."""
+    one = int_in(name, low)
+
+    def parse(value: str) -> tuple[int, ...]:
+        items = [v.strip() for v in value.split(",") if v.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"{name} must be a comma-separated list of integers, got {value!r}")
+        return tuple(one(v) for v in items)
+
+    return parse
+
+
+# ---------------------------------------------------------------------------------------- engine
+def add_device_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="auto = bfloat16 on CUDA, float32 on CPU")
+
+
+def add_tree_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tree-depth", type=positive_int("--tree-depth"), default=None, help="draft-tree depth (default: per device)")
+    p.add_argument("--tree-topk", type=positive_int("--tree-topk"), default=None, help="children per expanded node (default: per device)")
+    p.add_argument("--tree-tokens", type=positive_int("--tree-tokens"), default=None, help="drafted nodes per tree (default: per device)")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """--model --drafter --device --dtype --attention --tree-*: the fields of `vlmspec.factory.EngineSpec`."""
+    p.add_argument("--model", help="target VLM: a local folder or a hub id (default: the bundled ToyWorld VLM)")
+    p.add_argument("--drafter", default="auto",
+                   help="'none', 'ngram', 'eagle' (the bundled drafter) or a drafter folder "
+                        "(default: the bundled drafter with the bundled model, else ngram)")
+    add_device_args(p)
+    p.add_argument("--attention", default="auto", choices=ATTENTION_CHOICES, help="tree attention: auto = Triton kernel on CUDA, SDPA on CPU")
+    add_tree_args(p)
+
+
+def engine_spec(args: argparse.Namespace, **overrides: object):
+    """The `EngineSpec` of the parsed options (fields a parser lacks keep their defaults)."""
+    from vlmspec.factory import EngineSpec
+
+    fields = ("model", "drafter", "device", "dtype", "attention", "tree_depth", "tree_topk", "tree_tokens")
+    values = {f: getattr(args, f) for f in fields if getattr(args, f, None) is not None}
+    values.update(overrides)
+    return EngineSpec(**values)  # type: ignore[arg-type]
+
+
+def env_default(name: str) -> str | None:
+    return os.environ.get(name) or None

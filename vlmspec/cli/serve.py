@@ -1,0 +1,72 @@
+"""`vlmspec serve`: the OpenAI-compatible REST API (and the demo UI at /ui) on one engine.
+
+The engine is built here (`vlmspec.factory`); the service is `vlmspec.app`, imported only when
+this command runs (the one place the CLI reaches into the app layer):
+
+    engine = factory.build_engine(spec)
+    from vlmspec.app import ServerSettings, serve
+    serve(engine, ServerSettings(...), host, port, log_level)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+from vlmspec.cli.options import UsageError, add_engine_args, engine_spec, env_default, float_in, int_in, non_negative_int, positive_int
+
+SERVE_EXTRA = ("fastapi", "uvicorn")
+INSTALL_HINT = "the server needs fastapi, uvicorn and prometheus_client: pip install 'vlmspec[serve]'"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="the OpenAI-compatible REST API (and demo UI) on the bundled model or --model",
+                       description="OpenAI-compatible REST API with speculative decoding")
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int_in("--port", 0, 65535), default=8000)
+    p.add_argument("--api-key", default=env_default("VLMSPEC_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /healthz (default: $VLMSPEC_API_KEY, else open)")
+    p.add_argument("--allow-remote-images", action="store_true", help="let clients pass http(s) image URLs (the server fetches them)")
+    p.add_argument("--served-model-name", default=None, help="the `model` name clients send (default: the model folder's name)")
+    p.add_argument("--max-queue", type=non_negative_int("--max-queue"), default=16, help="requests waiting for the worker")
+    p.add_argument("--request-timeout", type=float_in("--request-timeout", 0.0, 1e6, low_open=True), default=120.0,
+                   help="seconds from a request's arrival to its last token")
+    p.add_argument("--max-tokens-cap", type=positive_int("--max-tokens-cap"), default=1024, help="the most max_tokens a request may ask for")
+    p.add_argument("--max-images", type=non_negative_int("--max-images"), default=4, help="images per request")
+    p.add_argument("--no-ui", action="store_true", help="do not mount the Gradio demo at /ui")
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    p.set_defaults(func=run)
+
+
+def served_name(model: str, served_model_name: str | None) -> str:
+    """The `model` name clients send: --served-model-name, else the model folder's name, else the hub id."""
+    return served_model_name or (Path(model).name if Path(model).is_dir() else model)
+
+
+def run(args: argparse.Namespace) -> int:
+    if any(importlib.util.find_spec(m) is None for m in SERVE_EXTRA):  # before the model loads
+        raise UsageError(INSTALL_HINT)
+    from vlmspec import factory
+
+    spec = engine_spec(args)
+    model = factory.resolve_model(spec.model)
+    drafter = factory.resolve_drafter(spec.drafter, model)  # a bad choice fails before the model loads
+    print(f"loading {model} (drafter: {drafter}) ...", file=sys.stderr)
+    engine = factory.build_engine(spec)
+    try:
+        from vlmspec.app import ServerSettings, serve
+    except ModuleNotFoundError as exc:  # an optional dependency of the service
+        if exc.name and not exc.name.startswith("vlmspec"):
+            raise UsageError(f"{INSTALL_HINT} ({exc.name} is missing)") from None
+        raise
+    settings = ServerSettings(
+        model=served_name(model, args.served_model_name), model_aliases=(model,), api_key=args.api_key,
+        allow_remote_images=args.allow_remote_images, max_queue=args.max_queue, request_timeout_s=args.request_timeout,
+        max_tokens_cap=args.max_tokens_cap, max_images=args.max_images, ui=not args.no_ui,
+    )
+    code = serve(engine, settings, args.host, args.port, args.log_level)
+    return code if isinstance(code, int) else 0

@@ -1,0 +1,175 @@
+"""`vlmspec train-target`, `train`, `eval-target`, `eval-drafter`: the trainers and their evaluations.
+
+Targets and drafters load through `vlmspec.factory`; held-out prompts come from
+`vlmspec.data.heldout`; the work is `vlmspec.train.*`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from vlmspec.cli.options import UsageError, add_device_args, engine_spec, float_in, non_negative_int, positive_int
+
+VISUAL_CHOICES = ("none", "gate", "uniform", "attention", "pool", "conv", "resampler", "text_only")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    t = sub.add_parser("train-target", help="train the bundled target VLM from scratch on ToyWorld (resumable)")
+    t.add_argument("--out", required=True, help="run folder: checkpoint/, model/, loss.png")
+    t.add_argument("--steps", type=positive_int("--steps"), default=1300)
+    t.add_argument("--batch-size", type=positive_int("--batch-size"), default=16)
+    t.add_argument("--lr", type=float_in("--lr", 0.0, 1.0, low_open=True), default=1e-3)
+    t.add_argument("--minutes", type=float_in("--minutes", 0.0, 1e6, low_open=True), default=None, help="wall-clock budget of this run")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    t.add_argument("--init-from", help="exported model folder (e.g. runs/x/model or assets/toyworld-vlm) whose weights and processor start this run")
+    t.add_argument("--task-mix", help="training task mix, e.g. 'count=0.3,attribute=0.3,describe=0.2' (default: ToyWorld's mix)")
+    t.add_argument("--vision-steps", type=non_negative_int("--vision-steps"), default=1500,
+                   help="stage 0: steps of supervised vision-tower pre-training on scene labels (0 = none)")
+    t.add_argument("--stop-at", type=positive_int("--stop-at"), default=None,
+                   help="end this run after this SFT step (checkpointed; continue with --resume)")
+    t.add_argument("--aux-weight", type=float_in("--aux-weight", 0.0, 100.0), default=0.2,
+                   help="weight of the stage-0 probe loss kept on during SFT")
+    t.add_argument("--hidden", type=positive_int("--hidden"), default=None, help="decoder width (default 160, the bundled v4's)")
+    t.add_argument("--intermediate", type=positive_int("--intermediate"), default=None, help="decoder MLP width (default 448)")
+    t.add_argument("--heads", type=positive_int("--heads"), default=None, help="decoder attention heads (default 5)")
+    t.add_argument("--kv-heads", type=positive_int("--kv-heads"), default=None, help="decoder key/value heads (default 5)")
+    t.set_defaults(func=run_train_target)
+
+    d = sub.add_parser("train", help="distil an EAGLE-style draft head from a frozen target (online logits)")
+    d.add_argument("--target", help="target VLM folder or hub id (default: the bundled model)")
+    d.add_argument("--data", default="toyworld", help="'toyworld' or a LLaVA-style JSONL file")
+    d.add_argument("--out", required=True, help="run folder: checkpoint/, drafter/, train_curve.png")
+    d.add_argument("--steps", type=positive_int("--steps"), default=1000)
+    d.add_argument("--batch-size", type=positive_int("--batch-size"), default=8)
+    d.add_argument("--lr", type=float_in("--lr", 0.0, 1.0, low_open=True), default=3e-4)
+    d.add_argument("--w-ce", type=float_in("--w-ce", 0.0, 1e3), default=0.1)
+    d.add_argument("--w-feat", type=float_in("--w-feat", 0.0, 1e3), default=1.0)
+    d.add_argument("--ttt-steps", type=positive_int("--ttt-steps"), default=2, help="training-time test unroll (1 = off)")
+    d.add_argument("--curriculum-steps", type=non_negative_int("--curriculum-steps"), default=0, help="text-only -> multimodal ramp")
+    d.add_argument("--visual", default="none", choices=VISUAL_CHOICES,
+                   help="VLM-aware head: compress the image tokens the drafter reads (issue #5); none = all of them")
+    d.add_argument("--ratio", type=float_in("--ratio", 1.0, 4096.0), default=4.0, help="compression ratio for --visual")
+    d.add_argument("--decouple", action="store_true", help="MSD: visual rows take the image embeddings directly (bypass fc)")
+    d.add_argument("--global-feature", action="store_true", help="ViSpec: fuse a global image feature into later text rows")
+    d.add_argument("--gate-cost", type=float_in("--gate-cost", 0.0, 100.0), default=0.05, help="--visual gate: weight of its kept fraction")
+    d.add_argument("--regenerate", action="store_true",
+                   help="ViSpec: train on the target's own greedy answers (generated once, cached in OUT/answers_rank*.jsonl)")
+    d.add_argument("--eval-every", type=positive_int("--eval-every"), default=200)
+    d.add_argument("--minutes", type=float_in("--minutes", 0.0, 1e6, low_open=True), default=None)
+    d.add_argument("--seed", type=int, default=0)
+    add_device_args(d)
+    d.add_argument("--resume", action="store_true")
+    d.add_argument("--json", action="store_true", help="print one JSON summary at the end")
+    d.set_defaults(func=run_train)
+
+    ed = sub.add_parser("eval-drafter", help="mean accepted length per task on held-out ToyWorld prompts")
+    ed.add_argument("--model", help="target folder (default: the bundled model)")
+    ed.add_argument("--drafter", default="auto", help="drafter folder, eagle, ngram or none (default: the bundled drafter)")
+    add_device_args(ed)
+    ed.add_argument("--n", type=positive_int("--n"), default=8, help="prompts per task")
+    ed.add_argument("--temperature", type=float_in("--temperature", 0.0, 100.0), default=0.0)
+    ed.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=128)
+    ed.add_argument("--json", action="store_true")
+    ed.set_defaults(func=run_eval_drafter)
+
+    e = sub.add_parser("eval-target", help="score a target on held-out ToyWorld items, with real and with noise images")
+    e.add_argument("--model", help="target folder (default: the bundled model)")
+    add_device_args(e)
+    e.add_argument("--n", type=positive_int("--n"), default=600)
+    e.add_argument("--seed", type=non_negative_int("--seed"), default=0)
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=run_eval_target)
+
+
+def run_train_target(args: argparse.Namespace) -> int:
+    from vlmspec.train.target_sft import SFTConfig, TargetArch, parse_task_mix, saved_sizes, train
+
+    if args.resume and not (Path(args.out) / "checkpoint").is_dir():
+        raise UsageError(f"--resume: no checkpoint in {args.out}/checkpoint")
+    try:
+        mix = parse_task_mix(args.task_mix) if args.task_mix else None
+    except ValueError as exc:
+        raise UsageError(f"--task-mix: {exc}") from None
+    sizes = {k: v for k, v in (("hidden", args.hidden), ("intermediate", args.intermediate), ("heads", args.heads),
+                               ("kv_heads", args.kv_heads)) if v is not None}
+    if args.init_from and not sizes:  # the sizes of the model it starts from
+        sizes = saved_sizes(args.init_from)
+    arch = TargetArch(**sizes)
+    if arch.hidden % arch.heads or arch.heads % arch.kv_heads or (arch.hidden // arch.heads) % 2:
+        raise UsageError(f"--hidden {arch.hidden} / --heads {arch.heads} / --kv-heads {arch.kv_heads}: the width must split into "
+                         "heads of an even size, and the heads into equal key/value groups")
+    if args.resume and sizes:
+        raise UsageError("--resume continues with the sizes saved in the checkpoint; drop --hidden/--intermediate/--heads/--kv-heads")
+    cfg = SFTConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, minutes=args.minutes, seed=args.seed,
+                    vision_steps=args.vision_steps, aux_weight=args.aux_weight, task_mix=mix, arch=arch)
+    if args.init_from:
+        if args.resume:
+            raise UsageError("--init-from starts a new run; drop it to --resume one")
+        if not (Path(args.init_from) / "model.safetensors").is_file():
+            raise UsageError(f"--init-from: {args.init_from} is not an exported model folder (no model.safetensors)")
+    train(args.out, cfg, resume=args.resume, init_from=args.init_from, stop_at=args.stop_at)
+    return 0
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from vlmspec import factory
+    from vlmspec.train.distill import DistillConfig, train_drafter
+    from vlmspec.vision_compress import VisualConfig
+
+    spec = engine_spec(args, model=args.target)
+    factory.resolve_model(spec.model)  # no bundled model and no --target: say so before anything else
+    if args.data != "toyworld" and not Path(args.data).is_file():
+        raise UsageError(f"data file not found: {args.data} (use 'toyworld' or a JSONL file)")
+    if args.resume and not (Path(args.out) / "checkpoint").is_dir():
+        raise UsageError(f"--resume: no checkpoint in {args.out}/checkpoint")
+    target = factory.load(spec)
+    cfg = DistillConfig(
+        steps=args.steps, batch_size=args.batch_size, lr=args.lr, w_ce=args.w_ce, w_feat=args.w_feat,
+        ttt_steps=args.ttt_steps, curriculum_steps=args.curriculum_steps, eval_every=args.eval_every,
+        minutes=args.minutes, seed=args.seed, regenerate=args.regenerate,
+    )
+    vis = VisualConfig(args.visual, args.ratio, args.decouple, args.global_feature, gate_cost=args.gate_cost if args.visual == "gate" else 0.0)
+    cfg.visual = {} if vis.is_plain else vis.to_dict()
+    train_drafter(target, args.data, args.out, cfg, resume=args.resume, progress=not args.json)  # DataError: one line
+    summary = json.loads((Path(args.out) / "train_summary.json").read_text())
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"train: {summary['step']} steps in {summary['elapsed_s'] / 60:.1f} min; drafter in {args.out}/drafter")
+    return 0
+
+
+def run_eval_drafter(args: argparse.Namespace) -> int:
+    from vlmspec import factory
+    from vlmspec.data.heldout import heldout
+    from vlmspec.train.distill import accepted_length
+
+    spec = engine_spec(args)
+    target = factory.load(spec)
+    drafter = factory.drafter_for(spec, target)
+    prompts = heldout("drafter-eval", args.n, per_task=True)
+    taus = accepted_length(target, drafter, prompts, temperature=args.temperature, max_new_tokens=args.max_new_tokens)
+    record = {"temperature": args.temperature, "prompts_per_task": args.n, "drafter": factory.resolve_drafter(spec.drafter, target.name),
+              "mean_accepted_length": taus}
+    if args.json:
+        print(json.dumps(record))
+    else:
+        for task, tau in taus.items():
+            print(f"{task:>12}: {tau:.2f}")
+    return 0
+
+
+def run_eval_target(args: argparse.Namespace) -> int:
+    from vlmspec import factory
+    from vlmspec.train.target_eval import evaluate, format_table
+
+    target = factory.load(engine_spec(args))
+    result = evaluate(target, n=args.n, seed=args.seed, progress=not args.json)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(format_table(result))
+    return 0
