@@ -308,9 +308,9 @@ def test_hf_function_falls_back_to_sdpa_on_cpu() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU exit")
 def test_kernel_bench_needs_gpu(capsys: pytest.CaptureFixture) -> None:
-    from vlmspec.bench.kernel import main
+    from vlmspec.cli import main
 
-    assert main(["--prefix", "64", "--tree", "4"]) == 2
+    assert main(["bench", "kernel", "--prefix", "64", "--tree", "4"]) == 2
     err = capsys.readouterr().err.strip()
     assert "GPU" in err and "\n" not in err
 
@@ -344,10 +344,10 @@ def test_kernel_cuda(dtype: torch.dtype, g: int, n: int, p: int, d: int) -> None
 @pytest.mark.gpu
 @needs_cuda
 def test_kernel_bench_runs(tmp_path) -> None:
-    from vlmspec.bench.kernel import main
+    from vlmspec.cli import main
 
     out = tmp_path / "bench.json"
-    assert main(["--prefix", "128", "--tree", "16", "--repeats", "5", "--warmup", "2", "--json", str(out)]) == 0
+    assert main(["bench", "kernel", "--prefix", "128", "--tree", "16", "--repeats", "5", "--warmup", "2", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 1 and rows[0]["max_abs_err_vs_fp32_reference"]["triton"] < 0.05
 

@@ -45,7 +45,8 @@ SETS: dict[str, tuple[str, int, int]] = {
     "drafter-eval": ("test", 800_000, 0),
     "distill-eval": ("val", 500_000, 10_000),
     "target-eval": ("test", 0, 100_000),
-    "smoke": ("test", 950_000, 1),  # the bundled model's smoke tests (tests/test_bundled.py)
+    "smoke": ("test", 950_000, 1),
+    "sft-eval": ("val", 0, 0),  # train-target's held-out answer loss  # the bundled model's smoke tests (tests/test_bundled.py)
 }
 
 

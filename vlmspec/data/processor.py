@@ -2,12 +2,14 @@
 
 Image tokens
 ------------
-The vision tower is a CLIP ViT (patch 12) on 96x96 images: 8 x 8 = 64 patch embeddings + 1 CLS.
-We use ``vision_feature_select_strategy="default"`` (LlavaModel drops the CLS feature,
-``features[:, 1:]``) together with ``num_additional_image_tokens=1`` in the processor, so
-``LlavaProcessor`` expands each ``<image>`` to ``(96 // 12) ** 2 + 1 - 1 = 64`` placeholder tokens,
-exactly the 64 patch features the model scatters into them. (``"full"`` would keep CLS and need
-65 placeholders.) :func:`llava_config_kwargs` returns the matching ``LlavaConfig`` fields.
+The vision tower is a CLIP ViT on 96x96 images. The bundled target uses patch 32
+(``TargetArch.patch_size``): 3 x 3 = 9 patch embeddings + 1 CLS; ``PATCH_SIZE`` (12, 64 patches) is
+only this module's default for other uses. We use ``vision_feature_select_strategy="default"``
+(LlavaModel drops the CLS feature, ``features[:, 1:]``) together with
+``num_additional_image_tokens=1`` in the processor, so ``LlavaProcessor`` expands each ``<image>``
+to ``(96 // patch) ** 2 + 1 - 1`` placeholder tokens (9 for the bundled target), exactly the patch
+features the model scatters into them. (``"full"`` would keep CLS and need one
+placeholder more.) :func:`llava_config_kwargs` returns the matching ``LlavaConfig`` fields.
 
 Chat format (``CHAT_TEMPLATE``)::
 

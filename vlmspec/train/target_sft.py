@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from vlmspec.data import toyworld
+from vlmspec.data.heldout import heldout
 from vlmspec.data.heldout import Conversation
 from vlmspec.data.processor import build_processor, corpus_for_tokenizer, llava_config_kwargs, train_tokenizer
 from vlmspec.train.common import save_checkpoint_dir, warmup_cosine
@@ -266,8 +267,7 @@ def eval_loss(model: torch.nn.Module, processor: Any, cfg: SFTConfig) -> dict[st
     """Held-out answer loss, and on the image samples the loss with real images vs with the
     images of other samples: `image_gap` > 0 measures how much the model reads the image."""
     model.eval()
-    lo = toyworld.SPLITS["val"][0]
-    samples = [toyworld.make_sample(s) for s in range(lo, lo + cfg.eval_samples)]
+    samples = [c.sample for c in heldout("sft-eval", cfg.eval_samples)]
     sums = {"all": [0.0, 0], "real": [0.0, 0], "shuffled": [0.0, 0]}
     for i in range(0, len(samples), cfg.batch_size):
         b = encode_batch(samples[i : i + cfg.batch_size], processor)
