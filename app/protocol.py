@@ -30,7 +30,8 @@ from .settings import ServerSettings
 
 
 class _Strict(BaseModel):
-    # strict: "8" is not an int, 1 is not a bool; unknown fields are ignored (OpenAI clients send many)
+    # strict: "8" is not an int, 1 is not a bool; unknown fields inside messages are ignored (clients
+    # echo back assistant turns with tool_calls, refusal, ...); the request itself forbids them
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
@@ -82,6 +83,23 @@ class ChatCompletionRequest(_Strict):
     ignore_eos: bool = False  # extension (vLLM-style)
     logprobs: bool | None = None
     tools: list[Any] | None = None
+    # known OpenAI / vLLM fields: accepted at their no-op values only (_unsupported answers 400
+    # otherwise: a penalty changes the target distribution, and silently ignoring it is a lie)
+    response_format: dict[str, Any] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+    top_logprobs: int | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    # bookkeeping fields that do not change the answer
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 # ------------------------------------------------------------------------------------------ errors
@@ -123,6 +141,8 @@ def validation_error(exc: ValidationError) -> APIError:
     param = re.sub(r"(content\.\d+)\.(?:text|image_url)\.", r"\1.", ".".join(loc)) or None
     if err["type"] == "model_type" and not loc:
         return APIError(400, "the request body must be a JSON object", code="invalid_json")
+    if err["type"] == "extra_forbidden":
+        return APIError(400, f"unrecognized request argument supplied: {param}", param=param, code="unknown_parameter")
     if err["type"] == "missing":
         return APIError(400, f"missing required parameter: {param}", param=param, code="missing_required_parameter")
     return APIError(400, f"invalid value for {param or 'the request'}: {err['msg']}", param=param, code="invalid_value")
@@ -190,6 +210,22 @@ def prepare_chat(body: bytes, settings: ServerSettings) -> ChatInputs:
 
 
 def _unsupported(req: ChatCompletionRequest) -> APIError | None:
+    def no(param: str, why: str) -> APIError:
+        return APIError(400, f"{param} is not supported: {why}", param=param, code="unsupported_parameter")
+
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        return no("response_format", "only {\"type\": \"text\"} (structured outputs are not implemented)")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name) not in (None, 0, 0.0):
+            return no(name, "penalties are not implemented (only 0)")
+    if req.repetition_penalty not in (None, 1, 1.0):
+        return no("repetition_penalty", "penalties are not implemented (only 1)")
+    if req.logit_bias:
+        return no("logit_bias", "logit biases are not implemented")
+    if req.top_logprobs:
+        return no("top_logprobs", "logprobs are not implemented")
+    if req.tool_choice not in (None, "none", "auto"):
+        return no("tool_choice", "tools are not implemented")
     if req.n is not None and req.n != 1:
         return APIError(400, "only n=1 is supported", param="n", code="unsupported_value")
     if req.logprobs:
@@ -296,11 +332,14 @@ class Reply:
         obj.update(extra)
         return f"data: {json.dumps(obj)}\n\n"
 
-    def final_chunks(self, completion: Completion) -> list[str]:
-        """The finish-reason chunk, then the usage + `speculative` chunk."""
-        return [self.chunk({}, completion.finish_reason),
-                self.chunk(None, usage=usage(self.prompt_tokens, len(completion.result.token_ids)),
-                           speculative=speculative_block(self.speculative, self.drafter, completion))]
+    def final_chunks(self, completion: Completion, include_usage: bool) -> list[str]:
+        """The finish-reason chunk (carrying the `speculative` block), then, when the client asked for
+        it (`stream_options.include_usage`, as OpenAI does), the usage chunk, with no choices."""
+        spec = speculative_block(self.speculative, self.drafter, completion)
+        chunks = [self.chunk({}, completion.finish_reason, speculative=spec)]
+        if include_usage:
+            chunks.append(self.chunk(None, usage=usage(self.prompt_tokens, len(completion.result.token_ids)), speculative=spec))
+        return chunks
 
 
 def error_event(err: APIError) -> str:

@@ -23,14 +23,14 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vlmspec.text import Completion
 
 from .metrics import Metrics
-from .protocol import (DONE_EVENT, APIError, ChatCompletionRequest, Reply, error_body, error_event, model_not_found,
+from .protocol import (DONE_EVENT, APIError, ChatCompletionRequest, ChatInputs, Reply, error_body, error_event, model_not_found,
                        prepare_chat)
 from .settings import ServerSettings
 from .worker import Engines, Job, Service
@@ -46,7 +46,7 @@ def create_app(engines: Engines, settings: ServerSettings | None = None) -> Fast
     settings = settings or ServerSettings()
     metrics = Metrics()
     service = Service(engines, settings, metrics)
-    app = FastAPI(title="vlmspec", version="0.1.0", lifespan=_lifespan,
+    app = FastAPI(title="vlmspec", version="0.1.0", lifespan=_lifespan, docs_url=None, redoc_url=None,
                   description="OpenAI-compatible chat completions with lossless speculative decoding for VLMs")
     app.state.service, app.state.metrics, app.state.settings = service, metrics, settings
     ui_path = UI_PATH if settings.ui and importlib.util.find_spec("gradio") is not None else None
@@ -54,6 +54,7 @@ def create_app(engines: Engines, settings: ServerSettings | None = None) -> Fast
     app.add_middleware(EdgeMiddleware, settings=settings, metrics=metrics, ui_path=ui_path)
     _add_error_handlers(app)
     _add_routes(app)
+    app.state.docs_path = _add_docs(app)
     app.openapi = functools.partial(_openapi, app)  # type: ignore[method-assign]
     if ui_path is not None:
         from .ui import mount_ui
@@ -81,9 +82,46 @@ def _add_routes(app: FastAPI) -> None:
         app.add_api_route(path, handler, methods=[method], response_model=None)
 
 
+DOCS_ASSETS = "/docs/assets"
+
+
+def _add_docs(app: FastAPI) -> str | None:
+    """/docs: Swagger UI from the pip-packaged bundle (swagger-ui-bundle), never from a CDN, so it
+    works offline; not mounted (None) when the package is missing. GET / links everything."""
+    try:
+        from swagger_ui_bundle import swagger_ui_path
+    except ImportError:
+        swagger_ui_path = None
+    if swagger_ui_path is not None:
+        from fastapi.openapi.docs import get_swagger_ui_html
+        from fastapi.staticfiles import StaticFiles
+
+        app.mount(DOCS_ASSETS, StaticFiles(directory=str(swagger_ui_path)), name="docs-assets")
+
+        async def docs() -> HTMLResponse:
+            return get_swagger_ui_html(openapi_url=app.openapi_url or "/openapi.json", title="vlmspec API",
+                                       swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+                                       swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+                                       swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png")
+
+        app.add_api_route("/docs", docs, methods=["GET"], include_in_schema=False)
+    docs_path = "/docs" if swagger_ui_path is not None else None
+
+    async def index() -> HTMLResponse:
+        links = [("/ui", "the demo (speculative and plain decoding side by side)")] if app.state.ui_path else []
+        links += [("/docs", "the API reference")] if docs_path else []
+        links += [("/v1/models", "the served model"), ("/metrics", "Prometheus metrics"), ("/healthz", "health")]
+        items = "".join(f'<li><a href="{href}">{href}</a>: {what}</li>' for href, what in links)
+        return HTMLResponse(f"<!doctype html><title>vlmspec</title><h1>vlmspec</h1><p>OpenAI-compatible API at "
+                            f"<code>/v1</code> (POST /v1/chat/completions).</p><ul>{items}</ul>")
+
+    app.add_api_route("/", index, methods=["GET"], include_in_schema=False)
+    return docs_path
+
+
 # ------------------------------------------------------------------------------------------ the edge
 
-_KNOWN = ("/v1/chat/completions", "/v1/models", "/healthz", "/metrics", "/docs", "/openapi.json")
+_KNOWN = ("/v1/chat/completions", "/v1/models", "/healthz", "/metrics", "/docs", "/openapi.json", "/")
 
 
 def endpoint_label(path: str) -> str:
@@ -94,6 +132,8 @@ def endpoint_label(path: str) -> str:
         return "/v1/models/{model}"
     if path == UI_PATH or path.startswith(UI_PATH + "/"):
         return UI_PATH
+    if path.startswith(DOCS_ASSETS + "/"):
+        return DOCS_ASSETS
     return "other"
 
 
@@ -107,8 +147,8 @@ class EdgeMiddleware:
 
     def _authorized(self, scope: dict) -> bool:
         key = self.settings.api_key
-        if key is None or scope["path"] == "/healthz":
-            return True
+        if key is None or scope["path"] in ("/healthz", "/") or scope["path"].startswith(DOCS_ASSETS + "/"):
+            return True  # health, the index of links and Swagger UI's static files carry no data
         if self.ui_path is not None and (scope["path"] == self.ui_path or scope["path"].startswith(self.ui_path + "/")):
             return True
         for name, value in scope.get("headers", []):
@@ -254,7 +294,7 @@ async def chat_completions(request: Request) -> Response | dict[str, Any]:
         reply = Reply(job.id, int(time.time()), settings.model, job.speculative, service.drafter_name, int(payload))
         if inputs.request.stream:
             handed_over = True
-            return StreamingResponse(_sse(job, watcher, reply, settings), media_type="text/event-stream",
+            return StreamingResponse(_sse(job, watcher, reply, settings, _include_usage(inputs)), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return reply.completion_body(await _collect(job, settings))
     finally:
@@ -298,9 +338,14 @@ async def _collect(job: Job, settings: ServerSettings) -> Completion:
             raise payload
 
 
-async def _sse(job: Job, watcher: asyncio.Task, reply: Reply, settings: ServerSettings) -> AsyncIterator[str]:
-    """The stream: a role chunk, a chunk per text event, the finish and usage chunks (or an error
-    event), then [DONE]."""
+def _include_usage(inputs: ChatInputs) -> bool:
+    options = inputs.request.stream_options
+    return bool(options and options.include_usage)
+
+
+async def _sse(job: Job, watcher: asyncio.Task, reply: Reply, settings: ServerSettings, include_usage: bool) -> AsyncIterator[str]:
+    """The stream: a role chunk, a chunk per text event, the finish chunk and, when asked for, the
+    usage chunk (or an error event), then [DONE]."""
     try:
         yield reply.chunk({"role": "assistant", "content": ""})
         while True:
@@ -309,7 +354,7 @@ async def _sse(job: Job, watcher: asyncio.Task, reply: Reply, settings: ServerSe
                 if payload.text:
                     yield reply.chunk({"content": payload.text})
             elif kind == "done":
-                for chunk in reply.final_chunks(payload):
+                for chunk in reply.final_chunks(payload, include_usage):
                     yield chunk
                 break
             else:

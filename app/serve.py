@@ -21,7 +21,7 @@ def serve(engine: SpecEngine, settings: ServerSettings, host: str = "127.0.0.1",
     """Serve `engine` (and plain decoding over its target) until interrupted. Returns the exit code:
     0, or 130 after Ctrl-C."""
     app = create_app(engine, settings)
-    print_urls(settings, engine.drafter.name, host, port, app.state.ui_path, sys.stderr)
+    print_urls(settings, engine.drafter.name, host, port, app.state.ui_path, sys.stderr, app.state.docs_path)
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=int(settings.request_timeout_s))
     except KeyboardInterrupt:
@@ -29,13 +29,15 @@ def serve(engine: SpecEngine, settings: ServerSettings, host: str = "127.0.0.1",
     return 0
 
 
-def print_urls(settings: ServerSettings, drafter: str, host: str, port: int, ui_path: str | None, out: TextIO) -> None:
+def print_urls(settings: ServerSettings, drafter: str, host: str, port: int, ui_path: str | None, out: TextIO,
+               docs_path: str | None = "/docs") -> None:
     """What `vlmspec serve` prints before it starts listening."""
     shown = f"[{host}]" if ":" in host else host
     base = f"http://{shown}:{port}"
     print(f"vlmspec serve: model {settings.model!r}, drafter {drafter!r}", file=out)
     print(f"  API base: {base}/v1", file=out)
-    print(f"  docs:     {base}/docs", file=out)
+    if docs_path is not None:
+        print(f"  docs:     {base}{docs_path}", file=out)
     print(f"  metrics:  {base}/metrics", file=out)
     print(f"  health:   {base}/healthz", file=out)
     if ui_path is not None:

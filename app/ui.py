@@ -27,14 +27,24 @@ from vlmspec.assets import SAMPLE_IMAGES
 from .ui_runner import Comparison, RunError, RunState, ServiceRunner
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
-DEFAULT_PROMPT = "Describe the image."
+DEFAULT_PROMPT = "Describe the picture."
 TITLE = "# vlmspec: lossless speculative decoding for VLMs"
+# what the default model knows, shown under the title
+MODEL_NOTE = ("The default model (SmolLM2-135M-Instruct + EfficientNet-Lite0) was aligned on ToyWorld only: it reads shapes, "
+              "colours, counts, one-word signs and bar charts like the `toyworld_*` samples; on photos it guesses. "
+              "Any Hugging Face VLM folder can be served instead: `vlmspec serve --model DIR`.")
+
+
+DEFAULT_SAMPLE = "toyworld_scene.png"  # the page opens on it: a scene the default model can describe
 
 
 def sample_images(folder: Path = SAMPLE_IMAGES) -> list[Path]:
+    """The sample images: the default scene, the other ToyWorld samples (what the default model
+    was aligned on), then the photos."""
     if not folder.is_dir():
         return []
-    return sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    found = [p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES]
+    return sorted(found, key=lambda p: (p.name != DEFAULT_SAMPLE, not p.name.startswith("toyworld"), p.name))
 
 
 # ------------------------------------------------------------------------------------------ rendering
@@ -162,7 +172,7 @@ def _input_column(samples: list[Path], cap: int) -> _Inputs:
                              allow_preview=False, object_fit="cover", elem_id="samples", visible=bool(samples))
         prompt = gr.Textbox(value=DEFAULT_PROMPT, label="prompt", lines=2, elem_id="prompt")
         with gr.Row():
-            max_tokens = gr.Slider(1, min(cap, 512), value=min(64, cap), step=1, label="max tokens", elem_id="max-tokens")
+            max_tokens = gr.Slider(1, min(cap, 512), value=min(128, cap), step=1, label="max tokens", elem_id="max-tokens")
             temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="temperature", elem_id="temperature")
         with gr.Row():
             speculative = gr.Checkbox(value=True, label="speculative decoding", elem_id="speculative")
@@ -202,7 +212,8 @@ class _Handlers:
         n = info["tree_total_tokens"]
         text = (f"{TITLE}\nmodel **{info['model']}** · drafter **{info['drafter']}**"
                 + (f" · tree of {n} drafted tokens" if n else "")
-                + " · every run goes through the server's worker queue, like the API")
+                + " · every run goes through the server's worker queue, like the API"
+                + (f"\n\n{MODEL_NOTE}" if info.get("default_model") else ""))
         slider = gr.update(visible=n is not None, value=n if n else 16, maximum=max(128, n or 0))
         return text, slider
 

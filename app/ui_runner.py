@@ -15,9 +15,11 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
+from pathlib import Path
 
 from PIL import Image
 
+from vlmspec import assets
 from vlmspec.engine import GenerationConfig, GenerationResult
 from vlmspec.errors import InputError
 from vlmspec.images import checked_rgb
@@ -120,8 +122,10 @@ class ServiceRunner:
         self.settings = settings
 
     def info(self) -> dict[str, Any]:
+        default = assets.DEFAULT_TARGET.resolve()
         return {"model": self.settings.model, "drafter": self.service.drafter_name,
-                "tree_total_tokens": self.service.tree_total_tokens, "max_tokens_cap": self.settings.max_tokens_cap}
+                "tree_total_tokens": self.service.tree_total_tokens, "max_tokens_cap": self.settings.max_tokens_cap,
+                "default_model": any(Path(a).resolve() == default for a in self.settings.model_aliases)}
 
     def _job(self, image: Image.Image | None, prompt: str, speculative: bool, max_tokens: int, temperature: float,
              seed: int | None, tree_total_tokens: int | None) -> Job:

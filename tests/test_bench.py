@@ -28,13 +28,18 @@ def test_bench_end_to_end_tiny(tmp_path, capsys):
         for key in KEYS:
             assert key in m, (name, key)
         if not m["error"]:
-            assert m["tokens_per_s"] > 0
+            assert m["status"] == "ok" and m["tokens_per_s"] > 0
+        else:  # #22: an unavailable method is n/a with its reason, never a 0.00x a consumer could misread
+            assert m["status"] == "n/a" and m["reason"] and m["tokens_per_s"] is None and m["speedup_vs_hf_generate"] is None
     for name in ("vlmspec_none", "vlmspec_ngram", "vlmspec_eagle"):
         assert report["methods"][name]["matches_reference"] is True, name
     assert report["methods"]["hf_generate"]["speedup_vs_hf_generate"] == 1.0
     for key in ("device", "dtype", "threads", "torch", "transformers"):
         assert key in report["env"]
-    assert (out / "results.md").read_text().startswith("device:")
+    table = (out / "results.md").read_text()
+    assert table.startswith("device:")
+    assert "warning: 2 measured generations per method" in table  # -n 2: the table says it is noise
+    assert "| error" not in table
     assert (out / "results.png").stat().st_size > 0
 
 
@@ -140,3 +145,19 @@ def test_reuse_needs_the_same_steps_config_and_target(tmp_path):
     assert not finished_run(tmp_path, cfg, "def"), "trained on another target"
     assert not finished_run(tmp_path, DistillConfig(steps=8), "abc"), "another step count"
     assert not finished_run(tmp_path, DistillConfig(steps=7, lr=5e-4), "abc"), "another config"
+
+
+def test_divergences_are_located_and_their_top2_margin_measured_in_ulps():
+    import torch
+
+    from vlmspec.bench.harness import NEAR_TIE_ULPS, first_divergence, top2_margin_ulps
+
+    assert first_divergence([1, 2, 3], [1, 2, 4]) == 2
+    assert first_divergence([1, 2, 3], [1, 2]) == 2 and first_divergence([5], [6]) == 0
+    # top-1 at 8.0: one bf16 ulp there is 2^(3-7) = 1/16
+    tie = torch.tensor([8.0, 8.0 - 2 / 16, 1.0])
+    margin, ulps = top2_margin_ulps(tie, torch.bfloat16)
+    assert margin == 0.125 and ulps == 2.0 and ulps <= NEAR_TIE_ULPS
+    clear = torch.tensor([8.0, 6.0, 1.0])  # negative control: 2.0 apart is 32 ulps, no tie
+    assert top2_margin_ulps(clear, torch.bfloat16)[1] == 32.0 > NEAR_TIE_ULPS
+    assert top2_margin_ulps(tie, torch.float32)[1] == 0.125 * 2 ** 20  # fp32's ulp at 8 is 2^-20

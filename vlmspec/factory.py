@@ -2,13 +2,13 @@
 
 The CLI, the server and the benchmarks build engines here and nowhere else:
 
-    spec = EngineSpec(model=None, drafter="auto", device=None, dtype="auto")   # the bundled defaults
+    spec = EngineSpec(model=None, drafter="auto", device=None, dtype="auto")   # the defaults
     engine = build_engine(spec)                  # SpecEngine(target, drafter)
     target = load(spec)                          # the target alone (training, evaluation)
 
-Resolution rules: no model -> the bundled target; drafter "auto" -> the bundled drafter when the
-model is the bundled target, else n-gram; "eagle" -> the bundled drafter (the name the service
-shows for it); device None -> CUDA when available; dtype "auto" -> bfloat16 on CUDA, float32 on CPU.
+Resolution rules: no model -> the aligned real target when it is built (`vlmspec build-target`
+with the trained parts), else the committed toy; "toy" -> the toy; drafter "auto" -> the bundled EAGLE drafter when the model is the toy it was
+trained for, else n-gram; "eagle" -> that drafter (the name the service shows for it); device None -> CUDA when available; dtype "auto" -> bfloat16 on CUDA, float32 on CPU.
 Bad choices raise `ConfigError` with a message that says what to pass instead.
 """
 
@@ -32,7 +32,7 @@ BUNDLED_DRAFTER_NAME = "eagle"
 
 @dataclass(frozen=True)
 class EngineSpec:
-    model: str | None = None  # a folder or hub id; None = the bundled target
+    model: str | None = None  # a folder, a hub id or "toy"; None = the default (see resolve_model)
     drafter: str = "auto"  # auto | none | ngram | eagle | a drafter folder or hub id
     device: str | None = None  # cpu | cuda | cuda:N; None = CUDA when available
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
@@ -62,25 +62,29 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
 
 
 def resolve_model(model: str | None) -> str:
+    """None -> the aligned real target when it is built, else the committed toy; 'toy' -> the toy;
+    anything else as given."""
+    if model == assets.TOY_NAME or (model is None and assets.default_target() is None):
+        if assets.bundled_target() is None:
+            raise ConfigError(f"the toy model is missing ({assets.BUNDLED_TARGET}): pass --model DIR|HUB_ID")
+        return str(assets.BUNDLED_TARGET)
     if model:
         return model
-    bundled = assets.bundled_target()
-    if bundled is None:
-        raise ConfigError(f"no --model given and the bundled model is missing ({assets.BUNDLED_TARGET}): pass --model DIR|HUB_ID")
-    return str(bundled)
+    return str(assets.default_target())
 
 
 def resolve_drafter(drafter: str, model: str) -> str:
-    """'auto' and 'eagle' -> the bundled drafter folder when `model` is the bundled target."""
+    """'auto' and 'eagle' -> the bundled EAGLE drafter when `model` is the toy it was trained for;
+    'auto' -> n-gram for any other model."""
     if drafter not in ("auto", BUNDLED_DRAFTER_NAME):
         return drafter
     bundled = assets.bundled_drafter()
-    is_bundled_target = assets.bundled_target() is not None and Path(model).resolve() == assets.BUNDLED_TARGET.resolve()
-    if is_bundled_target and bundled is not None:
+    is_toy = assets.bundled_target() is not None and Path(model).resolve() == assets.BUNDLED_TARGET.resolve()
+    if is_toy and bundled is not None:
         return str(bundled)
     if drafter == "auto":
         return "ngram"
-    raise ConfigError(f"--drafter {BUNDLED_DRAFTER_NAME} names the bundled drafter, which is trained for the bundled model only; "
+    raise ConfigError(f"--drafter {BUNDLED_DRAFTER_NAME} names the bundled EAGLE drafter, which is trained for --model {assets.TOY_NAME} only; "
                       "pass a drafter folder trained for this model (vlmspec train), or ngram / none")
 
 

@@ -5,6 +5,7 @@ options here and calls the library (engines through `vlmspec.factory`); nothing 
     vlmspec serve           vlmspec/cli/serve.py      (lazily imports vlmspec.app)
     vlmspec bench [run|verify-cost|kernel|ablate]      vlmspec/cli/bench.py
     vlmspec train-target | train | eval-target | eval-drafter    vlmspec/cli/train.py
+    vlmspec build-target | train-align                  vlmspec/cli/build.py
     number validators, engine options                  vlmspec/cli/options.py
 
 Bad input ends with one line on stderr and exit code 2: argparse's usage error for a bad option,
@@ -17,11 +18,34 @@ import argparse
 import sys
 from typing import Sequence
 
-from vlmspec.cli import bench, generate, serve, train
+from vlmspec.cli import bench, build, generate, serve, train
 from vlmspec.cli.options import EXIT_USAGE, UsageError
 from vlmspec.errors import VlmspecError
 
 __all__ = ["EXIT_USAGE", "UsageError", "build_parser", "main"]
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every option's default in its help line (unless the help already says it, or there is none:
+    None, False, an empty list); descriptions and epilogs keep their line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        nothing = action.default is None or action.default is False or action.default == [] or action.default == argparse.SUPPRESS
+        if "default" in text or nothing:
+            return text
+        return super()._get_help_string(action)
+
+
+def _document(parser: argparse.ArgumentParser) -> None:
+    """Every (sub)command: defaults shown, and its one-line help as the description of its own --help."""
+    parser.formatter_class = HelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {a.dest: a.help for a in action._choices_actions}
+            for name, sub in action.choices.items():
+                sub.description = sub.description or helps.get(name)
+                _document(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.register(sub)
     bench.register(sub)
     train.register(sub)
+    build.register(sub)
+    _document(parser)
+    bench.show_run_options(sub.choices["bench"])
     return parser
 
 

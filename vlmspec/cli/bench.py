@@ -34,12 +34,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     r = which.add_parser("run", help="every method side by side on the same prompts: HF generate, HF prompt lookup, "
                                      "vlmspec none / ngram / eagle (T=0 parity checked)")
-    r.add_argument("--model", help="target folder or hub id (default: the bundled model)")
+    r.add_argument("--model", help="target folder or hub id (default: models/smolvlm-toyworld when built with trained parts, else the toy; 'toy' selects the toy)")
     r.add_argument("--drafter", action="append", default=[], help="EAGLE drafter folder (repeatable; default: the bundled drafter)")
     r.add_argument("--prompts", default="test", help="'test' / 'val' (held-out ToyWorld) or a LLaVA-style JSONL")
     r.add_argument("-n", type=positive_int("-n"), default=12, help="number of prompts")
-    r.add_argument("--temperature", type=float_in("--temperature", 0.0, 100.0), default=0.0)
-    r.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=96)
+    r.add_argument("--temperature", type=float_in("--temperature", 0.0, 100.0), default=0.0, help='sampling temperature (0 = greedy, where every method must match HF generate)')
+    r.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=96, help='new tokens per prompt')
     r.add_argument("--warmup", type=non_negative_int("--warmup"), default=1, help="unmeasured runs per prompt and method")
     r.add_argument("--repeats", type=positive_int("--repeats"), default=1, help="measured runs per prompt and method")
     add_tree_args(r)
@@ -50,13 +50,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     v = which.add_parser("verify-cost", help="ms per target forward over a tree of N nodes vs a one-token step")
     v.add_argument("--model", help="a model folder (default: a synthetic --shape with random weights)")
-    v.add_argument("--shape", default="bundled", choices=["bundled", "bundled-v2", "llava-7b"])
+    v.add_argument("--shape", default="bundled", choices=["bundled", "bundled-v2", "llava-7b"], help="decoder shape to time: the toy (bundled), the wider v2 toy, or LLaVA-7B's text decoder")
     v.add_argument("--layers", type=positive_int("--layers"), default=None, help="override the synthetic shape's layer count")
     add_device_args(v)
     v.add_argument("--prefix", type=positive_int("--prefix"), default=256, help="cached prompt tokens before the tree")
     v.add_argument("--sizes", type=int_list("--sizes"), default=(1, 2, 4, 8, 16, 32, 64), help="tree sizes, e.g. 1,2,4,8")
-    v.add_argument("--repeats", type=positive_int("--repeats"), default=10)
-    v.add_argument("--warmup", type=non_negative_int("--warmup"), default=3)
+    v.add_argument("--repeats", type=positive_int("--repeats"), default=10, help='timed repetitions per size')
+    v.add_argument("--warmup", type=non_negative_int("--warmup"), default=3, help='untimed warm-up repetitions per size')
     v.add_argument("--json", dest="json_path", help="write the results JSON here")
     v.set_defaults(func=run_verify_cost)
 
@@ -65,27 +65,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--tree", type=positive_int("--tree"), nargs="+", default=[16, 32, 64], help="tree sizes N")
     k.add_argument("--heads", type=positive_int("--heads"), default=32, help="query heads")
     k.add_argument("--kv-heads", type=positive_int("--kv-heads"), default=None, help="KV heads (default: = heads, no GQA)")
-    k.add_argument("--head-dim", type=positive_int("--head-dim"), default=128)
-    k.add_argument("--batch", type=positive_int("--batch"), default=1)
-    k.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
-    k.add_argument("--warmup", type=non_negative_int("--warmup"), default=10)
-    k.add_argument("--repeats", type=positive_int("--repeats"), default=100)
+    k.add_argument("--head-dim", type=positive_int("--head-dim"), default=128, help='attention head dimension')
+    k.add_argument("--batch", type=positive_int("--batch"), default=1, help='batch size')
+    k.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help='dtype of q/k/v')
+    k.add_argument("--warmup", type=non_negative_int("--warmup"), default=10, help='untimed warm-up calls')
+    k.add_argument("--repeats", type=positive_int("--repeats"), default=100, help='timed calls')
     k.add_argument("--no-flush", action="store_true", help="do not flush L2 between calls")
-    k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--seed", type=int, default=0, help='random seed of the inputs')
     k.add_argument("--json", metavar="PATH", dest="json_path", default=None, help="also write the numbers as JSON")
     k.set_defaults(func=run_kernel)
 
     a = which.add_parser("ablate", help="drafter variants trained at equal steps, measured on the same held-out prompts")
-    a.add_argument("--suite", required=True, choices=["loss", "vision"])
-    a.add_argument("--model", help="target folder (default: the bundled model)")
+    a.add_argument("--suite", required=True, choices=["loss", "vision"], help='loss: CE / feature / both, with and without training-time test; vision: compressors, gate, MSD, ViSpec')
+    a.add_argument("--model", help="target folder (default: models/smolvlm-toyworld when built with trained parts, else the toy; 'toy' selects the toy)")
     add_device_args(a)
-    a.add_argument("--steps", type=positive_int("--steps"), default=300)
-    a.add_argument("--batch-size", type=positive_int("--batch-size"), default=8)
-    a.add_argument("--lr", type=float_in("--lr", 0.0, 1.0, low_open=True), default=1e-3)
+    a.add_argument("--steps", type=positive_int("--steps"), default=300, help='training steps per variant (equal for all)')
+    a.add_argument("--batch-size", type=positive_int("--batch-size"), default=8, help='training batch size')
+    a.add_argument("--lr", type=float_in("--lr", 0.0, 1.0, low_open=True), default=1e-3, help='peak learning rate')
     a.add_argument("--n", type=positive_int("--n"), default=4, help="held-out test prompts per task")
     a.add_argument("--n-select", type=non_negative_int("--n-select"), default=0,
                    help="selection prompts per task (val split): the best fixed compressor / variant is picked on these")
-    a.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=96)
+    a.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=96, help='new tokens per evaluation prompt')
     a.add_argument("--only", action="append", default=[], help="run only this variant (repeatable)")
     a.add_argument("--out", required=True, help="report folder: ablation.md, ablation.json, ablation.png")
     a.add_argument("--runs", help="folder for the variants' training runs (default: runs/ablate-SUITE)")
@@ -95,6 +95,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--blocks", type=positive_int("--blocks"), default=8, help="blocks of --rounds rounds, --pause seconds apart: the timing pools them all")
     a.add_argument("--pause", type=float_in("--pause", 0.0, 3600.0), default=5.0, help="seconds between two blocks of the prefill timing")
     a.set_defaults(func=run_ablate)
+
+
+def show_run_options(bench: argparse.ArgumentParser) -> None:
+    """`vlmspec bench --help` also lists the options of `bench run`, the default (#22)."""
+    sub = next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction))
+    run = sub.choices[DEFAULT]
+    text = run.format_help()
+    options = text[text.index("options:"):] if "options:" in text else text
+    bench.epilog = f"`vlmspec bench [OPTIONS]` runs `bench {DEFAULT}`; its {options}"
 
 
 def default_to_run(argv: list[str]) -> list[str]:

@@ -96,10 +96,12 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """--model --drafter --device --dtype --attention --tree-*: the fields of `vlmspec.factory.EngineSpec`."""
-    p.add_argument("--model", help="target VLM: a local folder or a hub id (default: the bundled ToyWorld VLM)")
+    p.add_argument("--model", help="target VLM: a local folder (e.g. models/smolvlm-base, the real target make setup "
+                                   "builds), a hub id, or 'toy' (the 4M-parameter ToyWorld toy); default: models/smolvlm-toyworld "
+                                   "when built with trained parts, else the toy")
     p.add_argument("--drafter", default="auto",
-                   help="'none', 'ngram', 'eagle' (the bundled drafter) or a drafter folder "
-                        "(default: the bundled drafter with the bundled model, else ngram)")
+                   help="'none', 'ngram', 'eagle' (the bundled EAGLE drafter, trained for --model toy) or a drafter folder "
+                        "(default: auto = eagle with the toy, ngram otherwise)")
     add_device_args(p)
     p.add_argument("--attention", default="auto", choices=ATTENTION_CHOICES, help="tree attention: auto = Triton kernel on CUDA, SDPA on CPU")
     add_tree_args(p)

@@ -11,7 +11,10 @@ this command runs (the one place the CLI reaches into the app layer):
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib.util
+import os
+import socket
 import sys
 from pathlib import Path
 
@@ -23,11 +26,11 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="the OpenAI-compatible REST API (and demo UI) on the bundled model or --model",
+    p = sub.add_parser("serve", help="the OpenAI-compatible REST API (and demo UI) on the default model or --model",
                        description="OpenAI-compatible REST API with speculative decoding")
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    p.add_argument("--port", type=int_in("--port", 0, 65535), default=8000)
+    p.add_argument("--port", type=int_in("--port", 0, 65535), default=8000, help='port to listen on (0 = any free port)')
     p.add_argument("--api-key", default=env_default("VLMSPEC_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /healthz (default: $VLMSPEC_API_KEY, else open)")
     p.add_argument("--allow-remote-images", action="store_true", help="let clients pass http(s) image URLs (the server fetches them)")
@@ -38,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens-cap", type=positive_int("--max-tokens-cap"), default=1024, help="the most max_tokens a request may ask for")
     p.add_argument("--max-images", type=non_negative_int("--max-images"), default=4, help="images per request")
     p.add_argument("--no-ui", action="store_true", help="do not mount the Gradio demo at /ui")
-    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="uvicorn's log level")
     p.set_defaults(func=run)
 
 
@@ -47,9 +50,30 @@ def served_name(model: str, served_model_name: str | None) -> str:
     return served_model_name or (Path(model).name if Path(model).is_dir() else model)
 
 
+def check_port(host: str, port: int) -> None:
+    """UsageError when host:port cannot be bound (in use, or not an address of this machine), so that
+    `serve` says so in one line before it loads a model, instead of dying after printing its URLs."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise UsageError(f"--host {host}: cannot resolve it ({exc.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        if os.name != "nt":
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            why = "is already in use" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
+            raise UsageError(f"{host}:{port} {why}: pick another port with --port (make serve PORT=...)") from None
+
+
 def run(args: argparse.Namespace) -> int:
     if any(importlib.util.find_spec(m) is None for m in SERVE_EXTRA):  # before the model loads
         raise UsageError(INSTALL_HINT)
+    check_port(args.host, args.port)
     from vlmspec import factory
 
     spec = engine_spec(args)

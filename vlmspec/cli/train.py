@@ -16,13 +16,13 @@ VISUAL_CHOICES = ("none", "gate", "uniform", "attention", "pool", "conv", "resam
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    t = sub.add_parser("train-target", help="train the bundled target VLM from scratch on ToyWorld (resumable)")
+    t = sub.add_parser("train-target", help="train the toy target VLM (--model toy) from scratch on ToyWorld (resumable)")
     t.add_argument("--out", required=True, help="run folder: checkpoint/, model/, loss.png")
-    t.add_argument("--steps", type=positive_int("--steps"), default=1300)
-    t.add_argument("--batch-size", type=positive_int("--batch-size"), default=16)
-    t.add_argument("--lr", type=float_in("--lr", 0.0, 1.0, low_open=True), default=1e-3)
+    t.add_argument("--steps", type=positive_int("--steps"), default=1300, help='SFT steps of the cosine schedule')
+    t.add_argument("--batch-size", type=positive_int("--batch-size"), default=16, help='samples per step')
+    t.add_argument("--lr", type=float_in("--lr", 0.0, 1.0, low_open=True), default=1e-3, help='peak learning rate')
     t.add_argument("--minutes", type=float_in("--minutes", 0.0, 1e6, low_open=True), default=None, help="wall-clock budget of this run")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=int, default=0, help='seed of the initialisation and of the training scenes')
     t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     t.add_argument("--init-from", help="exported model folder (e.g. runs/x/model or assets/toyworld-vlm) whose weights and processor start this run")
     t.add_argument("--task-mix", help="training task mix, e.g. 'count=0.3,attribute=0.3,describe=0.2' (default: ToyWorld's mix)")
@@ -39,14 +39,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.set_defaults(func=run_train_target)
 
     d = sub.add_parser("train", help="distil an EAGLE-style draft head from a frozen target (online logits)")
-    d.add_argument("--target", help="target VLM folder or hub id (default: the bundled model)")
+    d.add_argument("--target", help="target VLM folder or hub id (default: models/smolvlm-toyworld when built with trained parts, else the toy; 'toy' selects the toy)")
     d.add_argument("--data", default="toyworld", help="'toyworld' or a LLaVA-style JSONL file")
     d.add_argument("--out", required=True, help="run folder: checkpoint/, drafter/, train_curve.png")
-    d.add_argument("--steps", type=positive_int("--steps"), default=1000)
-    d.add_argument("--batch-size", type=positive_int("--batch-size"), default=8)
-    d.add_argument("--lr", type=float_in("--lr", 0.0, 1.0, low_open=True), default=3e-4)
-    d.add_argument("--w-ce", type=float_in("--w-ce", 0.0, 1e3), default=0.1)
-    d.add_argument("--w-feat", type=float_in("--w-feat", 0.0, 1e3), default=1.0)
+    d.add_argument("--steps", type=positive_int("--steps"), default=1000, help='training steps')
+    d.add_argument("--batch-size", type=positive_int("--batch-size"), default=8, help='samples per step')
+    d.add_argument("--lr", type=float_in("--lr", 0.0, 1.0, low_open=True), default=3e-4, help='peak learning rate')
+    d.add_argument("--w-ce", type=float_in("--w-ce", 0.0, 1e3), default=0.1, help="weight of the cross-entropy on the target's logits")
+    d.add_argument("--w-feat", type=float_in("--w-feat", 0.0, 1e3), default=1.0, help='weight of the feature (hidden-state) regression loss')
     d.add_argument("--ttt-steps", type=positive_int("--ttt-steps"), default=2, help="training-time test unroll (1 = off)")
     d.add_argument("--curriculum-steps", type=non_negative_int("--curriculum-steps"), default=0, help="text-only -> multimodal ramp")
     d.add_argument("--visual", default="none", choices=VISUAL_CHOICES,
@@ -57,30 +57,32 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--gate-cost", type=float_in("--gate-cost", 0.0, 100.0), default=0.05, help="--visual gate: weight of its kept fraction")
     d.add_argument("--regenerate", action="store_true",
                    help="ViSpec: train on the target's own greedy answers (generated once, cached in OUT/answers_rank*.jsonl)")
-    d.add_argument("--eval-every", type=positive_int("--eval-every"), default=200)
-    d.add_argument("--minutes", type=float_in("--minutes", 0.0, 1e6, low_open=True), default=None)
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--eval-every", type=positive_int("--eval-every"), default=200, help='evaluate the acceptance on held-out prompts every this many steps')
+    d.add_argument("--minutes", type=float_in("--minutes", 0.0, 1e6, low_open=True), default=None, help='wall-clock budget of this run (checkpointed when spent; --resume continues)')
+    d.add_argument("--seed", type=int, default=0, help='seed of the initialisation and of the data order')
     add_device_args(d)
-    d.add_argument("--resume", action="store_true")
+    d.add_argument("--resume", action="store_true", help='continue from OUT/checkpoint')
     d.add_argument("--json", action="store_true", help="print one JSON summary at the end")
     d.set_defaults(func=run_train)
 
     ed = sub.add_parser("eval-drafter", help="mean accepted length per task on held-out ToyWorld prompts")
-    ed.add_argument("--model", help="target folder (default: the bundled model)")
+    ed.add_argument("--model", help="target folder (default: models/smolvlm-toyworld when built with trained parts, else the toy; 'toy' selects the toy)")
     ed.add_argument("--drafter", default="auto", help="drafter folder, eagle, ngram or none (default: the bundled drafter)")
     add_device_args(ed)
     ed.add_argument("--n", type=positive_int("--n"), default=8, help="prompts per task")
-    ed.add_argument("--temperature", type=float_in("--temperature", 0.0, 100.0), default=0.0)
-    ed.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=128)
-    ed.add_argument("--json", action="store_true")
+    ed.add_argument("--temperature", type=float_in("--temperature", 0.0, 100.0), default=0.0, help='sampling temperature (0 = greedy)')
+    ed.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=128, help='new tokens per prompt')
+    ed.add_argument("--json", action="store_true", help='print one JSON object instead of the table')
     ed.set_defaults(func=run_eval_drafter)
 
     e = sub.add_parser("eval-target", help="score a target on held-out ToyWorld items, with real and with noise images")
-    e.add_argument("--model", help="target folder (default: the bundled model)")
+    e.add_argument("--model", help="target folder (default: models/smolvlm-toyworld when built with trained parts, else the toy; 'toy' selects the toy)")
     add_device_args(e)
-    e.add_argument("--n", type=positive_int("--n"), default=600)
-    e.add_argument("--seed", type=non_negative_int("--seed"), default=0)
-    e.add_argument("--json", action="store_true")
+    e.add_argument("--n", type=positive_int("--n"), default=600, help='held-out items in all, split evenly over the scored tasks')
+    e.add_argument("--seed", type=non_negative_int("--seed"), default=0, help='which block of held-out items (0 = the one the reported figures use)')
+    e.add_argument("--text-reference", help="a model folder with the same tokenizer (e.g. the untrained assembly, "
+                                            "vlmspec build-target --no-trained): also compare greedy answers to text-only prompts")
+    e.add_argument("--json", action="store_true", help='print one JSON object instead of the table')
     e.set_defaults(func=run_eval_target)
 
 
@@ -164,10 +166,14 @@ def run_eval_drafter(args: argparse.Namespace) -> int:
 
 def run_eval_target(args: argparse.Namespace) -> int:
     from vlmspec import factory
-    from vlmspec.train.target_eval import evaluate, format_table
+    from vlmspec.train.target_eval import evaluate, format_table, text_agreement
 
-    target = factory.load(engine_spec(args))
+    spec = engine_spec(args)
+    target = factory.load(spec)
     result = evaluate(target, n=args.n, seed=args.seed, progress=not args.json)
+    if args.text_reference:
+        reference = factory.load(engine_spec(args, model=args.text_reference))
+        result["text_only"] = text_agreement(target, reference, progress=not args.json)
     if args.json:
         print(json.dumps(result))
     else:

@@ -61,3 +61,26 @@ def heldout(name: str, n: int, *, split: str | None = None, per_task: bool = Fal
     if not per_task:
         return [toyworld_conversation(lo + i) for i in range(n)]
     return [toyworld_conversation(lo + i * len(tasks) + j, t) for i in range(n) for j, t in enumerate(tasks)]
+
+
+# Held-out text-only instructions (no image): how far an aligned target's text behaviour moved from
+# its language model's (`vlmspec eval-target --text-reference`). Written for this purpose, general
+# chat requests of the kind an instruct model is tuned on; none appears in any training data here.
+TEXT_PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain in two sentences why the sky is blue.",
+    "Give me three tips for sleeping better.",
+    "What is 12 times 7?",
+    "Translate 'good morning' into Spanish.",
+    "Name three planets of the solar system.",
+    "How do I boil an egg?",
+    "Write a short thank-you note to a teacher.",
+    "What does a computer's CPU do?",
+    "Suggest a name for a small coffee shop.",
+    "Summarise the story of Cinderella in one sentence.",
+    "What are the primary colours?",
+    "List four animals that live in the ocean.",
+    "Why do we have seasons on Earth?",
+    "Give an example of a healthy breakfast.",
+)

@@ -64,11 +64,38 @@ def evaluate(target: Target, n: int = 600, seed: int = 0, progress: bool = True)
     return out
 
 
+def text_agreement(target: Target, reference: Target, max_new_tokens: int = 32, progress: bool = True) -> dict[str, Any]:
+    """Greedy answers to the held-out text-only instructions (`heldout.TEXT_PROMPTS`) from `target`
+    against `reference` (e.g. the untrained assembly, whose language model is SmolLM2-Instruct's):
+    the share of identical answers and the mean length of the common prefix in tokens."""
+    from tqdm import tqdm
+
+    from vlmspec.data.heldout import TEXT_PROMPTS
+
+    config = GenerationConfig(max_new_tokens=max_new_tokens)
+    engines = SpecEngine(target, NgramDrafter()), SpecEngine(reference, NgramDrafter())
+    same, prefix, examples = 0, [], []
+    for prompt in tqdm(TEXT_PROMPTS, desc="text-only", disable=not progress, dynamic_ncols=True):
+        ids = [e.generate(encode_prompt(e.target, prompt, []), config).token_ids for e in engines]
+        common = next((i for i, (a, b) in enumerate(zip(*ids)) if a != b), min(map(len, ids)))
+        same += ids[0] == ids[1]
+        prefix.append(common)
+        if len(examples) < 3:
+            examples.append({"prompt": prompt, "answer": target.processor.tokenizer.decode(ids[0], skip_special_tokens=True),
+                             "reference": reference.processor.tokenizer.decode(ids[1], skip_special_tokens=True)})
+    return {"prompts": len(TEXT_PROMPTS), "max_new_tokens": max_new_tokens, "identical": same / len(TEXT_PROMPTS),
+            "mean_common_prefix_tokens": float(np.mean(prefix)), "examples": examples}
+
+
 def format_table(result: dict[str, Any]) -> str:
     rows = ["| metric | real image | noise image | items |", "|---|---:|---:|---:|"]
     for key, _ in SCORED.values():
         rows.append(f"| {key} | {result[key]:.3f} | {result['noise_image'][key]:.3f} | {result['per_task'][key]} |")
+    if "text_only" in result:
+        t = result["text_only"]
+        rows.append(f"\ntext-only against the reference: {t['identical']:.2f} of {t['prompts']} greedy answers identical "
+                    f"({t['max_new_tokens']} tokens), mean common prefix {t['mean_common_prefix_tokens']:.1f} tokens")
     return "\n".join(rows)
 
 
-__all__ = ["evaluate", "format_table", "noise_like", "REQUIRED"]
+__all__ = ["evaluate", "format_table", "noise_like", "REQUIRED", "text_agreement"]

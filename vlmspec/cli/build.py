@@ -1,0 +1,68 @@
+"""`vlmspec build-target` and `vlmspec train-align`: the default target, built from pip-shipped
+weights (`vlmspec.target.assemble`) and aligned on ToyWorld (`vlmspec.train.align`)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from vlmspec import assets
+from vlmspec.cli.options import UsageError, float_in, positive_int
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    b = sub.add_parser("build-target", help="build the default target (SmolLM2-135M + EfficientNet-Lite0) from pip packages, offline",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    b.add_argument("--out", help=f"folder to write, replaced when it exists (default: {assets.DEFAULT_TARGET}, "
+                                 f"or {assets.BASE_TARGET} with --no-trained)")
+    b.add_argument("--image-size", type=positive_int("--image-size"), default=384,
+                   help="image side in px, a multiple of 32: (size/32)^2 image tokens (384 -> 144, 768 -> 576)")
+    b.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="dtype the weights are stored in")
+    b.add_argument("--trained", default=str(assets.DEFAULT_TARGET_PARTS), help="trained parts to apply (vlmspec train-align)")
+    b.add_argument("--no-trained", action="store_true", help="the untrained assembly (the base train-align starts from)")
+    b.add_argument("--if-missing", action="store_true", help="do nothing when OUT already holds a built model")
+    b.set_defaults(func=run_build_target)
+
+    a = sub.add_parser("train-align", help="align a built base target on ToyWorld: projector + LoRA (resumable)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    a.add_argument("--base", required=True, help="the untrained assembly (vlmspec build-target --no-trained --out BASE)")
+    a.add_argument("--out", required=True, help="run folder: checkpoint/, trained.safetensors, loss.png")
+    a.add_argument("--steps", type=positive_int("--steps"), default=650, help="steps of the cosine schedule")
+    a.add_argument("--batch-size", type=positive_int("--batch-size"), default=4, help='samples per step')
+    a.add_argument("--lr", type=float_in("--lr", 0.0, 1.0, low_open=True), default=1e-3, help="the projector's peak rate")
+    a.add_argument("--lora-lr", type=float_in("--lora-lr", 0.0, 1.0, low_open=True), default=4e-4, help="the LoRA pairs' peak learning rate")
+    a.add_argument("--lora-rank", type=positive_int("--lora-rank"), default=16, help='LoRA rank on every projection of the 30 decoder layers (alpha = 2 x rank)')
+    a.add_argument("--minutes", type=float_in("--minutes", 0.0, 1e6, low_open=True), default=None, help="wall-clock budget of this run")
+    a.add_argument("--seed", type=int, default=0, help="seed of the adapters' initialisation and of the training scenes")
+    a.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    a.set_defaults(func=run_train_align)
+
+
+def run_build_target(args: argparse.Namespace) -> int:
+    from vlmspec.target.assemble import PATCH, assemble
+
+    if args.image_size % PATCH:
+        raise UsageError(f"--image-size must be a multiple of {PATCH} px (one image token per 32 x 32), got {args.image_size}")
+    out = Path(args.out or (assets.BASE_TARGET if args.no_trained else assets.DEFAULT_TARGET))
+    if args.if_missing and (out / "config.json").is_file():
+        print(f"build-target: {out} is already built (delete it, or drop --if-missing, to rebuild)")
+        return 0
+    trained = None if args.no_trained else Path(args.trained)
+    if trained is not None and not trained.is_file():
+        raise UsageError(f"--trained: {trained} not found (the aligned parts have not shipped yet, issue #19; "
+                         "--no-trained builds the untrained assembly)")
+    assemble(out, image_size=args.image_size, dtype=args.dtype, trained=trained)
+    return 0
+
+
+def run_train_align(args: argparse.Namespace) -> int:
+    from vlmspec.train.align import AlignConfig, train_align
+
+    if not (Path(args.base) / "config.json").is_file():
+        raise UsageError(f"--base: {args.base} is not a built model folder (vlmspec build-target --no-trained --out {args.base})")
+    if args.resume and not (Path(args.out) / "checkpoint").is_dir():
+        raise UsageError(f"--resume: no checkpoint in {args.out}/checkpoint")
+    cfg = AlignConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, lora_lr=args.lora_lr, lora_rank=args.lora_rank,
+                      lora_alpha=2.0 * args.lora_rank, minutes=args.minutes, seed=args.seed)
+    train_align(args.base, args.out, cfg, resume=args.resume)
+    return 0
