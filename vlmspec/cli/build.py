@@ -1,5 +1,5 @@
-"""`vlmspec build-target` and `vlmspec train-align`: the default target, built from pip-shipped
-weights (`vlmspec.target.assemble`) and aligned on ToyWorld (`vlmspec.train.align`)."""
+"""`vlmspec build-target` and `vlmspec train-align`: the real target, built from pip-shipped weights
+(`vlmspec.target.assemble`) and aligned on ToyWorld (`vlmspec.train.align`)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from vlmspec.cli.options import UsageError, float_in, positive_int
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    b = sub.add_parser("build-target", help="build the default target (SmolLM2-135M + EfficientNet-Lite0) from pip packages, offline",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    b = sub.add_parser("build-target", help="build the real target (SmolLM2-135M + EfficientNet-Lite0 in fast_vlm) from pip packages, offline")
     b.add_argument("--out", help=f"folder to write, replaced when it exists (default: {assets.DEFAULT_TARGET}, "
                                  f"or {assets.BASE_TARGET} with --no-trained)")
     b.add_argument("--image-size", type=positive_int("--image-size"), default=384,
@@ -20,11 +19,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="dtype the weights are stored in")
     b.add_argument("--trained", default=str(assets.DEFAULT_TARGET_PARTS), help="trained parts to apply (vlmspec train-align)")
     b.add_argument("--no-trained", action="store_true", help="the untrained assembly (the base train-align starts from)")
-    b.add_argument("--if-missing", action="store_true", help="do nothing when OUT already holds a built model")
     b.set_defaults(func=run_build_target)
 
-    a = sub.add_parser("train-align", help="align a built base target on ToyWorld: projector + LoRA (resumable)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    a = sub.add_parser("train-align", help="align the real target's untrained assembly on ToyWorld: projector + LoRA (resumable)")
     a.add_argument("--base", required=True, help="the untrained assembly (vlmspec build-target --no-trained --out BASE)")
     a.add_argument("--out", required=True, help="run folder: checkpoint/, trained.safetensors, loss.png")
     a.add_argument("--steps", type=positive_int("--steps"), default=650, help="steps of the cosine schedule")
@@ -44,9 +41,6 @@ def run_build_target(args: argparse.Namespace) -> int:
     if args.image_size % PATCH:
         raise UsageError(f"--image-size must be a multiple of {PATCH} px (one image token per 32 x 32), got {args.image_size}")
     out = Path(args.out or (assets.BASE_TARGET if args.no_trained else assets.DEFAULT_TARGET))
-    if args.if_missing and (out / "config.json").is_file():
-        print(f"build-target: {out} is already built (delete it, or drop --if-missing, to rebuild)")
-        return 0
     trained = None if args.no_trained else Path(args.trained)
     if trained is not None and not trained.is_file():
         raise UsageError(f"--trained: {trained} not found (the aligned parts have not shipped yet, issue #19; "
