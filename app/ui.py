@@ -186,18 +186,20 @@ def _input_column(samples: list[Path], cap: int) -> _Inputs:
 def _output_column() -> list[Any]:
     """The output components, in the order of render_outputs."""
     with gr.Column(scale=3, min_width=420):
-        summary = gr.HTML(render_summary(None), elem_id="speedup")
+        # every output has a label (hidden where the page does not show one): gradio_client's
+        # view_api() names the outputs by them instead of value_20
+        summary = gr.HTML(render_summary(None), elem_id="speedup", label="speedup summary", show_label=False)
         with gr.Row(equal_height=True):
             with gr.Column():
                 spec_text = gr.Textbox(label="speculative decoding", lines=7, max_lines=14, interactive=False,
                                        elem_id="spec-answer")
-                spec_stats = gr.Markdown("", elem_id="spec-stats")
+                spec_stats = gr.Markdown("", elem_id="spec-stats", label="speculative decoding stats", show_label=False)
             with gr.Column():
                 plain_text = gr.Textbox(label="plain decoding", lines=7, max_lines=14, interactive=False,
                                         elem_id="plain-answer")
-                plain_stats = gr.Markdown("", elem_id="plain-stats")
+                plain_stats = gr.Markdown("", elem_id="plain-stats", label="plain decoding stats", show_label=False)
         gr.Markdown("#### step by step: what each target forward emitted (speculative run; hover a step for details)")
-        steps = gr.HTML(render_steps(RunState("speculative")), elem_id="steps")
+        steps = gr.HTML(render_steps(RunState("speculative")), elem_id="steps", label="steps of the speculative run", show_label=False)
     return [summary, spec_text, spec_stats, plain_text, plain_stats, steps]
 
 
@@ -251,10 +253,15 @@ def build_ui(runner: ServiceRunner) -> gr.Blocks:
         with gr.Row(equal_height=False):
             inputs = _input_column(samples, int(runner.settings.max_tokens_cap))
             outputs = _output_column()
-        demo.load(handlers.on_load, outputs=[header, inputs.tree_size], queue=False)
-        inputs.gallery.select(handlers.on_pick, outputs=inputs.image, queue=False)
-        inputs.run.click(handlers.on_run, inputs=inputs.run_args(), outputs=outputs, concurrency_limit=1)
-        inputs.prompt.submit(handlers.on_run, inputs=inputs.run_args(), outputs=outputs, concurrency_limit=1)
+        # one documented API endpoint, /run (gradio_client: Client(url).predict(..., api_name="/run"));
+        # the page-only events are kept out of the API
+        demo.load(handlers.on_load, outputs=[header, inputs.tree_size], queue=False, api_visibility="private")
+        inputs.gallery.select(handlers.on_pick, outputs=inputs.image, queue=False, api_visibility="private")
+        inputs.run.click(handlers.on_run, inputs=inputs.run_args(), outputs=outputs, concurrency_limit=1, api_name="run",
+                         api_description="Answer the prompt about the image with speculative and (optionally) plain "
+                                         "decoding; streams the outputs as the runs progress.")
+        inputs.prompt.submit(handlers.on_run, inputs=inputs.run_args(), outputs=outputs, concurrency_limit=1,
+                             api_visibility="private")
     return demo
 
 

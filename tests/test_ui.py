@@ -120,6 +120,21 @@ def test_ui_opens_on_a_toyworld_scene_and_says_what_the_default_model_knows(engi
     assert MODEL_NOTE not in header
 
 
+def test_gradio_api_is_one_named_endpoint_with_named_outputs(engines):
+    """#22 item 4: view_api() listed /on_run_1 with outputs value_20...; now it reads like documentation."""
+    from gradio_client import Client
+
+    with LiveServer(create_app(engines, settings())) as srv:
+        api = Client(f"{srv.url}/ui/", verbose=False).view_api(print_info=False, return_format="dict")
+    assert set(api["named_endpoints"]) == {"/run"} and not api["unnamed_endpoints"]
+    run = api["named_endpoints"]["/run"]
+    params = [p["label"] for p in run["parameters"]]
+    assert params[:2] == ["image (upload, paste, or pick a sample below)", "prompt"]
+    outputs = [r["label"] for r in run["returns"]]
+    assert "speculative decoding" in outputs and "speedup summary" in outputs
+    assert not [o for o in outputs + params if not o or o.startswith("value_")], outputs + params
+
+
 def test_ui_with_api_key_has_its_own_login(engines):
     from fastapi.testclient import TestClient
 
