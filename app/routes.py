@@ -92,7 +92,9 @@ def _add_docs(app: FastAPI) -> str | None:
         from swagger_ui_bundle import swagger_ui_path
     except ImportError:
         swagger_ui_path = None
+    docs_path = None
     if swagger_ui_path is not None:
+        docs_path = "/docs"
         from fastapi.openapi.docs import get_swagger_ui_html
         from fastapi.staticfiles import StaticFiles
 
@@ -104,8 +106,7 @@ def _add_docs(app: FastAPI) -> str | None:
                                        swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
                                        swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png")
 
-        app.add_api_route("/docs", docs, methods=["GET"], include_in_schema=False)
-    docs_path = "/docs" if swagger_ui_path is not None else None
+        app.add_api_route(docs_path, docs, methods=["GET"], include_in_schema=False)
 
     async def index() -> HTMLResponse:
         links = [("/ui", "the demo (speculative and plain decoding side by side)")] if app.state.ui_path else []

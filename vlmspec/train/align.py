@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from vlmspec.target.assemble import TRAINED_FORMAT
 from vlmspec.train.common import save_checkpoint_dir, warmup_cosine
 from vlmspec.train.lora import LoraAdapters, add_lora
-from vlmspec.train.target_sft import batches, eval_loss, plot_curve
+from vlmspec.train.target_sft import answer_loss, batches, eval_loss, plot_curve
 
 # the grounded questions the target must answer, weighted toward the short ones; no toy text-only
 # answers (text-only behaviour is SmolLM2-Instruct's own)
@@ -79,17 +79,6 @@ def load_trained(model: torch.nn.Module, adapters: LoraAdapters, tensors: dict[s
     adapters.load_tensors({k[len("lora."):]: v for k, v in tensors.items() if k.startswith("lora.")})
 
 
-def answer_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Next-token cross-entropy on the answer tokens, averaged per sample; the LM head (49k rows)
-    runs on the answer positions only, not on the image and prompt positions."""
-    labels = batch["labels"][:, 1:]  # [B, T-1]
-    hidden = model.model(**{k: v for k, v in batch.items() if k != "labels"}).last_hidden_state[:, :-1]  # [B, T-1, D]
-    mask = labels != -100
-    tok = torch.nn.functional.cross_entropy(model.lm_head(hidden[mask]).float(), labels[mask], reduction="none")  # [N]
-    per_sample = torch.zeros(labels.shape[0], dtype=tok.dtype).index_add(0, mask.nonzero()[:, 0], tok)
-    return (per_sample / mask.sum(1).clamp(min=1)).mean()
-
-
 def export(model: torch.nn.Module, adapters: LoraAdapters, path: Path, meta: dict[str, str]) -> None:
     tensors = trained_tensors(model, adapters)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": TRAINED_FORMAT, **meta})
@@ -112,17 +101,18 @@ def train_align(base: str | Path, out: str | Path, cfg: AlignConfig, resume: boo
             raise FileNotFoundError(f"--resume: no checkpoint in {ckpt}")
         saved = json.loads((ckpt / "trainer_state.json").read_text())
         cfg = AlignConfig(**{**saved["config"], "steps": cfg.steps, "minutes": cfg.minutes})
+    else:
+        saved = {"step": 0, "history": [], "elapsed_s": 0.0}
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     model = AutoModelForImageTextToText.from_pretrained(base, dtype=torch.float32)
     processor = AutoProcessor.from_pretrained(base)
     adapters, groups = prepare(model, cfg)
     opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.98))
-    state: dict[str, Any] = {"step": 0, "history": [], "elapsed_s": 0.0}
+    state: dict[str, Any] = saved
     if resume:
         load_trained(model, adapters, load_file(str(ckpt / "trained.safetensors")))
         opt.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
-        state = json.loads((ckpt / "trainer_state.json").read_text())
     state["config"] = asdict(cfg)
     state["base"] = str(base)
     image_size = str(processor.image_processor.size["height"])

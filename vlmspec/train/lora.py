@@ -33,7 +33,7 @@ class LoraAdapters(nn.Module):
         g = torch.Generator().manual_seed(seed)
         for name, sub in module.named_modules():
             if isinstance(sub, nn.Linear) and name.rsplit(".", 1)[-1] in targets:
-                key = name.replace(".", "__")
+                key = self._key(name)
                 out_f, in_f = sub.weight.shape
                 bound = 1 / math.sqrt(in_f)
                 self.A[key] = nn.Parameter(((torch.rand(rank, in_f, generator=g) * 2 - 1) * bound).to(sub.weight.device))
@@ -42,6 +42,11 @@ class LoraAdapters(nn.Module):
                 self.names.append(name)
         if not self.names:
             raise ValueError(f"no linear layer named one of {targets} in {type(module).__name__}")
+
+    @staticmethod
+    def _key(name: str) -> str:
+        """A linear's qualified name as a ParameterDict key (no dots allowed there)."""
+        return name.replace(".", "__")
 
     def _hook(self, key: str):
         def hook(_module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
@@ -54,7 +59,7 @@ class LoraAdapters(nn.Module):
         so that merging is W + B @ A."""
         out = {}
         for name in self.names:
-            key = name.replace(".", "__")
+            key = self._key(name)
             out[f"{name}.lora_A"] = self.A[key].detach().float().clone()
             out[f"{name}.lora_B"] = (self.B[key].detach().float() * self.scale).clone()
         return out
@@ -67,7 +72,7 @@ class LoraAdapters(nn.Module):
             raise ValueError(f"LoRA tensors do not match the adapters (missing {missing}, unexpected {extra})")
         with torch.no_grad():
             for name in self.names:
-                key = name.replace(".", "__")
+                key = self._key(name)
                 self.A[key].copy_(tensors[f"{name}.lora_A"])
                 self.B[key].copy_(tensors[f"{name}.lora_B"] / self.scale)
 

@@ -216,11 +216,18 @@ def sft_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], norm: str) 
     """Next-token cross-entropy on the answer tokens, averaged per token or per sample."""
     if norm == "token":
         return model(**batch).loss
-    labels = batch["labels"][:, 1:]
-    logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits[:, :-1]
-    tok = torch.nn.functional.cross_entropy(logits.transpose(1, 2).float(), labels, ignore_index=-100, reduction="none")
+    return answer_loss(model, batch)
+
+
+def answer_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Next-token cross-entropy on the answer tokens, averaged per sample; the LM head runs on the
+    answer positions only (not on the image and prompt positions: with a 49k vocabulary it dominates)."""
+    labels = batch["labels"][:, 1:]  # [B, T-1]
+    hidden = model.model(**{k: v for k, v in batch.items() if k != "labels"}).last_hidden_state[:, :-1]  # [B, T-1, D]
     mask = labels != -100
-    return ((tok * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
+    tok = torch.nn.functional.cross_entropy(model.lm_head(hidden[mask]).float(), labels[mask], reduction="none")  # [N]
+    per_sample = torch.zeros(labels.shape[0], dtype=tok.dtype).index_add(0, mask.nonzero()[:, 0], tok)
+    return (per_sample / mask.sum(1).clamp(min=1)).mean()
 
 
 def lr_at(step: int, cfg: SFTConfig) -> float:
