@@ -60,8 +60,10 @@ CSS = """
 .vs-ok { color: #15803d; font-weight: 600; }
 .vs-bad { color: #b91c1c; font-weight: 600; }
 .vs-steps { line-height: 2.0; white-space: pre-wrap; font-family: var(--font-mono); font-size: .92em;
-            padding: .6em; border-radius: 10px; border: 1px solid var(--border-color-primary); min-height: 4em; }
-.vs-step { border-radius: 4px; padding: 2px 1px; margin: 0 1px; }
+            padding: .6em; border-radius: 10px; border: 1px solid var(--border-color-primary); min-height: 4em;
+            max-width: 100%; box-sizing: border-box; overflow-wrap: anywhere; max-height: 24em; overflow-y: auto; }
+.vs-step { border-radius: 4px; padding: 2px 1px; margin: 0 1px; -webkit-box-decoration-break: clone; box-decoration-break: clone; }
+#samples .grid-container { grid-template-columns: repeat(auto-fill, minmax(64px, 1fr)) !important; }
 .vs-step sub { font-size: .65em; color: #334155; font-family: var(--font); margin-left: 1px; }
 .vs-t1 { background: #e2e8f0; } .vs-t2 { background: #bbf7d0; } .vs-t3 { background: #86efac; }
 .vs-t4 { background: #4ade80; } .vs-t5 { background: #22c55e; } .vs-t6 { background: #16a34a; color: white; }
@@ -118,12 +120,22 @@ def _pending_banner(cmp: Comparison) -> str:
     return f'<div class="vs-banner"><span class="vs-muted">{html.escape(msg)}</span></div>'
 
 
-def render_summary(cmp: Comparison | None, temperature: float = 0.0) -> str:
+NO_IMAGE_NOTE = "no image: the answer comes from the prompt alone (pick a sample or upload one)"
+NO_MODE = "Tick speculative decoding, plain decoding, or both, then press Run."
+
+
+def _speed_label(sp: float) -> str:
+    """2.1 -> '2.10× speedup'; 0.43 -> '2.33× slower' (a slowdown is not a speedup below 1)."""
+    return f"{sp:.2f}× speedup" if sp >= 1 else f"{1 / sp:.2f}× slower"
+
+
+def render_summary(cmp: Comparison | None, temperature: float = 0.0, note: str = "") -> str:
+    extra = f'<span class="vs-muted" id="vs-note">{html.escape(note)}</span>' if note else ""
     if cmp is None:
         return '<div class="vs-banner vs-muted">Pick an image, type a prompt and press Run.</div>'
     sp = cmp.speedup
     if sp is None:
-        return _pending_banner(cmp)
+        return _pending_banner(cmp).replace("</div>", extra + "</div>")
     if cmp.identical:
         check = '<span class="vs-ok">identical outputs ✓</span>'
     elif temperature > 0:
@@ -131,14 +143,21 @@ def render_summary(cmp: Comparison | None, temperature: float = 0.0) -> str:
     else:
         check = '<span class="vs-bad">outputs differ at temperature 0!</span>'
     s, p = cmp.spec.result, cmp.plain.result
-    return (f'<div class="vs-banner"><span class="vs-big{"" if sp >= 1 else " slow"}" id="vs-speedup">{sp:.2f}× speedup</span>'
+    slow = "" if sp >= 1 else ' slow" title="speculative decoding was slower than plain decoding on this prompt'
+    return (f'<div class="vs-banner"><span class="vs-big{slow}" id="vs-speedup">{_speed_label(sp)}</span>'
             f'<span>{s.tokens_per_s:.1f} vs {p.tokens_per_s:.1f} tok/s</span>'
-            f'<span>{s.num_target_forwards} vs {p.num_target_forwards} target forwards</span>{check}</div>')
+            f'<span>{s.num_target_forwards} vs {p.num_target_forwards} target forwards</span>{check}{extra}</div>')
 
 
-def render_outputs(cmp: Comparison, temperature: float) -> tuple[str, str, str, str, str, str]:
+def render_message(message: str) -> tuple[str, str, str, str, str, str]:
+    """The page's outputs cleared, with `message` in the summary (no run was made)."""
+    banner = f'<div class="vs-banner"><span class="vs-bad" id="vs-message">{html.escape(message)}</span></div>'
+    return banner, "", render_stats(None, "speculative decoding"), "", render_stats(None, "plain decoding"), render_steps(None)
+
+
+def render_outputs(cmp: Comparison, temperature: float, note: str = "") -> tuple[str, str, str, str, str, str]:
     """(summary, speculative answer, its stats, plain answer, its stats, step view) for the page."""
-    return (render_summary(cmp, temperature),
+    return (render_summary(cmp, temperature, note),
             cmp.spec.text if cmp.spec else "", render_stats(cmp.spec, "speculative decoding"),
             cmp.plain.text if cmp.plain else "", render_stats(cmp.plain, "plain decoding"),
             render_steps(cmp.spec))
@@ -226,8 +245,10 @@ class _Handlers:
 
     async def on_run(self, img: Any, text: str, n_tokens: float, temp: float, spec_on: bool, plain_on: bool,
                      tree_n: float | None) -> AsyncIterator[tuple[str, ...]]:
-        if not spec_on and not plain_on:
-            raise gr.Error("turn on speculative decoding, plain decoding, or both")
+        if not spec_on and not plain_on:  # not an error: a message where the speedup goes, the old run cleared
+            yield render_message(NO_MODE)
+            return
+        note = NO_IMAGE_NOTE if img is None else ""
         last, cmp = 0.0, None
         tree = int(tree_n) if tree_n else None
         try:
@@ -238,11 +259,11 @@ class _Handlers:
                 if now - last < 0.05 and not done:  # at most ~20 page updates a second
                     continue
                 last = now
-                yield render_outputs(cmp, float(temp))
+                yield render_outputs(cmp, float(temp), note)
         except RunError as exc:
             raise gr.Error(str(exc)) from None
         if cmp is not None:
-            yield render_outputs(cmp, float(temp))
+            yield render_outputs(cmp, float(temp), note)
 
 
 def build_ui(runner: ServiceRunner) -> gr.Blocks:
@@ -281,6 +302,27 @@ def mount_ui(app: Any, runner: ServiceRunner, path: str = "/ui") -> Any:
         def auth(username: str, password: str) -> bool:
             return hmac.compare_digest(password.encode(), key.encode())
 
-    return gr.mount_gradio_app(app, build_ui(runner), path=path, auth=auth, allowed_paths=[str(SAMPLE_IMAGES)],
-                               footer_links=[], theme=_theme(), css=CSS, ssr_mode=False, mcp_server=False,
-                               max_file_size=runner.settings.max_body_bytes)
+    # root_path: file URLs in event outputs (a picked sample's preview) carry the mount prefix; without it
+    # Gradio builds them from the x-gradio-server header, which names the site root (measured: 404)
+    demo = build_ui(runner)
+    mounted = gr.mount_gradio_app(app, demo, path=path, root_path=path, auth=auth, allowed_paths=[str(SAMPLE_IMAGES)],
+                                  footer_links=[], theme=_theme(), css=CSS, ssr_mode=False, mcp_server=False,
+                                  max_file_size=runner.settings.max_body_bytes)
+    quiet_queue(demo)
+    return mounted
+
+
+# Gradio's queue polls while idle: every 1 ms for new events and every 10 ms for progress (on
+# Linux; 50 / 100 ms on Windows): measured 6.5% of a core on an idle server, 0.8% at 50 / 200 ms
+# (#22 item 10; /proc rusage over 20 s). A run on the page then starts at most 50 ms later, next to
+# seconds of generation; this demo reports no progress through Gradio.
+QUEUE_IDLE_POLL_S = 0.05
+PROGRESS_IDLE_POLL_S = 0.2
+
+
+def quiet_queue(demo: gr.Blocks) -> None:
+    queue = demo._queue
+    assert hasattr(queue, "sleep_when_free") and hasattr(queue, "progress_update_sleep_when_free"), \
+        "this Gradio's queue has no idle polling intervals; check quiet_queue against its queueing.py"
+    queue.sleep_when_free = QUEUE_IDLE_POLL_S
+    queue.progress_update_sleep_when_free = PROGRESS_IDLE_POLL_S

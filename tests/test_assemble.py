@@ -107,7 +107,8 @@ def test_trained_parts_that_do_not_fit_are_refused(tmp_path):
 
 # ------------------------------------------------------------------------------------ the trainer
 def _tiny_base(folder):
-    """A tiny fast_vlm folder with a processor (the toy's tokenizer, 64 px -> 4 image tokens)."""
+    """A tiny fast_vlm folder with a processor (the toy's tokenizer, 96 px -> 3 x 3 = 9 image tokens,
+    one per ToyWorld cell, so the trainer's cell probes apply)."""
     from transformers import AutoTokenizer
 
     from vlmspec import assets as vassets
@@ -122,7 +123,7 @@ def _tiny_base(folder):
     torch.manual_seed(0)
     model = FastVlmForConditionalGeneration(cfg).eval()
     model.save_pretrained(folder)
-    assemble.build_processor(tok, 64).save_pretrained(folder)
+    assemble.build_processor(tok, 96).save_pretrained(folder)
     return folder
 
 
@@ -132,7 +133,8 @@ def test_train_align_resumes_exactly_and_its_parts_build(tmp_path):
     from vlmspec.train.align import AlignConfig, train_align
 
     base = _tiny_base(tmp_path / "base")
-    cfg = dict(batch_size=2, lora_rank=2, lora_alpha=4.0, eval_every=1000, eval_samples=2, ckpt_every=1, warmup=1)
+    cfg = dict(batch_size=2, lora_rank=2, lora_alpha=4.0, eval_every=1000, eval_samples=2, ckpt_every=1, warmup=1,
+               probe_steps=2, probe_batch=2, followups=2)
     straight = train_align(base, tmp_path / "a", AlignConfig(steps=3, **cfg), progress=False)
     train_align(base, tmp_path / "b", AlignConfig(steps=3, minutes=1e-9, **cfg), progress=False)  # stops after one step
     assert load_file(str(tmp_path / "b" / "checkpoint" / "trained.safetensors")) and \
@@ -146,3 +148,41 @@ def test_train_align_resumes_exactly_and_its_parts_build(tmp_path):
 
     model = FastVlmForConditionalGeneration.from_pretrained(base)
     assert assemble.apply_trained(model, straight)["steps"] == "3"
+
+
+def test_cell_pooling_averages_each_cells_tokens():
+    from vlmspec.train.align import pool_cells
+
+    g, h = 6, 5  # a 6 x 6 token map -> 3 x 3 cells of 2 x 2 tokens
+    tokens = torch.randn(2, g * g, h)
+    pooled = pool_cells(tokens)
+    assert pooled.shape == (2, 9, h)
+    grid = tokens.view(2, g, g, h)
+    for r in range(3):
+        for c in range(3):
+            want = grid[:, 2 * r : 2 * r + 2, 2 * c : 2 * c + 2].mean((1, 2))
+            assert torch.allclose(pooled[:, 3 * r + c], want, atol=1e-6)
+    with pytest.raises(AssertionError, match="do not pool"):
+        pool_cells(torch.randn(1, 16, h))  # a 4 x 4 map does not split into 3 x 3 cells
+
+
+def test_projector_rescale_moves_the_image_tokens_and_keeps_the_probes_logits():
+    from vlmspec.train.align import ProjectorTap, cell_tokens, image_token_rms, pool_cells, rescale_projector, text_rms
+    from vlmspec.train.vision_pretrain import SceneProbe
+
+    model = tiny_fast_vlm()
+    probe = SceneProbe(model.config.text_config.hidden_size)
+    pixels = torch.randn(2, 3, 96, 96, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        before, logits = image_token_rms(model, pixels), probe.obj(cell_tokens(model, pixels))
+        rescale_projector(model, probe, 0.25)
+        assert image_token_rms(model, pixels) == pytest.approx(before * 0.25, rel=1e-5)
+        assert torch.allclose(probe.obj(cell_tokens(model, pixels)), logits, atol=1e-5)
+    assert 0 < text_rms(model) < 1
+    # the tap sees the tokens of the model's own forward: pooled, they are cell_tokens' output
+    tap = ProjectorTap(model)
+    with torch.no_grad():
+        model.model.get_image_features(pixel_values=pixels)
+        assert torch.allclose(pool_cells(tap.take()), cell_tokens(model, pixels), atol=1e-6)
+    tap.remove()
+

@@ -553,3 +553,27 @@ def test_timeout_remote_images_and_shutdown(engines):
     finally:
         images.shutdown()
         images.server_close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_server_bench_pairs_the_same_answers_and_times_both_paths(stream, monkeypatch):
+    """`vlmspec bench server` (#22 item 5): each prompt through the engine and through the HTTP
+    service, interleaved; the answers must agree, and a mismatch is refused (negative control)."""
+    from vlmspec.app import overhead
+    from vlmspec.data.heldout import Conversation
+
+    engine = SpecEngine(tiny_target("llava"), NgramDrafter(TreeConfig(depth=3, top_k=2, total_tokens=6)))
+    prompts = [Conversation("the cat sat on the mat. the cat", "", [tiny_image(1)]), Conversation("a dog", "", [])]
+    report = overhead.measure(engine, prompts, max_tokens=12, repeats=2, stream=stream, warmup=0)
+    assert len(report["rows"]) == 4 and all(r["direct_s"] > 0 and r["served_s"] > 0 for r in report["rows"])
+    assert report["min_ratio"] <= report["median_ratio"] <= report["max_ratio"]
+    assert "served / direct" in overhead.format_report(report)
+    real = overhead._direct
+
+    def off_by_one(engine, conv, max_tokens):  # the direct path answering something else must be caught
+        s, text = real(engine, conv, max_tokens)
+        return s, text + "!"
+
+    monkeypatch.setattr(overhead, "_direct", off_by_one)
+    with pytest.raises(AssertionError, match="the service answered"):
+        overhead.measure(engine, prompts[:1], max_tokens=4, repeats=1, warmup=0)

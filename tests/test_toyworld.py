@@ -227,3 +227,99 @@ def test_processor_roundtrip(tok, tmp_path):
     with torch.no_grad():
         out = model(**enc)
     assert out.logits.shape[:2] == enc["input_ids"].shape
+
+
+def _followup_truth(scene: dict, question: str) -> str | None:
+    """An independent reading of a follow-up question against the scene: the number, word, colour,
+    shape, size or place its answer must state."""
+    import re
+
+    objs = scene.get("objects", [])
+    if m := re.fullmatch(r"How many (\w+) objects are there\?", question):
+        return str(sum(o["color"] == m[1] for o in objs))
+    if m := re.fullmatch(r"How many (\w+)s are there\?", question):
+        return str(len(objs)) if m[1] == "object" else str(sum(o["shape"] == m[1] for o in objs))
+    if "sign" in question:
+        return scene["sign"]["word"]
+    if m := re.fullmatch(r"What is the value of bar (\w)\?", question):
+        return str(next(b["value"] for b in scene["bars"] if b["label"] == m[1]))
+    if m := re.fullmatch(r"Which bar is the (tallest|shortest)\?", question):
+        pick = max if m[1] == "tallest" else min
+        return pick(scene["bars"], key=lambda b: b["value"])["label"]
+    if m := re.fullmatch(r"What shape is the (\w+) object\?", question):
+        return next(o["shape"] for o in objs if o["color"] == m[1])
+    if m := re.fullmatch(r"What size is the (\w+)\?", question):
+        return next(o["size"] for o in objs if o["shape"] == m[1])
+    if m := re.fullmatch(r"Where is the (\w+)\?", question):
+        o = next(o for o in objs if o["shape"] == m[1])
+        return o["cell"].split()[-1] if o["row"] != 1 or o["col"] != 1 else "center"
+    if m := re.fullmatch(r"What (?:colou?r|shape) is (?:the object )?(.+)\?", question):
+        return None  # by place: checked through the answer's own restated place below
+    raise AssertionError(f"unexpected follow-up {question!r}")
+
+
+def _number_or_word(answer: str, truth: str) -> bool:
+    import re
+
+    words = re.findall(r"[A-Za-z]+|\d+", answer)
+    if truth == "0":
+        return "no" in words
+    return truth in words
+
+
+def test_followups_ask_about_the_same_scene_and_answer_truly():
+    import random
+
+    from vlmspec.data import toyworld
+
+    checked = wrong_scene_fails = 0
+    for seed in range(60):
+        task = ("count", "attribute", "read_text", "read_chart", "describe", "spatial")[seed % 6]
+        s = make_sample(seed, task)
+        other = make_sample(seed + 1000, task).meta["scene"]
+        qas = toyworld.followups(s.meta["scene"], random.Random(seed), 4)
+        assert 1 <= len(qas) <= 4 and len({q for _, q, _ in qas}) == len(qas)
+        for kind, q, a in qas:
+            assert kind in TASKS and q.endswith("?") and a.endswith(".")
+            truth = _followup_truth(s.meta["scene"], q)
+            if truth is None:
+                continue
+            assert _number_or_word(a, truth), (q, a, truth)
+            checked += 1
+            try:  # negative control: the same question about another scene is often answered otherwise
+                wrong_scene_fails += not _number_or_word(a, _followup_truth(other, q))
+            except (StopIteration, KeyError, TypeError):
+                wrong_scene_fails += 1
+    assert checked >= 100 and wrong_scene_fails >= checked // 4
+
+
+def test_multi_turn_dialogues_label_every_answer_and_nothing_else():
+    """encode_conversations on follow-up turns: the labelled tokens are exactly the answers (each
+    with its end of turn), in order; a dialogue without follow-ups is labelled as before."""
+    from vlmspec.data.heldout import Conversation
+    from conftest import tiny_target
+    from vlmspec.train.data import encode_conversations
+
+    processor = tiny_target("llava").processor
+    tok = processor.tokenizer
+    s = make_sample(7, "count")
+    plain = Conversation.from_sample(s)
+    turns = [("What does the sign say?", "The sign says CAT."), ("How many stars are there?", "There are 2 stars.")]
+    dialogue = Conversation(s.prompt, s.answer, [s.image], s.task, s, followups=turns)
+    batch = encode_conversations(processor, [plain, dialogue])
+    ids, labels = batch["input_ids"], batch["labels"]
+    assert labels.shape == ids.shape and (labels[batch["attention_mask"] == 0] == -100).all()
+
+    def labelled(row: int) -> str:
+        return tok.decode(ids[row][labels[row] != -100])
+
+    answers = [s.answer] + [a for _, a in turns]
+    text = labelled(1)
+    at = [text.find(a) for a in answers]
+    assert all(i >= 0 for i in at) and at == sorted(at), text
+    assert not any(q in text for q, _ in turns) and s.prompt not in text
+    only_answers = tok.decode(tok(s.answer, add_special_tokens=False)["input_ids"])
+    assert labelled(0).startswith(only_answers) and len(labelled(0)) < len(text)
+    # the first turn is labelled the same in both
+    first = (labels[0] != -100).nonzero()[0, 0]
+    assert int(first) == int((labels[1] != -100).nonzero()[0, 0])

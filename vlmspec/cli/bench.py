@@ -12,6 +12,7 @@ from pathlib import Path
 from vlmspec.cli.options import (
     UsageError,
     add_device_args,
+    add_engine_args,
     add_tree_args,
     engine_spec,
     float_in,
@@ -20,7 +21,7 @@ from vlmspec.cli.options import (
     positive_int,
 )
 
-BENCHES = ("run", "verify-cost", "kernel", "ablate")
+BENCHES = ("run", "verify-cost", "kernel", "ablate", "server")
 DEFAULT = "run"
 
 
@@ -47,6 +48,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--json", dest="json_path", help="write the results JSON here")
     r.add_argument("--out", help="folder for results.json, results.md and results.png")
     r.set_defaults(func=run_bench)
+
+    sv = which.add_parser("server", help="per-request time through the HTTP service vs the same engine called directly "
+                                         "(interleaved, same held-out prompts, answers checked equal)")
+    add_engine_args(sv)
+    sv.add_argument("-n", type=positive_int("-n"), default=6, help="held-out ToyWorld prompts (the bench set)")
+    sv.add_argument("--repeats", type=positive_int("--repeats"), default=3, help="measured runs per prompt and path")
+    sv.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=64, help="new tokens per request")
+    sv.add_argument("--stream", action="store_true", help="stream the served answers (SSE) instead of one response")
+    sv.add_argument("--json", dest="json_path", help="write the per-request rows and the summary here")
+    sv.set_defaults(func=run_server_bench)
 
     v = which.add_parser("verify-cost", help="ms per target forward over a tree of N nodes vs a one-token step")
     v.add_argument("--model", help="a model folder (default: a synthetic --shape with random weights)")
@@ -125,6 +136,23 @@ def run_bench(args: argparse.Namespace) -> int:
     if bad:
         print(f"ERROR: at T=0 these methods did not reproduce hf_generate's tokens: {bad}")
         return 1
+    return 0
+
+
+def run_server_bench(args: argparse.Namespace) -> int:
+    from vlmspec import factory
+    from vlmspec.data.heldout import heldout
+
+    try:
+        from vlmspec.app.overhead import format_report, measure
+    except ModuleNotFoundError as exc:
+        raise UsageError(f"bench server needs the service's packages: pip install 'vlmspec[serve]' ({exc.name} is missing)") from None
+    engine = factory.build_engine(engine_spec(args))
+    report = measure(engine, heldout("bench", args.n), max_tokens=args.max_new_tokens, repeats=args.repeats, stream=args.stream)
+    report["command"] = args.command_line
+    print(format_report(report))
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(report, indent=2))
     return 0
 
 

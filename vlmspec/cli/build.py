@@ -24,11 +24,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     a = sub.add_parser("train-align", help="align the real target's untrained assembly on ToyWorld: projector + LoRA (resumable)")
     a.add_argument("--base", required=True, help="the untrained assembly (vlmspec build-target --no-trained --out BASE)")
     a.add_argument("--out", required=True, help="run folder: checkpoint/, trained.safetensors, loss.png")
-    a.add_argument("--steps", type=positive_int("--steps"), default=650, help="steps of the cosine schedule")
+    a.add_argument("--steps", type=positive_int("--steps"), default=420, help="steps of the cosine schedule")
     a.add_argument("--batch-size", type=positive_int("--batch-size"), default=4, help='samples per step')
     a.add_argument("--lr", type=float_in("--lr", 0.0, 1.0, low_open=True), default=1e-3, help="the projector's peak rate")
     a.add_argument("--lora-lr", type=float_in("--lora-lr", 0.0, 1.0, low_open=True), default=4e-4, help="the LoRA pairs' peak learning rate")
     a.add_argument("--lora-rank", type=positive_int("--lora-rank"), default=16, help='LoRA rank on every projection of the 30 decoder layers (alpha = 2 x rank)')
+    a.add_argument("--followups", type=int, default=4, help="more questions about each image in its training dialogue (0: one question per image)")
+    a.add_argument("--aux-weight", type=float_in("--aux-weight", 0.0, 100.0), default=0.2, help="weight of the scene-probe loss on the image tokens during SFT")
+    a.add_argument("--probe-steps", type=int, default=80, help="stage 0: steps of the projector on the scene probes alone (0: none)")
     a.add_argument("--minutes", type=float_in("--minutes", 0.0, 1e6, low_open=True), default=None, help="wall-clock budget of this run")
     a.add_argument("--seed", type=int, default=0, help="seed of the adapters' initialisation and of the training scenes")
     a.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
@@ -57,6 +60,7 @@ def run_train_align(args: argparse.Namespace) -> int:
     if args.resume and not (Path(args.out) / "checkpoint").is_dir():
         raise UsageError(f"--resume: no checkpoint in {args.out}/checkpoint")
     cfg = AlignConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, lora_lr=args.lora_lr, lora_rank=args.lora_rank,
-                      lora_alpha=2.0 * args.lora_rank, minutes=args.minutes, seed=args.seed)
+                      lora_alpha=2.0 * args.lora_rank, minutes=args.minutes, seed=args.seed, followups=args.followups,
+                      aux_weight=args.aux_weight, probe_steps=args.probe_steps)
     train_align(args.base, args.out, cfg, resume=args.resume)
     return 0

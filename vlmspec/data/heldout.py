@@ -29,6 +29,8 @@ class Conversation:
     images: list[Image.Image] = field(default_factory=list)
     task: str = ""
     sample: toyworld.Sample | None = None  # the ToyWorld item it came from (for scoring)
+    # later (prompt, answer) turns of the same dialogue, text only (the images stay in context)
+    followups: list[tuple[str, str]] = field(default_factory=list)
 
     @classmethod
     def from_sample(cls, s: toyworld.Sample) -> "Conversation":

@@ -731,6 +731,49 @@ def make_sample(seed: int, task: str | None = None) -> Sample:
     return Sample(seed=seed, task=task, image=image, prompt=prompt, answer=answer, meta=meta)
 
 
+def followups(scene: dict, rng: random.Random, n: int) -> list[tuple[str, str, str]]:
+    """Up to `n` more (task, prompt, answer) questions about the same `scene`, in the tasks' own
+    answer forms, for multi-turn training dialogues (one image read once, several answers
+    supervised). Drawn from what the scene holds: counts, attributes and places of its objects,
+    the sign's word, a chart's bars."""
+    options: list[tuple[str, str, str]] = []
+    if scene["kind"] == "chart":
+        for b in scene["bars"]:
+            options.append(("read_chart", f"What is the value of bar {b['label']}?", f"Bar {b['label']} has a value of {b['value']}."))
+        vals = [b["value"] for b in scene["bars"]]
+        for mode, pick, word in (("max", max, "tallest"), ("min", min, "shortest")):
+            if vals.count(pick(vals)) == 1:
+                b = scene["bars"][vals.index(pick(vals))]
+                options.append(("read_chart", f"Which bar is the {word}?", f"Bar {b['label']} is the {word}, with a value of {b['value']}."))
+    else:
+        objs = scene["objects"]
+
+        def count_answer(k: int, noun1: str, nounp: str) -> str:
+            return f"There are no {nounp}." if k == 0 else f"There is 1 {noun1}." if k == 1 else f"There are {k} {nounp}."
+
+        options.append(("count", "How many objects are there?", count_answer(len(objs), "object", "objects")))
+        for c in rng.sample(COLOR_NAMES, 2):
+            k = sum(o["color"] == c for o in objs)
+            options.append(("count", f"How many {c} objects are there?", count_answer(k, f"{c} object", f"{c} objects")))
+        for sh in rng.sample(SHAPES, 2):
+            k = sum(o["shape"] == sh for o in objs)
+            options.append(("count", f"How many {SHAPE_PLURALS[sh]} are there?", count_answer(k, sh, SHAPE_PLURALS[sh])))
+        for o in objs:
+            pos = _canonical_pos(o["row"], o["col"])
+            colour = rng.choice(("colour", "color"))
+            options.append(("attribute", f"What {colour} is the object {pos}?", f"The object {pos} is {o['color']}."))
+            options.append(("attribute", f"What shape is {pos}?", f"The object {pos} is {_a(o['shape'])}."))
+        for o in _unique(objs, lambda o: o["shape"]):
+            options.append(("attribute", f"What size is the {o['shape']}?", f"The {o['shape']} is {o['size']}."))
+            options.append(("spatial", f"Where is the {o['shape']}?", f"The {o['shape']} is {_canonical_pos(o['row'], o['col'])}."))
+        for o in _unique(objs, lambda o: o["color"]):
+            options.append(("attribute", f"What shape is the {o['color']} object?", f"The {o['color']} object is {_a(o['shape'])}."))
+        if scene.get("sign"):
+            options.append(("read_text", "What does the sign say?", f'The sign says "{scene["sign"]["word"]}".'))
+            options.append(("read_text", "What word is written on the sign?", f'The sign says "{scene["sign"]["word"]}".'))
+    return rng.sample(options, min(n, len(options)))
+
+
 def iter_split(split: str, n: int, start: int = 0, task: str | None = None) -> Iterator[Sample]:
     """``n`` samples of ``split`` with seeds ``lo + start, ..., lo + start + n - 1``."""
     lo, hi = SPLITS[split]
@@ -920,6 +963,6 @@ def score(sample: Sample, text: str) -> dict[str, float]:
 
 __all__ = [
     "IMAGE_SIZE", "TASKS", "TASK_MIX", "SPLITS", "SHAPES", "COLORS", "COLOR_NAMES", "SIZES", "WORDS",
-    "CHART_LABELS", "CELL_NAMES", "Sample", "make_sample", "iter_split", "export_split", "to_record",
+    "CHART_LABELS", "CELL_NAMES", "Sample", "followups", "make_sample", "iter_split", "export_split", "to_record",
     "load_jsonl", "score", "description_coverage", "extract_mentions", "render_scene", "font_source",
 ]

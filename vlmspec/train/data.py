@@ -22,41 +22,69 @@ class DataError(VlmspecError, ValueError):
     """A training file that cannot be used; the message names the file and line."""
 
 
-def messages(prompt: str, n_images: int, answer: str | None = None) -> list[dict[str, Any]]:
+def messages(prompt: str, n_images: int, answer: str | None = None,
+             followups: list[tuple[str, str]] = ()) -> list[dict[str, Any]]:
     """The user turn (`vlmspec.prompts.user_turn`: images first, then the text), and the answer
-    as the assistant turn when given."""
+    as the assistant turn when given; then each follow-up (prompt, answer) as a text-only pair."""
     msgs = user_turn(prompt, n_images)
     if answer is not None:
         msgs.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
+    for q, a in followups:
+        msgs += user_turn(q, 0)
+        msgs.append({"role": "assistant", "content": [{"type": "text", "text": a}]})
     return msgs
+
+
+def _answer_spans(processor: Any, c: Conversation) -> tuple[str, list[tuple[str, str]]]:
+    """The full text of a conversation and, per assistant turn, (text before the answer, text up to
+    the end of the answer's turn). Each must extend the one before: the chat template guarantees it."""
+    turns = [(c.prompt, c.answer)] + list(c.followups)
+    spans = []
+    for i, (q, _) in enumerate(turns):
+        history = messages(c.prompt, len(c.images)) if i == 0 else messages(c.prompt, len(c.images), c.answer, turns[1:i]) + user_turn(q, 0)
+        before = processor.apply_chat_template(history, add_generation_prompt=True)
+        through = processor.apply_chat_template(messages(c.prompt, len(c.images), c.answer, turns[1:i + 1]))
+        if not through.startswith(before):  # templates that re-render the user turn: append the answer ourselves
+            assert i == 0, "multi-turn training needs a chat template whose turns extend each other"
+            through = before + c.answer + (processor.tokenizer.eos_token or "")
+        spans.append((before, through))
+    return spans[-1][1], spans
 
 
 def encode_conversations(processor: Any, convs: list[Conversation]) -> dict[str, torch.Tensor]:
     """-> input_ids / attention_mask [B, T] (right-padded), pixel tensors, labels [B, T] (-100 outside answers).
 
-    The answer span is found by encoding the prompt with the generation prompt on its own: the
-    full text must start with it, which the chat template guarantees.
+    Each answer's span is found by encoding the dialogue up to its generation prompt and up to the
+    end of its turn: the full text must extend both, which the chat template guarantees. Follow-up
+    turns (`Conversation.followups`) are supervised the same way.
     """
     tok = processor.tokenizer
-    prompts, fulls, images = [], [], []
+    fulls, images, spans = [], [], []
     for c in convs:
-        prompt = processor.apply_chat_template(messages(c.prompt, len(c.images)), add_generation_prompt=True)
-        full = processor.apply_chat_template(messages(c.prompt, len(c.images), c.answer))
-        if not full.startswith(prompt):  # templates that re-render the user turn: append the answer ourselves
-            full = prompt + c.answer + (tok.eos_token or "")
-        prompts.append(prompt)
+        full, s = _answer_spans(processor, c)
         fulls.append(full)
+        spans.append(s)
         images.extend(c.images)
     saved_side = tok.padding_side
     tok.padding_side = "right"
     try:
         enc = processor(text=fulls, images=images or None, return_tensors="pt", padding=True)
-        prompt_lens = processor(text=prompts, images=images or None, return_tensors="pt", padding=True)["attention_mask"].sum(1)
+
+        def n_tokens(texts: list[str], conv_images: list[list]) -> list[int]:
+            flat = [im for ims in conv_images for im in ims]
+            return processor(text=texts, images=flat or None, return_tensors="pt", padding=True)["attention_mask"].sum(1).tolist()
+
+        labels = torch.full_like(enc["input_ids"], -100)
+        most = max(len(s) for s in spans)
+        for t in range(most):
+            rows = [i for i, s in enumerate(spans) if len(s) > t]
+            ims = [convs[i].images for i in rows]
+            lo = n_tokens([spans[i][t][0] for i in rows], ims)
+            hi = n_tokens([spans[i][t][1] for i in rows], ims)
+            for i, a, b in zip(rows, lo, hi):
+                labels[i, a:b] = enc["input_ids"][i, a:b]
     finally:
         tok.padding_side = saved_side
-    labels = enc["input_ids"].clone()
-    for row, n in enumerate(prompt_lens.tolist()):
-        labels[row, :n] = -100
     labels[enc["attention_mask"] == 0] = -100
     out = dict(enc)
     out["labels"] = labels

@@ -310,7 +310,7 @@ def plot_curve(history: list[dict[str, float]], path: Path) -> None:
         ax.set_yscale("log")
         ax.set_xlabel("stage-0 step")
         ax.set_ylabel("cross-entropy")
-        ax.set_title("stage 0: vision tower + projector on scene labels")
+        ax.set_title("stage 0: scene probes on the image tokens")
         acc_ax = ax.twinx()
         for key in ("acc_obj", "acc_word", "acc_bar_value"):
             pts = [(h["vision_step"], h[key]) for h in vis if key in h]
