@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import os
 from pathlib import Path
 
@@ -254,42 +255,51 @@ def test_browser_upload_prompt_run(engines, tmp_path):
                 browser.close()
 
 
+@contextlib.contextmanager
+def _ui_page(app, timeout_ms: int = 30_000):
+    """(server, browser, a 1440 x 1000 page on /ui/) for `app`, closed afterwards."""
+    from playwright.sync_api import sync_playwright
+
+    with LiveServer(app) as srv, sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1440, "height": 1000})
+            page.set_default_timeout(timeout_ms)
+            page.goto(f"{srv.url}/ui/", wait_until="domcontentloaded")
+            yield srv, browser, page
+        finally:
+            browser.close()
+
+
 @pytest.mark.browser
 @pytest.mark.skipif(not _have_browser(), reason=f"needs {CHROMIUM} (apt-get install chromium) and the playwright package")
 def test_browser_sample_pick_preview_loads_and_narrow_page_fits(engines):
     """#22 item 1: picking a sample showed a broken preview (its URL lacked the /ui prefix: 404);
     item 3: at 420 px the gallery's last column was cut off."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
-    with LiveServer(create_app(engines, settings())) as srv, sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1440, "height": 1000})
-            page.set_default_timeout(30_000)
-            page.goto(f"{srv.url}/ui/", wait_until="domcontentloaded")
-            expect(page.locator("#vlmspec-header")).to_contain_text("ngram")
-            first = page.locator("#image-input img").first.get_attribute("src")
-            page.locator("#samples .thumbnail-item").nth(1).click()
-            preview = page.locator("#image-input img").first
-            expect(preview).not_to_have_attribute("src", first or "")
-            src = preview.get_attribute("src")
-            assert page.request.get(src if src.startswith("http") else f"{srv.url}{src}").status == 200, src
-            page.wait_for_function("() => document.querySelector('#image-input img').naturalWidth > 0")
-            page.locator("#run").click()
-            expect(page.locator("#vs-speedup")).to_be_visible(timeout=60_000)
-            assert page.locator("#spec-answer textarea").input_value().strip()
+    with _ui_page(create_app(engines, settings())) as (srv, browser, page):
+        expect(page.locator("#vlmspec-header")).to_contain_text("ngram")
+        first = page.locator("#image-input img").first.get_attribute("src")
+        page.locator("#samples .thumbnail-item").nth(1).click()
+        preview = page.locator("#image-input img").first
+        expect(preview).not_to_have_attribute("src", first or "")
+        src = preview.get_attribute("src")
+        assert page.request.get(src if src.startswith("http") else f"{srv.url}{src}").status == 200, src
+        page.wait_for_function("() => document.querySelector('#image-input img').naturalWidth > 0")
+        page.locator("#run").click()
+        expect(page.locator("#vs-speedup")).to_be_visible(timeout=60_000)
+        assert page.locator("#spec-answer textarea").input_value().strip()
 
-            narrow = browser.new_page(viewport={"width": 420, "height": 900})
-            narrow.goto(f"{srv.url}/ui/", wait_until="domcontentloaded")
-            expect(narrow.locator("#samples .thumbnail-item").first).to_be_visible()
-            box = narrow.locator("#samples").bounding_box()
-            thumbs = narrow.locator("#samples .thumbnail-item")
-            for i in range(thumbs.count()):
-                t = thumbs.nth(i).bounding_box()
-                assert t["x"] >= box["x"] - 1 and t["x"] + t["width"] <= box["x"] + box["width"] + 1, (i, t, box)
-            assert narrow.evaluate("() => document.documentElement.scrollWidth") <= 421
-        finally:
-            browser.close()
+        narrow = browser.new_page(viewport={"width": 420, "height": 900})
+        narrow.goto(f"{srv.url}/ui/", wait_until="domcontentloaded")
+        expect(narrow.locator("#samples .thumbnail-item").first).to_be_visible()
+        box = narrow.locator("#samples").bounding_box()
+        thumbs = narrow.locator("#samples .thumbnail-item")
+        for i in range(thumbs.count()):
+            t = thumbs.nth(i).bounding_box()
+            assert t["x"] >= box["x"] - 1 and t["x"] + t["width"] <= box["x"] + box["width"] + 1, (i, t, box)
+        assert narrow.evaluate("() => document.documentElement.scrollWidth") <= 421
 
 
 def test_idle_ui_queue_does_not_spin(engines):
@@ -338,7 +348,7 @@ def test_idle_server_cpu_figure(engines):
 def test_docs_screenshot_default_model_on_the_default_sample():
     """docs/demo_ui.png: the page as a user first sees it after pressing Run: the default model and
     drafter (`make serve`), the default sample and prompt. Rewrites the committed screenshot."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     from vlmspec import factory
     from vlmspec.cli.serve import served_name
@@ -347,17 +357,10 @@ def test_docs_screenshot_default_model_on_the_default_sample():
     model = factory.resolve_model(spec.model)
     engine = factory.build_engine(spec)
     app = create_app(engine, ServerSettings(model=served_name(model, None), model_aliases=(model,), request_timeout_s=600))
-    with LiveServer(app) as srv, sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1440, "height": 1000})
-            page.set_default_timeout(60_000)
-            page.goto(f"{srv.url}/ui/", wait_until="domcontentloaded")
-            expect(page.locator("#vlmspec-header")).to_contain_text("drafter")
-            page.locator("#run").click()
-            expect(page.locator("#vs-speedup")).to_be_visible(timeout=300_000)
-            assert page.locator("#spec-answer textarea").input_value().strip()
-            expect(page.locator("#speedup")).to_contain_text("identical outputs")
-            page.screenshot(path=str(ROOT / "docs" / "demo_ui.png"), full_page=True)
-        finally:
-            browser.close()
+    with _ui_page(app, timeout_ms=60_000) as (_, _, page):
+        expect(page.locator("#vlmspec-header")).to_contain_text("drafter")
+        page.locator("#run").click()
+        expect(page.locator("#vs-speedup")).to_be_visible(timeout=300_000)
+        assert page.locator("#spec-answer textarea").input_value().strip()
+        expect(page.locator("#speedup")).to_contain_text("identical outputs")
+        page.screenshot(path=str(ROOT / "docs" / "demo_ui.png"), full_page=True)
