@@ -34,6 +34,10 @@ MODEL_NOTE = ("The default model (SmolLM2-135M-Instruct + EfficientNet-Lite0) wa
               "colours, counts, one-word signs and bar charts like the `toyworld_*` samples; on photos it guesses. "
               "Any Hugging Face VLM folder can be served instead: `vlmspec serve --model DIR`.")
 
+TOY_NOTE = ("The toy model (4 M parameters, trained from scratch on ToyWorld) reads shapes, colours, counts, one-word signs "
+            "and bar charts like the `toyworld_*` samples; on photos it writes nonsense. "
+            "Any Hugging Face VLM folder can be served instead: `vlmspec serve --model DIR`.")
+
 
 DEFAULT_SAMPLE = "toyworld_scene.png"  # the page opens on it: a scene the default model can describe
 
@@ -234,7 +238,7 @@ class _Handlers:
         text = (f"{TITLE}\nmodel **{info['model']}** · drafter **{info['drafter']}**"
                 + (f" · tree of {n} drafted tokens" if n else "")
                 + " · every run goes through the server's worker queue, like the API"
-                + (f"\n\n{MODEL_NOTE}" if info.get("default_model") else ""))
+                + (f"\n\n{MODEL_NOTE}" if info.get("default_model") else f"\n\n{TOY_NOTE}" if info.get("toy_model") else ""))
         slider = gr.update(visible=n is not None, value=n if n else 16, maximum=max(128, n or 0))
         return text, slider
 

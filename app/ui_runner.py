@@ -125,7 +125,8 @@ class ServiceRunner:
         default = assets.DEFAULT_TARGET.resolve()
         return {"model": self.settings.model, "drafter": self.service.drafter_name,
                 "tree_total_tokens": self.service.tree_total_tokens, "max_tokens_cap": self.settings.max_tokens_cap,
-                "default_model": any(Path(a).resolve() == default for a in self.settings.model_aliases)}
+                "default_model": any(Path(a).resolve() == default for a in self.settings.model_aliases),
+                "toy_model": any(Path(a).resolve() == assets.BUNDLED_TARGET.resolve() for a in self.settings.model_aliases)}
 
     def _job(self, image: Image.Image | None, prompt: str, speculative: bool, max_tokens: int, temperature: float,
              seed: int | None, tree_total_tokens: int | None) -> Job:

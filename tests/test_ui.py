@@ -108,7 +108,7 @@ def test_ui_mounted_and_runner_side_by_side(engines, tmp_path):
 def test_ui_opens_on_a_toyworld_scene_and_says_what_the_default_model_knows(engines):
     """#22 item 2: the page opened on a photo the model cannot describe, and nothing said what it knows."""
     from vlmspec import assets
-    from vlmspec.app.ui import MODEL_NOTE, _Handlers, sample_images
+    from vlmspec.app.ui import MODEL_NOTE, TOY_NOTE, _Handlers, sample_images
 
     samples = sample_images()
     assert samples[0].name == "toyworld_scene.png"
@@ -116,9 +116,12 @@ def test_ui_opens_on_a_toyworld_scene_and_says_what_the_default_model_knows(engi
     app = create_app(engines, settings(model_aliases=(str(assets.DEFAULT_TARGET),)))
     header, _ = _Handlers(ServiceRunner(app.state.service, app.state.settings), samples).on_load()
     assert MODEL_NOTE in header and "aligned on ToyWorld" in header
+    toy = create_app(engines, settings(model_aliases=(str(assets.BUNDLED_TARGET),)))  # the toy says what it knows
+    header, _ = _Handlers(ServiceRunner(toy.state.service, toy.state.settings), samples).on_load()
+    assert TOY_NOTE in header and MODEL_NOTE not in header
     other = create_app(engines, settings(model_aliases=("/some/other/vlm",)))  # negative control: another model, no note
     header, _ = _Handlers(ServiceRunner(other.state.service, other.state.settings), samples).on_load()
-    assert MODEL_NOTE not in header
+    assert MODEL_NOTE not in header and TOY_NOTE not in header
 
 
 def test_gradio_api_is_one_named_endpoint_with_named_outputs(engines):
