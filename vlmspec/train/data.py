@@ -75,13 +75,16 @@ def encode_conversations(processor: Any, convs: list[Conversation]) -> dict[str,
             return processor(text=texts, images=flat or None, return_tensors="pt", padding=True)["attention_mask"].sum(1).tolist()
 
         labels = torch.full_like(enc["input_ids"], -100)
+        lengths = enc["attention_mask"].sum(1).tolist()  # a dialogue's last turn ends where its text does
         most = max(len(s) for s in spans)
         for t in range(most):
             rows = [i for i, s in enumerate(spans) if len(s) > t]
             ims = [convs[i].images for i in rows]
             lo = n_tokens([spans[i][t][0] for i in rows], ims)
-            hi = n_tokens([spans[i][t][1] for i in rows], ims)
-            for i, a, b in zip(rows, lo, hi):
+            inner = [i for i in rows if len(spans[i]) > t + 1]
+            ends = dict(zip(inner, n_tokens([spans[i][t][1] for i in inner], [convs[i].images for i in inner]))) if inner else {}
+            for i, a in zip(rows, lo):
+                b = ends.get(i, lengths[i])
                 labels[i, a:b] = enc["input_ids"][i, a:b]
     finally:
         tok.padding_side = saved_side
