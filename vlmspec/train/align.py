@@ -38,7 +38,7 @@ from safetensors.torch import load_file, save_file
 from vlmspec.data import toyworld
 from vlmspec.data.heldout import Conversation
 from vlmspec.target.assemble import TRAINED_FORMAT
-from vlmspec.train.common import save_checkpoint_dir, warmup_cosine
+from vlmspec.train.common import clipped_step, save_checkpoint_dir, warmup_cosine
 from vlmspec.train.data import encode_conversations
 from vlmspec.train.lora import LoraAdapters, add_lora
 from vlmspec.train.target_sft import answer_loss, batch_seeds, eval_loss, plot_curve, sample_for
@@ -186,9 +186,7 @@ def pretrain_projector(model, probe, processor, cfg: AlignConfig, state: dict[st
         pixels, labels = pretrain_batch(step, cfg.probe_batch, cfg.seed, processor)
         loss, acc = probe(cell_tokens(model, pixels), labels)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        clipped_step(opt, params, cfg.grad_clip)
         state["history"].append({"vision_step": step, "probe_loss": float(loss.detach()), **{f"acc_{k}": v for k, v in acc.items()}})
         bar.update(1)
         bar.set_postfix(loss=f"{float(loss.detach()):.3f}", obj=f"{acc.get('obj', float('nan')):.2f}", word=f"{acc.get('word', float('nan')):.2f}")
@@ -284,14 +282,12 @@ def train_align(base: str | Path, out: str | Path, cfg: AlignConfig, resume: boo
             g["lr"] = lr * (cfg.lora_lr if g["part"] == "lora" else cfg.lr)
         loss = answer_loss(model, batch)
         total = loss
-        tokens = tap.take() if scenes else None  # [n_images, g*g, H]
-        if cfg.aux_weight > 0 and scenes:
-            aux, _ = probe(pool_cells(tokens), scene_labels(scenes))
-            total = loss + cfg.aux_weight * aux
+        if scenes:
+            tokens = tap.take()  # [n_images, g*g, H], from this forward
+            if cfg.aux_weight > 0:
+                total = loss + cfg.aux_weight * probe(pool_cells(tokens), scene_labels(scenes))[0]
         total.backward()
-        torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        clipped_step(opt, [p for g in opt.param_groups for p in g["params"]], cfg.grad_clip)
         state["step"] = step + 1
         state["elapsed_s"] = elapsed0 + time.perf_counter() - t0
         state["history"].append({"step": step, "loss": float(loss.detach())})

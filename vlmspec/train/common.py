@@ -1,4 +1,4 @@
-"""Pieces both trainers share: the learning-rate schedule and atomic checkpoint folders."""
+"""Pieces the trainers share: the learning-rate schedule, the clipped optimizer step and atomic checkpoint folders."""
 
 from __future__ import annotations
 
@@ -17,6 +17,13 @@ def warmup_cosine(step: int, total: int, peak: float, warmup: int, min_ratio: fl
         return peak * (step + 1) / warmup
     t = min(1.0, (step - warmup) / max(1, total - warmup))
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def clipped_step(optimizer: torch.optim.Optimizer, params, max_norm: float) -> None:
+    """Clip the gradients of `params` to `max_norm` (global L2), step, and drop the gradients."""
+    torch.nn.utils.clip_grad_norm_(params, max_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def save_checkpoint_dir(

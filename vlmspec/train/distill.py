@@ -40,7 +40,7 @@ from vlmspec.sampling import SamplingParams
 from vlmspec.stats import SpecStats
 from vlmspec.target import Target
 from vlmspec.text import generate_text
-from vlmspec.train.common import save_checkpoint_dir, warmup_cosine
+from vlmspec.train.common import clipped_step, save_checkpoint_dir, warmup_cosine
 from vlmspec.train.data import encode_conversations, load_jsonl, toyworld_stream
 from vlmspec.vision_compress import VisualConfig
 from vlmspec.vision_compress.capture import capture, image_token_id, last_layer_attention
@@ -440,9 +440,7 @@ def train_drafter(
                 if p.grad is not None:
                     torch.distributed.all_reduce(p.grad)
                     p.grad /= world
-        torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        clipped_step(opt, head.parameters(), cfg.grad_clip)
         head.eval()
         state["step"] = step + 1
         state["elapsed_s"] = elapsed0 + time.perf_counter() - t0

@@ -24,7 +24,7 @@ from vlmspec.data import toyworld
 from vlmspec.data.heldout import heldout
 from vlmspec.data.heldout import Conversation
 from vlmspec.data.processor import build_processor, corpus_for_tokenizer, llava_config_kwargs, train_tokenizer
-from vlmspec.train.common import save_checkpoint_dir, warmup_cosine
+from vlmspec.train.common import clipped_step, save_checkpoint_dir, warmup_cosine
 from vlmspec.train.data import encode_conversations
 from vlmspec.train.vision_pretrain import SceneProbe, image_tokens, pretrain_batch, scene_labels
 
@@ -370,9 +370,7 @@ def pretrain_vision(model, probe, opt, processor, cfg: SFTConfig, state: dict[st
         pixels, labels = pretrain_batch(step, cfg.vision_batch_size, cfg.seed, processor)
         loss, acc = probe(image_tokens(model, pixels), labels)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(list(model.parameters()) + list(probe.parameters()), cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        clipped_step(opt, list(model.parameters()) + list(probe.parameters()), cfg.grad_clip)
         state["vision_step"] = step + 1
         state["elapsed_s"] = elapsed0 + time.perf_counter() - t0
         state["history"].append({"vision_step": step, "probe_loss": float(loss.detach()), **{f"acc_{k}": v for k, v in acc.items()}})
@@ -443,9 +441,7 @@ def train(
         else:
             loss_total = loss
         loss_total.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        clipped_step(opt, model.parameters(), cfg.grad_clip)
         state["step"] = step + 1
         state["elapsed_s"] = elapsed0 + time.perf_counter() - t0
         state["history"].append({"step": step, "loss": float(loss.detach())})
