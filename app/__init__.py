@@ -26,15 +26,15 @@ A request's walk from HTTP to tokens (``POST /v1/chat/completions``, the EAGLE d
 2. ``app/protocol.py``         prepare_chat: strict schema, n/logprobs/tools/model/max-token checks ->
                                (GenerationConfig, stop strings); OpenAI messages -> HF chat messages; each
                                image through
-3. ``vlmspec/images.py``       load_image_url -> decode_image, with settings.image_limits()
+3. ``vlmspec/inputs.py``       load_image_url -> decode_image, with settings.image_limits()
                                -- back in routes.py: Job.on_loop, Service.submit, await the job's messages --
-4. ``app/worker.py``           the worker thread: Service._prefill / _decode
-5. ``vlmspec/prompts.py``      encode_messages: the target's chat template + processor -> model inputs
-6. ``vlmspec/text.py``         stream_text: incremental detokenization, stop strings, hold-back, around
-7. ``vlmspec/engine.py``       SpecEngine.stream: prefill, then draft -> verify -> commit per step
-8. ``vlmspec/target/model.py`` prefill / forward_tree / commit (KV gather-commit in ``vlmspec/kv_cache.py``)
-9. ``vlmspec/draft/eagle.py``  the drafter's session: start / propose (a ``vlmspec/tree.py`` DraftTree) / commit
-10. ``vlmspec/verify/acceptance.py`` verify (greedy or lossless rejection sampling, ``vlmspec/sampling.py``)
+4. ``app/worker.py``           the worker thread: Service._prefill / _decode; the conversation through
+                               ``vlmspec/inputs.py`` encode_messages (the target's chat template + processor)
+5. ``vlmspec/text.py``         stream_text: incremental detokenization, stop strings, hold-back, around
+6. ``vlmspec/engine.py``       SpecEngine.stream: prefill, then draft -> verify -> commit per step
+7. ``vlmspec/target/model.py`` prefill / forward_tree / commit (KV gather-commit in ``vlmspec/kv_cache.py``)
+8. ``vlmspec/draft/eagle.py``  the drafter's session: start / propose (a ``vlmspec/tree.py`` DraftTree) / commit
+9. ``vlmspec/verify/acceptance.py`` verify (greedy or lossless rejection sampling, ``vlmspec/sampling.py``)
 Token ids flow back: engine StepEvent -> text.TextEvent -> Job message -> routes.py, which shapes the
 answer with protocol.Reply. The app's part is three files in one direction (routes -> protocol ->
 worker); today's server.py <-> chat.py round trips (messages, images, prompt encoding) are gone.

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from vlmspec.engine import GenerationConfig
 from vlmspec.errors import InputError
-from vlmspec.images import load_image_url
+from vlmspec.inputs import load_image_url
 from vlmspec.sampling import SamplingParams
 from vlmspec.text import Completion
 

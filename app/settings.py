@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vlmspec.images import ImageLimits
+from vlmspec.inputs import ImageLimits
 
 
 @dataclass

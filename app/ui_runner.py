@@ -5,7 +5,7 @@
         cmp.spec.text, cmp.plain.text, cmp.speedup, cmp.identical
 
 The runner submits a `Job` and awaits its messages on the event loop, so the model is only ever
-touched by the worker thread. The image goes through `vlmspec.images.checked_rgb` with the
+touched by the worker thread. The image goes through `vlmspec.inputs.checked_rgb` with the
 server's limits; the tree-size knob becomes this job's `GenerationConfig.tree`.
 """
 
@@ -22,8 +22,7 @@ from PIL import Image
 from vlmspec import assets
 from vlmspec.engine import GenerationConfig, GenerationResult
 from vlmspec.errors import InputError
-from vlmspec.images import checked_rgb
-from vlmspec.prompts import user_turn
+from vlmspec.inputs import checked_rgb, user_turn
 from vlmspec.sampling import SamplingParams
 from vlmspec.text import Completion, TextEvent
 

@@ -8,7 +8,7 @@ A job's messages, from the worker thread to the event loop, in order:
 ``("start", prompt_tokens: int)`` once the prefill is done, ``("event", TextEvent)`` per engine step,
 then ``("done", Completion)`` or ``("error", APIError)`` (an error may also come first).
 
-On the worker thread a job goes: `vlmspec.prompts.encode_messages` (the conversation -> model
+On the worker thread a job goes: `vlmspec.inputs.encode_messages` (the conversation -> model
 inputs) -> `vlmspec.text.stream_text` (text, stop strings) around the engine. The worker checks
 the job's cancel flag (client gone, timeout, shutdown) between engine steps. A per-job tree size
 travels in `job.config.tree` (see `Service.tree_config`); the shared drafter is never changed.
@@ -35,7 +35,7 @@ from vlmspec.draft import TreeConfig
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.errors import ContextLengthError
 from vlmspec.factory import plain_engine
-from vlmspec.prompts import encode_messages
+from vlmspec.inputs import encode_messages
 from vlmspec.text import TextEvent, TextGeneration, stream_text
 
 from .metrics import Metrics

@@ -10,7 +10,7 @@ from vlmspec.draft import NgramDrafter, NoDrafter
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.target import Target
 from vlmspec.target import load_target
-from vlmspec.prompts import encode_prompt
+from vlmspec.inputs import encode_prompt
 from vlmspec.data.heldout import heldout
 from vlmspec.text import generate_text
 

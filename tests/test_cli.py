@@ -8,7 +8,7 @@ import pytest
 from vlmspec.cli import main
 from vlmspec.testing.tiny import build_tiny, tiny_image
 from vlmspec.target import load_target
-from vlmspec.prompts import encode_prompt
+from vlmspec.inputs import encode_prompt
 
 
 @pytest.fixture(scope="module")

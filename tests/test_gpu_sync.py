@@ -24,7 +24,7 @@ import torch
 from vlmspec.draft.base import TreeConfig
 from vlmspec.draft.eagle import EagleDrafter, _EagleSession
 from vlmspec.engine import GenerationConfig, SpecEngine
-from vlmspec.prompts import encode_prompt
+from vlmspec.inputs import encode_prompt
 from vlmspec.sampling import SamplingParams
 from vlmspec.target import Target
 from vlmspec.testing.tiny import build_tiny, tiny_image

@@ -12,7 +12,7 @@ SCRIPT = textwrap.dedent(
     import json, sys, torch
     from vlmspec.testing.tiny import build_tiny, tiny_image
     from vlmspec.target import Target, set_attention
-    from vlmspec.prompts import encode_prompt
+    from vlmspec.inputs import encode_prompt
     from vlmspec.engine import SpecEngine, GenerationConfig
     from vlmspec.draft import TreeConfig
     from vlmspec.draft.eagle import EagleDrafter

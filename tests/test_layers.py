@@ -1,6 +1,6 @@
 """The layer rule, checked on the import graph (imports inside functions included):
 
-    cli -> app -> train / bench -> factory -> text -> engine -> draft -> target / verify / prompts -> core
+    cli -> app -> train / bench -> factory -> text -> engine -> draft -> target / verify -> core (inputs, sampling, ...)
 
 A module may import its own layer and the layers below it, never one above; and no two modules
 import each other, directly or through others (no cycle). `app/` is installed as `vlmspec.app`.
@@ -13,10 +13,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # lowest first; a module's layer is that of its longest matching prefix
 LAYERS = [
     ("core", ("vlmspec.errors", "vlmspec.sampling", "vlmspec.tree", "vlmspec.stats", "vlmspec.kv_cache", "vlmspec.assets",
-              "vlmspec.images", "vlmspec.transfer", "vlmspec.kernels", "vlmspec.vision_compress", "vlmspec.data")),
-    ("target", ("vlmspec.target", "vlmspec.verify", "vlmspec.prompts")),
+              "vlmspec.inputs", "vlmspec.transfer", "vlmspec.kernels", "vlmspec.vision_compress", "vlmspec.data")),
+    ("target", ("vlmspec.target", "vlmspec.verify")),
     ("draft", ("vlmspec.draft",)),
-    ("engine", ("vlmspec.engine",)),
+    ("engine", ("vlmspec.engine", "vlmspec.control")),
     ("text", ("vlmspec.text",)),
     ("factory", ("vlmspec.factory",)),
     ("tools", ("vlmspec.train", "vlmspec.bench")),

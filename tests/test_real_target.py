@@ -14,8 +14,7 @@ import torch
 from vlmspec import assets, factory
 from vlmspec.cli import main
 from vlmspec.engine import GenerationConfig, SpecEngine
-from vlmspec.images import load_image_file
-from vlmspec.prompts import encode_prompt
+from vlmspec.inputs import encode_prompt, load_image_file
 
 MODEL = assets.default_target() or assets.base_target()
 if MODEL is None:

@@ -12,7 +12,7 @@ from vlmspec.testing.tiny import tiny_image
 from vlmspec.train.distill import DistillConfig, train_drafter
 from vlmspec.vision_compress import FIXED, VisualAdaptor, VisualConfig, build, image_spans
 from vlmspec.vision_compress.compressors import Gate, cross_attention, kept_tokens, token_grid
-from vlmspec.prompts import encode_prompt
+from vlmspec.inputs import encode_prompt
 from vlmspec.target import set_attention
 
 H = 16

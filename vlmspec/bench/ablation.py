@@ -40,7 +40,7 @@ from vlmspec.draft import NoDrafter, TreeConfig
 from vlmspec.draft.base import Drafter, PromptContext
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.factory import EngineSpec
-from vlmspec.prompts import encode_prompt
+from vlmspec.inputs import encode_prompt
 from vlmspec.sampling import SamplingParams
 from vlmspec.stats import SpecStats
 from vlmspec.target import Target

@@ -30,9 +30,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def load_image(path: str):
-    """An image file through vlmspec.images (with its limits); its errors as the CLI's one line."""
+    """An image file through vlmspec.inputs (with its limits); its errors as the CLI's one line."""
     from vlmspec.errors import InputError
-    from vlmspec.images import load_image_file
+    from vlmspec.inputs import load_image_file
 
     try:
         return load_image_file(path, param=path)
@@ -47,7 +47,7 @@ def load_image(path: str):
 def run(args: argparse.Namespace) -> int:
     from vlmspec import factory
     from vlmspec.engine import GenerationConfig
-    from vlmspec.prompts import encode_prompt
+    from vlmspec.inputs import encode_prompt
     from vlmspec.sampling import SamplingParams
     from vlmspec.text import generate_text, stream_text
 

@@ -10,7 +10,7 @@ Three calls, all on explicit state (nothing is hung on the model):
 drafter is trained to predict.
 
 Loading (`vlmspec.target.loading`), the attention backend (`vlmspec.target.attention`) and
-prompts (`vlmspec.prompts`) live next to this class, not in it.
+prompts (`vlmspec.inputs`) live next to this class, not in it.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from vlmspec.data import toyworld
 from vlmspec.data.heldout import heldout
 from vlmspec.draft import NgramDrafter
 from vlmspec.engine import GenerationConfig, SpecEngine
-from vlmspec.prompts import encode_prompt
+from vlmspec.inputs import encode_prompt
 from vlmspec.target import Target
 from vlmspec.text import generate_text
 
