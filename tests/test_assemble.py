@@ -132,9 +132,17 @@ def test_train_align_resumes_exactly_and_its_parts_build(tmp_path):
 
     from vlmspec.train.align import AlignConfig, train_align
 
+    from dataclasses import asdict
+
+    from vlmspec.train.magpie import MagpieConfig
+
     base = _tiny_base(tmp_path / "base")
     cfg = dict(batch_size=2, lora_rank=2, lora_alpha=4.0, eval_every=1000, eval_samples=2, ckpt_every=1, warmup=1,
-               probe_steps=2, probe_batch=2, followups=2)
+               probe_steps=2, probe_batch=2, followups=2, text_pairs=2, text_per_step=1)
+    pairs = [["name three red fruits", "Apples, cherries and strawberries.", True], ["say hello", "Hello! I am", False]]
+    for run in "ab":  # the base model's own pairs, as magpie would have cached them (a random tiny model writes none)
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "magpie.json").write_text(__import__("json").dumps({"config": asdict(MagpieConfig(n=2, seed=0)), "pairs": pairs}))
     straight = train_align(base, tmp_path / "a", AlignConfig(steps=3, **cfg), progress=False)
     train_align(base, tmp_path / "b", AlignConfig(steps=3, minutes=1e-9, **cfg), progress=False)  # stops after one step
     assert load_file(str(tmp_path / "b" / "checkpoint" / "trained.safetensors")) and \
@@ -148,6 +156,24 @@ def test_train_align_resumes_exactly_and_its_parts_build(tmp_path):
 
     model = FastVlmForConditionalGeneration.from_pretrained(base)
     assert assemble.apply_trained(model, straight)["steps"] == "3"
+
+
+def test_align_batches_carry_the_text_pairs_in_turn(tmp_path):
+    from transformers import AutoProcessor
+
+    from vlmspec.train.align import AlignConfig, align_batches
+
+    processor = AutoProcessor.from_pretrained(_tiny_base(tmp_path / "base"))
+    pairs = [("name three red fruits", "apples and cherries", True), ("say hello to me", "hello there", True)]
+    batches = align_batches(0, AlignConfig(batch_size=2, followups=1, text_per_step=1), processor, pairs)
+    for step in range(3):
+        got, batch, scenes = next(batches)
+        assert got == step and batch["input_ids"].shape[0] == 3 and len(scenes) == 2  # two image dialogues + one text pair
+        labels = batch["labels"][2]
+        answer = processor.tokenizer.decode(labels[labels != -100], skip_special_tokens=True)
+        assert pairs[step % 2][1] in answer and pairs[(step + 1) % 2][1] not in answer
+    none = next(align_batches(0, AlignConfig(batch_size=2, followups=1, text_per_step=0), processor, pairs))
+    assert none[1]["input_ids"].shape[0] == 2
 
 
 def test_cell_pooling_averages_each_cells_tokens():
@@ -164,6 +190,28 @@ def test_cell_pooling_averages_each_cells_tokens():
             assert torch.allclose(pooled[:, 3 * r + c], want, atol=1e-6)
     with pytest.raises(AssertionError, match="do not pool"):
         pool_cells(torch.randn(1, 16, h))  # a 4 x 4 map does not split into 3 x 3 cells
+
+
+def test_per_token_probes_ask_each_token_about_its_own_cell():
+    from vlmspec.data import toyworld
+    from vlmspec.train.vision_pretrain import SceneProbe, pretrain_scenes, scene_labels, token_cells
+
+    cells = token_cells(36)  # a 6 x 6 map: 2 x 2 tokens per cell
+    assert cells.view(6, 6)[0].tolist() == [0, 0, 1, 1, 2, 2] and cells.view(6, 6)[:, 0].tolist() == [0, 0, 3, 3, 6, 6]
+    torch.manual_seed(0)
+    probe, h = SceneProbe(8), 8
+    scenes = pretrain_scenes(5, 6, chart_frac=0.34)
+    assert any(sc["kind"] == "chart" for sc in scenes) and any(sc["kind"] != "chart" for sc in scenes)
+    y = scene_labels(scenes)
+    per_cell = torch.randn(len(scenes), toyworld.GRID ** 2, h)
+    with torch.no_grad():
+        want, acc_cells = probe(per_cell, y)
+        # every token carrying its cell's vector: the same loss and accuracies as one token per cell
+        got, acc_tokens = probe(per_cell[:, cells], y)
+        assert torch.allclose(got, want, atol=1e-5) and acc_tokens == pytest.approx(acc_cells)
+        # negative control: the same tokens, cells shuffled, are asked about the wrong cells
+        shuffled, _ = probe(per_cell[:, cells.flip(0)], y)
+        assert not torch.allclose(shuffled, want, atol=1e-3)
 
 
 def test_projector_rescale_moves_the_image_tokens_and_keeps_the_probes_logits():

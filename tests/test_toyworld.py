@@ -323,3 +323,26 @@ def test_multi_turn_dialogues_label_every_answer_and_nothing_else():
     # the first turn is labelled the same in both
     first = (labels[0] != -100).nonzero()[0, 0]
     assert int(first) == int((labels[1] != -100).nonzero()[0, 0])
+
+
+def test_a_cut_answer_is_labelled_without_its_end_of_turn():
+    """Conversation.open_end (a Magpie answer cut at its length limit): the labels stop where the
+    answer's text does; the same conversation complete is labelled through its end of turn."""
+    from vlmspec.data.heldout import Conversation
+    from conftest import tiny_target
+    from vlmspec.train.data import encode_conversations
+
+    processor = tiny_target("llava").processor
+    tok = processor.tokenizer
+    whole, cut = Conversation("say something nice", "what a lovely day it is"), Conversation("say something nice", "what a lovely day it is", open_end=True)
+    batch = encode_conversations(processor, [whole, cut])
+    labels = batch["labels"]
+    n_whole, n_cut = int((labels[0] != -100).sum()), int((labels[1] != -100).sum())
+    assert tok.decode(batch["input_ids"][1][labels[1] != -100]).strip() == "what a lovely day it is"
+    assert n_whole > n_cut and torch.equal(labels[0][labels[0] != -100][:n_cut], labels[1][labels[1] != -100])
+    from vlmspec.train.data import messages
+
+    full = processor.apply_chat_template(messages(whole.prompt, 0, whole.answer))
+    end_of_turn = full[full.rindex(whole.answer) + len(whole.answer):]  # what the template writes after an answer
+    extra = labels[0][labels[0] != -100][n_cut:]
+    assert end_of_turn.strip() and tok.decode(extra).strip() == end_of_turn.strip()

@@ -9,6 +9,7 @@ with.
     heldout("drafter-eval", 8, per_task=True)    # `eval-drafter`, `bench ablate` (test; split="val": selection)
     heldout("distill-eval", 16, seed=0)          # the trainer's periodic evaluation (val split)
     heldout("target-eval", 600, per_task=True, tasks=SCORED)   # `eval-target` (test split)
+    adversarial("photo_unknown", 5)              # `bench adaptive`: prompts no drafter is ready for
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class Conversation:
     sample: toyworld.Sample | None = None  # the ToyWorld item it came from (for scoring)
     # later (prompt, answer) turns of the same dialogue, text only (the images stay in context)
     followups: list[tuple[str, str]] = field(default_factory=list)
+    # the last answer was cut short (a length limit): training supervises no end of turn after it
+    open_end: bool = False
 
     @classmethod
     def from_sample(cls, s: toyworld.Sample) -> "Conversation":
@@ -86,3 +89,42 @@ TEXT_PROMPTS = (
     "Why do we have seasons on Earth?",
     "Give an example of a healthy breakfast.",
 )
+
+
+# The adversarial sets of `vlmspec bench adaptive` (issue #21): prompts where a drafter has little
+# to go on. Questions about the sample photographs that nothing in them answers; strings of random
+# vocabulary tokens; general text instructions (TEXT_PROMPTS: no drafter here was trained on them).
+PHOTO_QUESTIONS = (
+    "What is the serial number printed on the underside of the main object?",
+    "What was the photographer's grandmother's maiden name?",
+    "How much did everything in this picture cost in 1987, in yen?",
+    "Read out the licence plate of the car parked just outside the frame.",
+    "Which song was playing on the radio when this was taken?",
+)
+ADVERSARIAL = ("photo_unknown", "random_tokens", "unseen_text")
+
+
+def adversarial(kind: str, n: int, tokenizer=None, seed: int = 0, words: int = 24) -> list[Conversation]:
+    """`n` prompts of one adversarial kind. photo_unknown: the sample photographs (assets/images,
+    ToyWorld renders left out) in turn with PHOTO_QUESTIONS; random_tokens: `words` vocabulary
+    tokens drawn uniformly (needs `tokenizer`; special tokens left out), decoded; unseen_text:
+    TEXT_PROMPTS in turn."""
+    import random
+
+    if kind == "photo_unknown":
+        from vlmspec.assets import SAMPLE_IMAGES
+        from vlmspec.inputs import load_image_file
+
+        photos = sorted(p for p in SAMPLE_IMAGES.glob("*.jpg"))
+        assert photos, f"no sample photographs in {SAMPLE_IMAGES}"
+        return [Conversation(PHOTO_QUESTIONS[i % len(PHOTO_QUESTIONS)], "", [load_image_file(photos[i % len(photos)])], kind) for i in range(n)]
+    if kind == "random_tokens":
+        if tokenizer is None:
+            raise ValueError("random_tokens prompts need the target's tokenizer")
+        special = set(tokenizer.all_special_ids)
+        ids = [i for i in range(len(tokenizer)) if i not in special]
+        rng = random.Random(seed)
+        return [Conversation(tokenizer.decode(rng.choices(ids, k=words)), "", [], kind) for _ in range(n)]
+    if kind == "unseen_text":
+        return [Conversation(TEXT_PROMPTS[(seed + i) % len(TEXT_PROMPTS)], "", [], kind) for i in range(n)]
+    raise ValueError(f"unknown adversarial set {kind!r}: expected one of {ADVERSARIAL}")

@@ -5,14 +5,19 @@ Trained: the projector (1280 -> 576 -> 576) and LoRA pairs on every projection o
 layers; frozen: the vision tower (its BatchNorms in eval mode) and every base weight.
 
   stage 0  the projector alone, through linear probes (`vision_pretrain.SceneProbe`) on its
-           tokens average-pooled to ToyWorld's 3x3 cells: each cell's object and size, the sign's
-           word, the chart's bars. No language-model forward, so it is cheap. Then the projector's
+           tokens: each cell's object and size, the sign's word, the chart's bars. With
+           `probe_per_token` every token is asked about its own cell, so a cell's content is
+           written into all of its tokens whatever the object's size (attempt 3 pooled the tokens
+           to cells first). No language-model forward, so it is cheap. Then the projector's
            output is rescaled to the RMS of the text embeddings (measured after the first attempt,
            which had no such step: image tokens at RMS 1.5 against text at 0.14, not read at all).
   SFT      answer-only next-token cross-entropy, averaged per sample, on dialogues: each image
            with its ToyWorld question and `followups` more questions about the same scene, so the
            144 image positions are paid once for several supervised answers; plus `aux_weight`
-           times the stage-0 probe loss, so the image tokens stay readable.
+           times the stage-0 probe loss, so the image tokens stay readable; plus `text_per_step`
+           text-only pairs per batch that the base model wrote itself before training (Magpie:
+           its own instructions and greedy answers, `train.magpie`), so the adapters keep its
+           text behaviour (attempt 3 had none and drifted: 1 of 16 held-out text answers identical).
 
 AdamW, warm-up + cosine; the data order is a pure function of the step (exact resume);
 safetensors checkpoints of the trained tensors only; a loss curve with the held-out loss and the
@@ -20,7 +25,7 @@ image gap (held-out loss with shuffled images minus real). The result, `out/trai
 is what `vlmspec build-target --trained` merges.
 
     vlmspec build-target --no-trained --out runs/base
-    vlmspec train-align --base runs/base --out runs/align --steps 420 --minutes 62 [--resume]   # attempt 3
+    vlmspec train-align --base runs/base --out runs/align --steps 300 --minutes 72 [--resume]
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ from vlmspec.train.common import clipped_step, save_checkpoint_dir, warmup_cosin
 from vlmspec.train.data import encode_conversations
 from vlmspec.train.lora import LoraAdapters, add_lora
 from vlmspec.train.target_sft import answer_loss, batch_seeds, eval_loss, plot_curve, sample_for
-from vlmspec.train.vision_pretrain import N_CELLS, SceneProbe, pretrain_batch, scene_labels
+from vlmspec.train.magpie import MagpieConfig, Pair, cached_pairs
+from vlmspec.train.vision_pretrain import SceneProbe, pool_cells, pretrain_batch, scene_labels
 
 # the grounded questions the target must answer, weighted toward the short ones; no toy text-only
 # answers (text-only behaviour is SmolLM2-Instruct's own)
@@ -63,8 +69,11 @@ class AlignConfig:
     grad_clip: float = 1.0
     seed: int = 0
     bucket: int = 4  # samples of `bucket` batches are drawn together and sorted by length
-    followups: int = 4  # more questions about each image in its dialogue
+    followups: int = 6  # more questions about each image in its dialogue
     aux_weight: float = 0.2  # the stage-0 probe loss kept on during SFT
+    probe_per_token: bool = True  # the probes ask every image token about its own cell (False: cells pooled)
+    text_pairs: int = 96  # Magpie text-only pairs (the base model's own instructions and greedy answers)
+    text_per_step: int = 1  # of them in each batch, beside the image dialogues (0: none)
     probe_steps: int = 80  # stage 0
     probe_batch: int = 16
     probe_lr: float = 3e-3
@@ -110,22 +119,22 @@ def _set_train_mode(model: torch.nn.Module) -> None:
     model.model.vision_tower.eval()  # frozen BatchNorm statistics
 
 
-def pool_cells(tokens: torch.Tensor) -> torch.Tensor:
-    """Projected image tokens [B, g*g, H] (a g x g map, g a multiple of 3) -> their averages over
-    ToyWorld's 3x3 cells, [B, 9, H]."""
-    b, n, h = tokens.shape
-    g, cells = int(round(n ** 0.5)), int(round(N_CELLS ** 0.5))
-    assert g * g == n and g % cells == 0, f"{n} image tokens do not pool onto a {cells}x{cells} grid"
-    pooled = torch.nn.functional.avg_pool2d(tokens.transpose(1, 2).reshape(b, h, g, g), g // cells)  # [B, H, 3, 3]
-    return pooled.flatten(2).transpose(1, 2)
+def projected_tokens(model: torch.nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
+    """pixel_values [B, 3, S, S] -> the projector's image tokens, [B, g*g, H]; the frozen tower runs
+    without gradient."""
+    with torch.no_grad():
+        feats = model.model.vision_tower(pixel_values, return_dict=True).last_hidden_state  # [B, C, g, g]
+    return model.model.multi_modal_projector(feats.flatten(2).transpose(1, 2))
 
 
 def cell_tokens(model: torch.nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
-    """pixel_values [B, 3, S, S] -> projected image tokens pooled to cells, [B, 9, H]; the frozen
-    tower runs without gradient."""
-    with torch.no_grad():
-        feats = model.model.vision_tower(pixel_values, return_dict=True).last_hidden_state  # [B, C, g, g]
-    return pool_cells(model.model.multi_modal_projector(feats.flatten(2).transpose(1, 2)))
+    """pixel_values [B, 3, S, S] -> projected image tokens pooled to cells, [B, 9, H]."""
+    return pool_cells(projected_tokens(model, pixel_values))
+
+
+def probe_input(tokens: torch.Tensor, cfg: AlignConfig) -> torch.Tensor:
+    """The projector's tokens [B, g*g, H] as the probes read them under `cfg`."""
+    return tokens if cfg.probe_per_token else pool_cells(tokens)
 
 
 class ProjectorTap:
@@ -184,7 +193,7 @@ def pretrain_projector(model, probe, processor, cfg: AlignConfig, state: dict[st
         for g in opt.param_groups:
             g["lr"] = warmup_cosine(step, cfg.probe_steps, cfg.probe_lr, max(1, cfg.probe_steps // 10), cfg.min_lr_ratio)
         pixels, labels = pretrain_batch(step, cfg.probe_batch, cfg.seed, processor)
-        loss, acc = probe(cell_tokens(model, pixels), labels)
+        loss, acc = probe(probe_input(projected_tokens(model, pixels), cfg), labels)
         loss.backward()
         clipped_step(opt, params, cfg.grad_clip)
         state["history"].append({"vision_step": step, "probe_loss": float(loss.detach()), **{f"acc_{k}": v for k, v in acc.items()}})
@@ -210,9 +219,10 @@ def dialogue(seed: int, cfg: AlignConfig) -> Conversation:
     return conv
 
 
-def align_batches(start_step: int, cfg: AlignConfig, processor: Any):
+def align_batches(start_step: int, cfg: AlignConfig, processor: Any, text_pairs: list[Pair] = ()):
     """Yields (step, encoded batch, scene metas of the batch's images in order); the order is a
-    pure function of the step, samples of `cfg.bucket` batches sorted by length together."""
+    pure function of the step, samples of `cfg.bucket` batches sorted by length together. Each
+    batch also carries `cfg.text_per_step` of `text_pairs` (text only), in turn."""
     step = start_step
     while True:
         seeds, part = batch_seeds(step, cfg)
@@ -221,6 +231,11 @@ def align_batches(start_step: int, cfg: AlignConfig, processor: Any):
         order = sorted(range(len(convs)), key=lambda i: (lengths[i], i))
         while part < cfg.bucket:
             chosen = [convs[i] for i in order[part * cfg.batch_size : (part + 1) * cfg.batch_size]]
+            if text_pairs and cfg.text_per_step > 0:
+                first = step * cfg.text_per_step
+                for j in range(cfg.text_per_step):
+                    prompt, answer, ended = text_pairs[(first + j) % len(text_pairs)]
+                    chosen.append(Conversation(prompt, answer, task="magpie", open_end=not ended))
             yield step, encode_conversations(processor, chosen), [c.sample.meta["scene"] for c in chosen if c.images]
             step += 1
             part += 1
@@ -240,16 +255,20 @@ def train_align(base: str | Path, out: str | Path, cfg: AlignConfig, resume: boo
         cfg = AlignConfig(**{**saved["config"], "steps": cfg.steps, "minutes": cfg.minutes})
     else:
         saved = {"step": 0, "history": [], "elapsed_s": 0.0}
+    state: dict[str, Any] = saved
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     model = AutoModelForImageTextToText.from_pretrained(base, dtype=torch.float32)
     model.model.vision_tower.to(memory_format=torch.channels_last)  # the same weights; about 25% faster on CPU
     processor = AutoProcessor.from_pretrained(base)
+    text_pairs: list[Pair] = []
+    if cfg.text_per_step > 0 and cfg.text_pairs > 0:  # written by the base model before any adapter exists
+        text_pairs = cached_pairs(out / "magpie.json", model, processor.tokenizer, MagpieConfig(n=cfg.text_pairs, seed=cfg.seed), progress)
+        state["magpie_pairs"] = len(text_pairs)
     adapters, groups = prepare(model, cfg)
     probe = SceneProbe(model.config.text_config.hidden_size)
     groups.append({"params": list(probe.parameters()), "part": "probe", "weight_decay": 0.0})
     opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.98))
-    state: dict[str, Any] = saved
     if resume:
         tensors = load_file(str(ckpt / "trained.safetensors"))
         probe.load_state_dict({k[len("probe."):]: tensors.pop(k) for k in list(tensors) if k.startswith("probe.")}, strict=True)
@@ -274,7 +293,7 @@ def train_align(base: str | Path, out: str | Path, cfg: AlignConfig, resume: boo
     bar = tqdm(total=cfg.steps, initial=state["step"], disable=not progress, desc="train-align", dynamic_ncols=True)
     stop = "steps"
     tap = ProjectorTap(model)
-    for step, batch, scenes in align_batches(state["step"], cfg, processor):
+    for step, batch, scenes in align_batches(state["step"], cfg, processor, text_pairs):
         if step >= cfg.steps:
             break
         lr = warmup_cosine(step, cfg.steps, 1.0, cfg.warmup, cfg.min_lr_ratio)
@@ -285,7 +304,7 @@ def train_align(base: str | Path, out: str | Path, cfg: AlignConfig, resume: boo
         if scenes:
             tokens = tap.take()  # [n_images, g*g, H], from this forward
             if cfg.aux_weight > 0:
-                total = loss + cfg.aux_weight * probe(pool_cells(tokens), scene_labels(scenes))[0]
+                total = loss + cfg.aux_weight * probe(probe_input(tokens, cfg), scene_labels(scenes))[0]
         total.backward()
         clipped_step(opt, [p for g in opt.param_groups for p in g["params"]], cfg.grad_clip)
         state["step"] = step + 1
@@ -315,5 +334,5 @@ def train_align(base: str | Path, out: str | Path, cfg: AlignConfig, resume: boo
     return result
 
 
-__all__ = ["ALIGN_MIX", "AlignConfig", "ProjectorTap", "align_batches", "cell_tokens", "pool_cells", "dialogue", "export", "load_trained", "prepare",
+__all__ = ["ALIGN_MIX", "AlignConfig", "ProjectorTap", "align_batches", "cell_tokens", "pool_cells", "probe_input", "projected_tokens", "dialogue", "export", "load_trained", "prepare",
            "pretrain_projector", "rescale_projector", "text_rms", "train_align", "trained_tensors"]

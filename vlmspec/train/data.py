@@ -2,7 +2,7 @@
 own processor and chat template; labels cover the answer (and its end-of-turn token) only.
 
 `Conversation` and `toyworld_conversation` live in `vlmspec.data.heldout` (re-exported here);
-JSONL images load through `vlmspec.images.load_image_file`, with the limits every image gets."""
+JSONL images load through `vlmspec.inputs.load_image_file`, with the limits every image gets."""
 
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ import torch
 
 from vlmspec.data.heldout import Conversation, toyworld_conversation
 from vlmspec.errors import VlmspecError
-from vlmspec.images import load_image_file
-from vlmspec.prompts import user_turn
+from vlmspec.inputs import load_image_file, user_turn
 
 
 class DataError(VlmspecError, ValueError):
@@ -24,7 +23,7 @@ class DataError(VlmspecError, ValueError):
 
 def messages(prompt: str, n_images: int, answer: str | None = None,
              followups: list[tuple[str, str]] = ()) -> list[dict[str, Any]]:
-    """The user turn (`vlmspec.prompts.user_turn`: images first, then the text), and the answer
+    """The user turn (`vlmspec.inputs.user_turn`: images first, then the text), and the answer
     as the assistant turn when given; then each follow-up (prompt, answer) as a text-only pair."""
     msgs = user_turn(prompt, n_images)
     if answer is not None:
@@ -56,7 +55,8 @@ def encode_conversations(processor: Any, convs: list[Conversation]) -> dict[str,
 
     Each answer's span is found by encoding the dialogue up to its generation prompt and up to the
     end of its turn: the full text must extend both, which the chat template guarantees. Follow-up
-    turns (`Conversation.followups`) are supervised the same way.
+    turns (`Conversation.followups`) are supervised the same way. A conversation marked `open_end`
+    (its last answer cut by a length limit) has that answer supervised without the end of turn.
     """
     tok = processor.tokenizer
     fulls, images, spans = [], [], []
@@ -83,6 +83,10 @@ def encode_conversations(processor: Any, convs: list[Conversation]) -> dict[str,
             lo = n_tokens([spans[i][t][0] for i in rows], ims)
             inner = [i for i in rows if len(spans[i]) > t + 1]
             ends = dict(zip(inner, n_tokens([spans[i][t][1] for i in inner], [convs[i].images for i in inner]))) if inner else {}
+            cut = [i for i in rows if len(spans[i]) == t + 1 and convs[i].open_end]  # no end of turn after a cut answer
+            if cut:
+                last = [(convs[i].followups[-1][1] if convs[i].followups else convs[i].answer) for i in cut]
+                ends.update(zip(cut, n_tokens([spans[i][t][0] + a for i, a in zip(cut, last)], [convs[i].images for i in cut])))
             for i, a in zip(rows, lo):
                 b = ends.get(i, lengths[i])
                 labels[i, a:b] = enc["input_ids"][i, a:b]

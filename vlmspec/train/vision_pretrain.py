@@ -77,8 +77,29 @@ def scene_labels(scenes: list[dict]) -> SceneLabels:
     return SceneLabels(obj, size, word, bl, bc, bv, is_chart)
 
 
+def pool_cells(tokens: torch.Tensor) -> torch.Tensor:
+    """Image tokens [B, g*g, H] (a g x g map, g a multiple of 3) -> their averages over ToyWorld's
+    3x3 cells, [B, 9, H]."""
+    b, n, h = tokens.shape
+    g, cells = int(round(n ** 0.5)), toyworld.GRID
+    assert g * g == n and g % cells == 0, f"{n} image tokens do not pool onto a {cells}x{cells} grid"
+    pooled = nn.functional.avg_pool2d(tokens.transpose(1, 2).reshape(b, h, g, g), g // cells)  # [B, H, 3, 3]
+    return pooled.flatten(2).transpose(1, 2)
+
+
+def token_cells(n: int) -> torch.Tensor:
+    """For a g x g token map (n = g*g, g a multiple of 3): each token's ToyWorld cell, [n] (row-major)."""
+    g, cells = int(round(n ** 0.5)), toyworld.GRID
+    assert g * g == n and g % cells == 0, f"{n} image tokens do not map onto a {cells}x{cells} grid"
+    rows = torch.arange(g) // (g // cells)
+    return (rows[:, None] * cells + rows[None, :]).flatten()
+
+
 class SceneProbe(nn.Module):
-    """Linear probes over projected image tokens [B, 9, H] (training only, never exported)."""
+    """Linear probes over projected image tokens (training only, never exported): one token per
+    cell [B, 9, H], or a g x g map [B, g*g, H] in which every token is asked about its own cell
+    (so each cell's content is written into all of its tokens, whatever the object's size); the
+    chart head reads the tokens pooled to cells."""
 
     def __init__(self, hidden: int):
         super().__init__()
@@ -88,19 +109,22 @@ class SceneProbe(nn.Module):
         self.bars = nn.Linear(hidden * N_CELLS, MAX_BARS * (N_LABEL + N_COLOR + N_VALUE))
 
     def forward(self, feats: torch.Tensor, y: SceneLabels) -> tuple[torch.Tensor, dict[str, float]]:
-        """feats: [B, 9, H]. Returns (loss, accuracies)."""
-        assert feats.shape[1] == N_CELLS, f"the probe expects {N_CELLS} image tokens, got {feats.shape[1]}"
+        """feats: [B, 9, H] or [B, g*g, H]. Returns (loss, accuracies)."""
         ce = nn.functional.cross_entropy
         objects = ~y.is_chart
+        per_token = feats.shape[1] != N_CELLS
+        cell_of = token_cells(feats.shape[1]) if per_token else None  # [g*g]
         losses, acc = [], {}
         if objects.any():
             f = feats[objects]
             for name, head, tgt in (("obj", self.obj, y.obj), ("size", self.size, y.size), ("word", self.word, y.word)):
-                logits = head(f)  # [b, 9, C]
-                losses.append(ce(logits.flatten(0, 1), tgt[objects].flatten()))
-                acc[name] = float((logits.argmax(-1) == tgt[objects]).float().mean())
+                t = tgt[objects] if cell_of is None else tgt[objects][:, cell_of]  # [b, N]
+                logits = head(f)  # [b, N, C]
+                losses.append(ce(logits.flatten(0, 1), t.flatten()))
+                acc[name] = float((logits.argmax(-1) == t).float().mean())
         if y.is_chart.any():
-            logits = self.bars(feats[y.is_chart].flatten(1)).view(-1, MAX_BARS, N_LABEL + N_COLOR + N_VALUE)
+            cells = pool_cells(feats[y.is_chart]) if per_token else feats[y.is_chart]  # [c, 9, H]
+            logits = self.bars(cells.flatten(1)).view(-1, MAX_BARS, N_LABEL + N_COLOR + N_VALUE)
             parts = logits.split((N_LABEL, N_COLOR, N_VALUE), dim=-1)
             for name, lg, tgt in zip(("bar_label", "bar_color", "bar_value"), parts, (y.bar_label, y.bar_color, y.bar_value)):
                 t = tgt[y.is_chart]

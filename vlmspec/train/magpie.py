@@ -1,0 +1,124 @@
+"""Text-only instructions and answers from the instruct model itself (Magpie), for want of an
+offline instruction dataset.
+
+Magpie's observation: an aligned chat model given only its template's opening of a user turn
+(``<|im_start|>user\\n`` after the default system prompt) writes a plausible user instruction.
+Sampling that turn (temperature 1, nucleus 0.95) gives the prompts; the same model's greedy answers
+to them are the targets. Trained on, these pairs keep a fine-tuned model's text-only behaviour
+its base's (self-distillation); a drafter trained on them sees what the target really says.
+
+Kept: an instruction that ended with the end-of-turn token within `prompt_tokens`, of at least 3
+words, not one of the held-out text prompts (`heldout.TEXT_PROMPTS`), not a repeat; with its
+answer's first `answer_tokens` tokens and whether the answer ended there (a cut answer is trained
+without an end of turn: `Conversation.open_end`). The result is a pure function of the model and
+the config (seeded per batch).
+
+    pairs = magpie_pairs(model, tokenizer, MagpieConfig(n=96))   # [(instruction, answer, ended), ...]
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vlmspec.data.heldout import TEXT_PROMPTS
+
+_MARK = "\x00MAGPIE\x00"
+
+
+@dataclass(frozen=True)
+class MagpieConfig:
+    n: int = 96  # pairs wanted
+    seed: int = 0
+    prompt_tokens: int = 48
+    answer_tokens: int = 64
+    batch: int = 16
+    temperature: float = 1.0
+    top_p: float = 0.95
+    max_rounds: int = 12  # give up after this many prompt batches
+
+
+def user_turn_opening(tokenizer: Any) -> str:
+    """The chat template's text up to where a user's first message begins."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _MARK}], tokenize=False)
+    assert _MARK in text, "the chat template dropped the user's message"
+    return text[: text.index(_MARK)]
+
+
+def _generate(model: Any, tokenizer: Any, texts: list[str], max_new_tokens: int, sample: bool, cfg: MagpieConfig) -> list[tuple[str, bool]]:
+    """Left-padded batched generation -> (new text, ended with the end-of-turn token) per input."""
+    eos = tokenizer.eos_token_id  # SmolLM2's is its end of turn, <|im_end|>
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    finally:
+        tokenizer.padding_side = side
+    kwargs = dict(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=0) if sample else dict(do_sample=False)
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos, **kwargs)
+    new = out[:, enc["input_ids"].shape[1] :]  # [B, <= max_new_tokens]
+    result = []
+    for row in new.tolist():
+        ended = eos in row
+        ids = row[: row.index(eos)] if ended else row
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        result.append((text.strip() if ended else text.rstrip("\ufffd").lstrip(), ended))  # a cut answer keeps its last space
+    return result
+
+
+def _usable(prompt: str, seen: set[str]) -> bool:
+    key = " ".join(prompt.lower().split())
+    return len(prompt.split()) >= 3 and "<|" not in prompt and key not in seen
+
+
+Pair = tuple[str, str, bool]  # (instruction, greedy answer, the answer ended within answer_tokens)
+
+
+def magpie_pairs(model: Any, tokenizer: Any, cfg: MagpieConfig = MagpieConfig(), progress: bool = True) -> list[Pair]:
+    """Up to `cfg.n` (instruction, greedy answer, ended) written by `model` (an HF causal or
+    image-text model; text only). Fewer when `cfg.max_rounds` batches do not yield enough."""
+    from tqdm import tqdm
+
+    opening = user_turn_opening(tokenizer)
+    seen = {" ".join(p.lower().split()) for p in TEXT_PROMPTS}
+    pairs: list[Pair] = []
+    bar = tqdm(total=cfg.n, desc="magpie pairs", disable=not progress, dynamic_ncols=True)
+    for rnd in range(cfg.max_rounds):
+        if len(pairs) >= cfg.n:
+            break
+        torch.manual_seed(cfg.seed * 1000 + rnd)
+        prompts = []
+        for text, ended in _generate(model, tokenizer, [opening] * cfg.batch, cfg.prompt_tokens, True, cfg):
+            if ended and _usable(text, seen):
+                seen.add(" ".join(text.lower().split()))
+                prompts.append(text)
+        if not prompts:
+            continue
+        asks = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in prompts]
+        for p, (answer, ended) in zip(prompts, _generate(model, tokenizer, asks, cfg.answer_tokens, False, cfg)):
+            if answer.strip() and len(pairs) < cfg.n:
+                pairs.append((p, answer, ended))
+                bar.update(1)
+    bar.close()
+    return pairs
+
+
+def cached_pairs(path: Path, model: Any, tokenizer: Any, cfg: MagpieConfig, progress: bool = True) -> list[Pair]:
+    """`magpie_pairs`, kept in `path` (JSON with its config) so a resumed run reads the same pairs."""
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        if saved.get("config") == asdict(cfg):
+            return [tuple(p) for p in saved["pairs"]]
+    pairs = magpie_pairs(model, tokenizer, cfg, progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"config": asdict(cfg), "pairs": pairs}, indent=1))
+    return pairs
+
+
+__all__ = ["MagpieConfig", "Pair", "cached_pairs", "magpie_pairs", "user_turn_opening"]
