@@ -169,6 +169,28 @@ def test_sampling_lossless_with_draft_probabilities():
     assert _tv(first_bad, p_root) > _tv_bound(N_SAMPLES // 4)
 
 
+def _on_subset(q: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """q restricted to the token ids `keep` (a trimmed draft vocabulary) and renormalised: zero elsewhere."""
+    out = torch.zeros_like(q)
+    out[..., keep] = q[..., keep]
+    return out / out.sum(-1, keepdim=True)
+
+
+def test_sampling_lossless_with_draft_probabilities_on_a_subset_of_the_vocabulary():
+    """A trimmed draft vocabulary: q is zero outside 16 of the 64 tokens, including where the
+    target puts most of its mass; the emitted tokens still follow the target exactly."""
+    p_root, table, q_root, q_table = _world(seed=5)
+    keep = torch.randperm(V, generator=torch.Generator().manual_seed(1))[:16]
+    top = int(p_root.argmax())
+    keep = keep[keep != top]  # the target's favourite first token is never drafted: recovered only
+    q_root, q_table = _on_subset(q_root, keep), _on_subset(q_table, keep)
+    first, second = _run(N_SAMPLES, lambda g: _sample_tree_with_q(q_root, q_table, g), verify_sampling, p_root, table)
+    assert set(first.nonzero().flatten().tolist()) - set(keep.tolist())  # tokens outside the subset do come out
+    _check_lossless(first, second, p_root, table)
+    first_bad, _ = _run(N_SAMPLES // 4, lambda g: _sample_tree_with_q(q_root, q_table, g), _always_accept, p_root, table)
+    assert _tv(first_bad, p_root) > _tv_bound(N_SAMPLES // 4)  # negative control: accepting the draft is not lossless
+
+
 def test_sampling_is_seeded():
     p_root, table, _, _ = _world()
     tree = _fixed_tree(p_root)

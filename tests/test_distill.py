@@ -10,7 +10,7 @@ from vlmspec.draft.eagle import EagleDrafter
 from vlmspec.testing.tiny import tiny_image
 from vlmspec.train.data import DataError, load_jsonl
 from vlmspec.train.distill import DistillConfig, train_drafter
-from vlmspec.prompts import encode_prompt
+from vlmspec.inputs import encode_prompt
 
 
 def _cfg(**kw):
@@ -33,6 +33,16 @@ def test_loss_falls_on_tiny_target(tmp_path):
     drafter = EagleDrafter.load(tmp_path / "drafter", target)
     assert drafter.head.config.hidden_size == target.hidden_size
     assert (tmp_path / "train_curve.png").stat().st_size > 0
+
+
+def test_a_trimmed_head_trains_on_the_targets_most_frequent_answer_tokens(tmp_path):
+    target = tiny_target("llava")
+    train_drafter(target, "toyworld", tmp_path, _cfg(steps=4, draft_vocab=64, draft_vocab_samples=8), progress=False)
+    state = json.loads((tmp_path / "checkpoint" / "trainer_state.json").read_text())
+    assert state["draft_vocab"]["size"] == 64 and 0.5 < state["draft_vocab"]["coverage"] <= 1.0
+    drafter = EagleDrafter.load(tmp_path / "drafter", target)
+    d2t = drafter.head.d2t.tolist()
+    assert len(d2t) == 64 and set(target.eos_token_ids) <= set(d2t)
 
 
 def test_resume_is_exact(tmp_path):

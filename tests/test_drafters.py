@@ -14,7 +14,8 @@ from vlmspec.draft import load_drafter
 from vlmspec.draft.base import DraftSession, Drafter, NoDrafter, PromptContext, TreeConfig
 from vlmspec.draft.eagle import DrafterLoadError, EagleConfig, EagleDrafter, EagleHead, _EagleSession
 from vlmspec.draft.ngram import NgramConfig, NgramDrafter
-from vlmspec.prompts import encode_prompt
+from vlmspec.engine import GenerationConfig, SpecEngine
+from vlmspec.inputs import encode_prompt
 from vlmspec.testing.tiny import tiny_image
 from vlmspec.tree import DraftTree, tree_attention_mask
 from vlmspec.vision_compress import VisualConfig
@@ -204,6 +205,66 @@ def test_eagle_for_another_target_is_refused(tmp_path, field, value, word):
         EagleDrafter.load(tmp_path, target)
 
 
+def _trimmed(target, k=40, seed=2):
+    from vlmspec.draft.eagle import draft_vocabulary
+
+    cfg = EagleConfig.from_target(target)
+    cfg.draft_vocab_size = k
+    torch.manual_seed(seed)
+    head = EagleHead(cfg, target.input_embeddings(), target.output_embeddings())
+    counts = torch.randint(0, 50, (target.vocab_size,), generator=torch.Generator().manual_seed(seed))
+    head.set_draft_vocab(draft_vocabulary(counts, k, always=tuple(target.eos_token_ids)))
+    return head
+
+
+def test_draft_vocabulary_maps_round_trip_and_keeps_the_most_frequent():
+    from vlmspec.draft.eagle import draft_vocabulary, t2d_map
+
+    counts = torch.tensor([5, 0, 9, 9, 1, 7, 0, 3])
+    d2t = draft_vocabulary(counts, 4, always=(6,))
+    assert d2t.tolist() == [2, 3, 5, 6]  # 6 always; then 9, 9 (ties by id), 7
+    t2d = t2d_map(d2t, counts.numel())
+    assert torch.equal(d2t[t2d[d2t]], d2t) and torch.equal(t2d[d2t], torch.arange(4))
+    assert (t2d >= 0).sum() == 4 and t2d[0] == -1
+
+
+def test_a_trimmed_head_drafts_only_its_vocabulary_and_keeps_greedy_parity(tmp_path):
+    target = tiny_target("llava")
+    head = _trimmed(target)
+    inputs = encode_prompt(target, "describe the image in detail", [tiny_image(0)])
+    plain = SpecEngine(target, NoDrafter()).generate(inputs, GenerationConfig(max_new_tokens=32, ignore_eos=True)).token_ids
+    tree = TreeConfig(depth=4, top_k=3, total_tokens=10)
+    drafter = EagleDrafter(head, tree)
+    got = SpecEngine(target, drafter).generate(inputs, GenerationConfig(max_new_tokens=32, ignore_eos=True))
+    assert got.token_ids == plain and got.num_drafted > 0
+    _, out = target.prefill(inputs)
+    t = drafter.start(PromptContext(inputs["input_ids"][0], out.features)).propose(5, 4)
+    assert set(t.tokens[1:].tolist()) <= set(head.d2t.tolist())
+    # the trimmed logits are the full head's logits at the kept ids
+    h = torch.randn(3, target.hidden_size)
+    assert torch.allclose(head.logits(h), target.output_embeddings()(h).float()[:, head.d2t], atol=1e-5)
+    # saved and loaded with its vocabulary
+    drafter.save(tmp_path / "d")
+    loaded = EagleDrafter.load(tmp_path / "d", target)
+    assert loaded.head.config.draft_vocab_size == 40 and torch.equal(loaded.head.d2t, head.d2t)
+
+
+def test_a_drafter_for_another_vocabulary_is_refused(tmp_path):
+    target = tiny_target("llava")
+    EagleDrafter(_trimmed(target)).save(tmp_path)
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(tmp_path / "model.safetensors"))
+    state["d2t"] = state["d2t"] + target.vocab_size  # ids of a bigger vocabulary
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(DrafterLoadError, match="another vocabulary"):
+        EagleDrafter.load(tmp_path, target)
+    cfg = EagleConfig.from_target(target)
+    own = {name: getattr(cfg, name) for name in EagleConfig.field_names()}
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        EagleConfig(**{**own, "draft_vocab_size": target.vocab_size + 1})
+
+
 def test_eagle_bad_checkpoints_are_refused(tmp_path):
     target = tiny_target("llava")
     with pytest.raises(DrafterLoadError, match="config.json"):
@@ -240,7 +301,7 @@ def _reference_propose(s, root, max_depth):
     start, n = s.cache.seq_len, toks.shape[0]
     hidden = head(toks, feats, pos, tree_attention_mask(torch.ones(n, n, dtype=torch.bool).tril(), start, s.dtype),
                   s.cache.hf, direct, fuse, s.global_feat)
-    s.pending_feats = s.pending_feats[:0]
+    s.pending_feats, s.pending_next = s.pending_feats[:0], s.pending_next[:0]
     s.next_pos = int(pos[-1]) + 1
     committed, depth = s.cache.seq_len, min(cfg.depth, max_depth)
     if depth <= 0:

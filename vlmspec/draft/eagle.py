@@ -75,6 +75,7 @@ class EagleConfig(PretrainedConfig):
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     target_model_type: str = ""
+    draft_vocab_size: int = 0  # K > 0: the head predicts over K target tokens only (`d2t` in the weights); 0: all
     extra: dict[str, Any] = field(default_factory=dict)  # variant settings: {"visual": VisualConfig dict}
 
     def __post_init__(self, **kwargs: Any) -> None:
@@ -84,6 +85,9 @@ class EagleConfig(PretrainedConfig):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.rope_theta, self.rms_norm_eps = float(self.rope_theta), float(self.rms_norm_eps)
+        k = self.draft_vocab_size
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be an integer in 0..vocab_size ({self.vocab_size}), got {k!r}")
         if not isinstance(self.extra, dict):
             raise ValueError(f"extra must be a JSON object, got {self.extra!r}")
         super().__post_init__(**kwargs)
@@ -177,6 +181,10 @@ class EagleHead(nn.Module):
         self.visual = None if vis.is_plain else VisualAdaptor(vis, h)
         # shared with the target, never trained or saved by the head
         self._frozen = (embed, lm_head)
+        # a trimmed draft vocabulary: d2t[j] = the target id of draft token j (saved with the weights)
+        if config.draft_vocab_size:
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self._draft_weight: torch.Tensor | None = None  # lm_head rows of d2t, cached (never saved)
 
     @property
     def embed(self) -> nn.Module:
@@ -221,8 +229,33 @@ class EagleHead(nn.Module):
         out = out[0] if isinstance(out, tuple) else out
         return out if batched else out[0]
 
+    @property
+    def trimmed(self) -> bool:
+        return bool(self.config.draft_vocab_size)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """[..., H] -> [..., V'] float32 over the draft vocabulary (V' = K when trimmed, else V)."""
+        if not self.trimmed:
+            return self.lm_head(hidden).float()
+        w = self._draft_weight
+        if w is None or w.device != hidden.device or w.dtype != self.lm_head.weight.dtype:
+            w = self._draft_weight = self.lm_head.weight.detach().index_select(0, self.d2t.to(self.lm_head.weight.device))
+        bias = getattr(self.lm_head, "bias", None)
+        return nn.functional.linear(hidden, w, None if bias is None else bias.detach()[self.d2t]).float()
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary indices (any shape) -> target token ids."""
+        return self.d2t[draft_ids] if self.trimmed else draft_ids
+
+    def draft_view(self, target_logits: torch.Tensor) -> torch.Tensor:
+        """Target logits [..., V] -> the draft vocabulary's columns [..., V'] (a teacher for training)."""
+        return target_logits.index_select(-1, self.d2t.to(target_logits.device)) if self.trimmed else target_logits
+
+    def set_draft_vocab(self, d2t: torch.Tensor) -> None:
+        """d2t [K] long: distinct target ids, K = config.draft_vocab_size."""
+        check_draft_vocab(d2t, self.config.draft_vocab_size, self.config.vocab_size)
+        self.d2t.copy_(d2t)
+        self._draft_weight = None
 
     def head_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().contiguous() for k, v in self.state_dict().items()}
@@ -280,6 +313,11 @@ class EagleDrafter:
             raise DrafterLoadError(f"{w_path}: weights do not match the config "
                                    f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})")
         head.load_state_dict(state, strict=True)
+        if head.trimmed:
+            try:
+                check_draft_vocab(head.d2t, config.draft_vocab_size, config.vocab_size)
+            except ValueError as exc:
+                raise DrafterLoadError(f"{w_path}: {exc}") from None
         return cls(head.to(device=target.device, dtype=target.dtype), tree)
 
     def start(self, prompt: PromptContext, tree: TreeConfig | None = None) -> DraftSession:
@@ -358,10 +396,11 @@ class _EagleSession:
         self.pending_next = prompt.token_ids[:0].to(self.device)  # [0]
 
     def commit(self, token_ids: torch.Tensor, features: torch.Tensor) -> None:
-        """token_ids [k] (root + accepted, any device), features [k, H] (the target's, on its device)."""
-        assert self.pending_feats.shape[0] == 0 and self.prompt is None, "propose() must run between commits"
-        self.pending_feats = features.to(self.device, self.dtype)
-        self.pending_next = to_device(token_ids[1:], self.device)
+        """token_ids [k] (root + accepted, any device), features [k, H] (the target's, on its device).
+        They wait, with any a step without a draft left, until the next drafted step runs the head."""
+        assert self.prompt is None and self.pending_next.shape[0] == self.pending_feats.shape[0], "propose() must run between commits"
+        self.pending_feats = torch.cat([self.pending_feats, features.to(self.device, self.dtype)])
+        self.pending_next = torch.cat([self.pending_next, to_device(token_ids[1:], self.device)])
 
     def _prompt_rows(self, root: int) -> tuple[torch.Tensor, ...]:
         """(tokens [n], feats [n, H], positions [n], direct [n] | None, fuse [n] | None); sets next_pos."""
@@ -397,7 +436,7 @@ class _EagleSession:
         causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
         mask = tree_attention_mask(causal, self.cache.seq_len, self.dtype)
         hidden = self.head(toks, feats, pos, mask, self.cache.hf, direct, fuse, self.global_feat)
-        self.pending_feats = self.pending_feats[:0]
+        self.pending_feats, self.pending_next = self.pending_feats[:0], self.pending_next[:0]
         return hidden
 
     @torch.no_grad()
@@ -405,9 +444,12 @@ class _EagleSession:
         """The EAGLE-2 tree after `root` (depth <= max_depth, at most total_tokens drafted nodes).
         Node for node the same tree as the first, per-node-read algorithm (tests/test_drafters.py
         keeps it as the oracle): same top-k calls on the same numbers, same rerank on the host."""
+        depth = min(self.tree.depth, max_depth)
+        if depth <= 0 and self.prompt is None:  # a step without a draft runs no head: its pairs wait for the next draft
+            self.pending_next = torch.cat([self.pending_next, to_device(torch.tensor([root]), self.device)])
+            return DraftTree.root_only(root)
         hidden = self._run_committed(root)  # [n, H]
         committed = self.cache.seq_len
-        depth = min(self.tree.depth, max_depth)
         if depth <= 0:
             return DraftTree.root_only(root)
         levels = self._grow(hidden[-1:], committed, depth)  # on the device, no sync
@@ -436,19 +478,20 @@ class _EagleSession:
         fuse = None if self.global_feat is None else torch.ones(1, dtype=torch.bool, device=dev)
         levels: list[_Level] = []
         for d in range(1, depth + 1):
-            top = torch.topk(logp, k, dim=-1)  # values / indices [F, k]
+            top = torch.topk(logp, k, dim=-1)  # values / indices [F, k] (indices in the draft vocabulary)
+            ids = head.target_ids(top.indices)  # [F, k] target token ids
             cand = (front_scores[:, None] + top.values).flatten()  # [F * k], child j of node fi at fi * k + j
             if d == depth:
-                levels.append(_Level(top.indices, cand, None))
+                levels.append(_Level(ids, cand, None))
                 break
             best = torch.topk(cand, min(k, cand.numel())).indices  # [F'] the next frontier, best first
-            levels.append(_Level(top.indices, cand, best))
+            levels.append(_Level(ids, cand, best))
             parent = torch.div(best, k, rounding_mode="floor")  # [F'] row of each one's parent in the frontier
             n_new = best.shape[0]
             # a node sees its parent's entries plus itself (its entry goes right after the tree's so far)
             seen = torch.cat([front_seen.index_select(0, parent), torch.eye(n_new, dtype=torch.bool, device=dev)], dim=1)
             mask = tree_attention_mask(seen, committed, self.dtype)  # [1, 1, F', committed + n_tree + F']
-            ftoks = top.indices.flatten().index_select(0, best)  # [F']
+            ftoks = ids.flatten().index_select(0, best)  # [F']
             ffeat = front_h.index_select(0, parent)  # [F', H]: a node's feature is its parent's output
             fpos = torch.full((n_new,), self.next_pos - 1 + d, device=dev)
             ffuse = None if fuse is None else fuse.expand(n_new)
@@ -456,6 +499,32 @@ class _EagleSession:
             logp = torch.log_softmax(head.logits(front_h), -1)  # [F', V]
             front_seen, front_scores = seen, cand.index_select(0, best)
         return levels
+
+
+def check_draft_vocab(d2t: torch.Tensor, size: int, vocab_size: int) -> None:
+    """ValueError unless d2t is `size` distinct target ids in 0..vocab_size-1."""
+    if d2t.ndim != 1 or d2t.numel() != size or d2t.dtype != torch.long:
+        raise ValueError(f"the draft vocabulary must be {size} long token ids, got {tuple(d2t.shape)} {d2t.dtype}")
+    if size and (int(d2t.min()) < 0 or int(d2t.max()) >= vocab_size or d2t.unique().numel() != size):
+        raise ValueError(f"the draft vocabulary must be distinct ids of this target's {vocab_size}-token vocabulary; "
+                         "this drafter was built for another vocabulary: train one for this target with `vlmspec train`")
+
+
+def draft_vocabulary(counts: torch.Tensor, size: int, always: tuple[int, ...] = ()) -> torch.Tensor:
+    """counts [V]: how often the target wrote each token (on the training data) -> d2t [size]: the
+    `always` ids (e.g. end of turn) and the most frequent others, ties by id, sorted by id."""
+    assert 0 < size <= counts.numel() and len(set(always)) <= size, (size, counts.numel(), always)
+    score = counts.double().clone()
+    score[list(always)] = float("inf")
+    order = torch.argsort(-score, stable=True)[:size]  # most frequent first, ties by id
+    return order.sort().values
+
+
+def t2d_map(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """d2t [K] -> t2d [V]: each target id's draft index, -1 for ids outside the draft vocabulary."""
+    t2d = torch.full((vocab_size,), -1, dtype=torch.long)
+    t2d[d2t] = torch.arange(d2t.numel())
+    return t2d
 
 
 class _Level(NamedTuple):

@@ -33,9 +33,9 @@ from safetensors.torch import load_file
 from vlmspec.data import toyworld
 from vlmspec.data.heldout import Conversation, heldout
 from vlmspec.draft.base import NoDrafter, TreeConfig
-from vlmspec.draft.eagle import EagleConfig, EagleDrafter, EagleHead
+from vlmspec.draft.eagle import EagleConfig, EagleDrafter, EagleHead, draft_vocabulary
 from vlmspec.engine import GenerationConfig, SpecEngine
-from vlmspec.prompts import encode_prompt
+from vlmspec.inputs import encode_prompt
 from vlmspec.sampling import SamplingParams
 from vlmspec.stats import SpecStats
 from vlmspec.target import Target
@@ -68,6 +68,10 @@ class DistillConfig:
     # ViSpec: train on the target's own (greedy) answers instead of the dataset's, cached on disk
     regenerate: bool = False
     regen_max_tokens: int = 256
+    # a trimmed draft vocabulary: the head predicts the K tokens the target writes most often in the
+    # first `draft_vocab_samples` training answers (VocabTrim / EAGLE-3's d2t); 0 = the whole vocabulary
+    draft_vocab: int = 0
+    draft_vocab_samples: int = 256
 
 
 # ------------------------------------------------------------------------------------ losses
@@ -172,11 +176,11 @@ def distill_losses(
         if not lmask.any():
             break
         w = 1.0 if row_weights is None else row_weights[:, None].expand(B, n)[lmask]
-        ce = (soft_ce(head.logits(h[lmask]), target_l[lmask]) * w).mean()
+        ce = (soft_ce(head.logits(h[lmask]), head.draft_view(target_l[lmask])) * w).mean()
         fl = (F.smooth_l1_loss(h[lmask].float(), target_f[lmask].float(), reduction="none").mean(-1) * w).mean()
         total = total + (cfg.w_ce * ce + cfg.w_feat * fl) / cfg.ttt_steps
         with torch.no_grad():
-            acc = (head.logits(h[lmask]).argmax(-1) == target_l[lmask].argmax(-1)).float().mean()
+            acc = (head.target_ids(head.logits(h[lmask]).argmax(-1)) == target_l[lmask].argmax(-1)).float().mean()
         stats.update({f"ce{j}": float(ce.detach()), f"feat{j}": float(fl.detach()), f"acc{j}": float(acc)})
         prev = h
     return total, stats
@@ -244,6 +248,23 @@ def teacher(target: Target, batch: dict[str, torch.Tensor], visual: bool = False
 
 
 # ------------------------------------------------------------------------------------ data
+def answer_token_counts(target: Target, batches: Iterator[list[Conversation]], n: int, regen: Any = None) -> torch.Tensor:
+    """[V] how often each token appears in the answers of the first `n` conversations of `batches`
+    (the target's own answers when `regen` is given), as the training labels mark them."""
+    counts = torch.zeros(target.vocab_size, dtype=torch.long)
+    seen = 0
+    for convs in batches:
+        if seen >= n:
+            break
+        convs = convs[: n - seen]
+        if regen is not None:
+            convs = [regen(c) for c in convs]
+        labels = encode_conversations(target.processor, convs)["labels"]
+        counts += torch.bincount(labels[labels != -100], minlength=target.vocab_size)[: target.vocab_size]
+        seen += len(convs)
+    return counts
+
+
 def conversations(data: str, cfg: DistillConfig, rank: int, start_step: int) -> Iterator[list[Conversation]]:
     """Batches of conversations; a pure function of (data, seed, rank, step) for exact resume."""
     if data == "toyworld":
@@ -389,6 +410,7 @@ def train_drafter(
     target.model.eval()
     torch.manual_seed(cfg.seed)
     ecfg = EagleConfig.from_target(target)
+    ecfg.draft_vocab_size = cfg.draft_vocab
     vis = VisualConfig.from_dict(cfg.visual)
     if not vis.is_plain:
         ecfg.extra["visual"] = vis.to_dict()
@@ -407,12 +429,18 @@ def train_drafter(
         opt.load_state_dict(torch.load(ck / "optimizer.pt", weights_only=True))
         state = json.loads((ck / "trainer_state.json").read_text())
     state["config"] = asdict(cfg)
+    regen = AnswerCache(out / f"answers_rank{rank}.jsonl", target, cfg.regen_max_tokens) if cfg.regenerate else None
+    if head.trimmed and not resume:
+        counts = answer_token_counts(target, conversations(data, cfg, rank, 0), cfg.draft_vocab_samples, regen)
+        d2t = draft_vocabulary(counts, cfg.draft_vocab, always=tuple(sorted(target.eos_token_ids)))
+        head.set_draft_vocab(d2t.to(head.d2t.device))
+        state["draft_vocab"] = {"size": cfg.draft_vocab, "coverage": float(counts[d2t].sum() / counts.sum().clamp(min=1)),
+                                "samples": cfg.draft_vocab_samples, "answer_tokens": int(counts.sum())}
     drafter = EagleDrafter(head, tree)
     held_out = heldout("distill-eval", cfg.eval_n)
     bar = tqdm(total=cfg.steps, initial=state["step"], disable=not progress or rank != 0, desc="train", dynamic_ncols=True)
     t0, elapsed0 = time.perf_counter(), state["elapsed_s"]
     tau_text = "-"
-    regen = AnswerCache(out / f"answers_rank{rank}.jsonl", target, cfg.regen_max_tokens) if cfg.regenerate else None
     for convs in conversations(data, cfg, rank, state["step"]):
         step = state["step"]
         if step >= cfg.steps or (stop_at is not None and step >= stop_at):
