@@ -4,7 +4,9 @@ The same engines answer the same held-out prompts two ways, interleaved prompt b
 repeat by repeat: directly, as `vlmspec generate` does (prompt encoding -> engine -> text), and
 through the running service (`POST /v1/chat/completions`, the image as a PNG data URL built before
 the clock starts). Both answers must be the same at temperature 0. Reported per request: the
-wall-clock time of each path, and the ratio server / direct with its spread.
+wall-clock time of each path, and the ratio server / direct with its spread. The order of the two
+paths alternates, so the geometric mean of the ratios cancels a first-of-pair effect; its 90%
+interval is a bootstrap over the requests (fixed seed).
 
     report = measure(engines, prompts, max_tokens=64, repeats=3)
 """
@@ -13,13 +15,15 @@ from __future__ import annotations
 
 import base64
 import io
+import math
+import random
 import statistics
 import time
 from typing import Any
 
 from vlmspec.data.heldout import Conversation
 from vlmspec.engine import GenerationConfig, SpecEngine
-from vlmspec.prompts import encode_prompt
+from vlmspec.inputs import encode_prompt
 from vlmspec.testing.live_server import LiveServer
 from vlmspec.text import generate_text
 
@@ -65,14 +69,16 @@ def _served(client: Any, url: str, body: dict[str, Any]) -> tuple[float, str]:
 
 
 def measure(engine: SpecEngine, prompts: list[Conversation], max_tokens: int = 64, repeats: int = 3,
-            stream: bool = False, warmup: int = 1) -> dict[str, Any]:
+            stream: bool = False, warmup: int = 1, progress: bool = False) -> dict[str, Any]:
     """Per prompt and repeat: direct seconds, served seconds (interleaved; the order alternates
     between repeats). Raises AssertionError when an answer differs between the two paths."""
     import httpx
+    from tqdm import tqdm
 
     rows = []
     app = create_app(engine, ServerSettings(model=MODEL_NAME, max_queue=4, request_timeout_s=600, ui=False))
-    with LiveServer(app) as srv, httpx.Client(timeout=600) as client:
+    bar = tqdm(total=len(prompts) * repeats, desc="server vs engine", unit="pair", disable=not progress, dynamic_ncols=True)
+    with LiveServer(app) as srv, httpx.Client(timeout=600) as client, bar:
         for i, conv in enumerate(prompts):
             body = _body(conv, max_tokens, stream)
             for _ in range(warmup):
@@ -86,12 +92,25 @@ def measure(engine: SpecEngine, prompts: list[Conversation], max_tokens: int = 6
                 (d, d_text), (s, s_text) = got["direct"], got["served"]
                 assert d_text == s_text, f"prompt {i}: the service answered {s_text!r}, the engine {d_text!r}"
                 rows.append({"prompt": i, "repeat": rep, "direct_s": d, "served_s": s, "ratio": s / d})
+                bar.update(1)
     ratios = [r["ratio"] for r in rows]
     q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
-    return {"rows": rows, "stream": stream, "max_tokens": max_tokens, "prompts": len(prompts), "repeats": repeats,
+    lo, hi = _bootstrap_geomean(ratios)
+    return {"geomean_ratio": _geomean(ratios), "geomean_lo": lo, "geomean_hi": hi, "rows": rows, "stream": stream, "max_tokens": max_tokens, "prompts": len(prompts), "repeats": repeats,
             "median_ratio": statistics.median(ratios), "ratio_q1": q[0], "ratio_q3": q[2],
             "min_ratio": min(ratios), "max_ratio": max(ratios),
             "direct_s_total": sum(r["direct_s"] for r in rows), "served_s_total": sum(r["served_s"] for r in rows)}
+
+
+def _geomean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def _bootstrap_geomean(xs: list[float], draws: int = 2000, level: float = 0.9) -> tuple[float, float]:
+    rng = random.Random(0)
+    means = sorted(_geomean(rng.choices(xs, k=len(xs))) for _ in range(draws))
+    cut = int(draws * (1 - level) / 2)
+    return means[cut], means[draws - 1 - cut]
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -99,7 +118,8 @@ def format_report(report: dict[str, Any]) -> str:
     total = r["served_s_total"] / r["direct_s_total"]
     return (f"server vs engine, {r['prompts']} prompts x {r['repeats']} repeats, {r['max_tokens']} tokens, "
             f"{'streamed' if r['stream'] else 'one response'}:\n"
-            f"  served / direct per request: median {r['median_ratio']:.3f} (quartiles {r['ratio_q1']:.3f}-{r['ratio_q3']:.3f}, "
+            f"  served / direct per request: geometric mean {r['geomean_ratio']:.3f} (90% bootstrap {r['geomean_lo']:.3f}-{r['geomean_hi']:.3f}); "
+            f"median {r['median_ratio']:.3f} (quartiles {r['ratio_q1']:.3f}-{r['ratio_q3']:.3f}, "
             f"range {r['min_ratio']:.3f}-{r['max_ratio']:.3f}); totals {r['served_s_total']:.2f} s / {r['direct_s_total']:.2f} s = {total:.3f}")
 
 

@@ -161,3 +161,42 @@ def test_divergences_are_located_and_their_top2_margin_measured_in_ulps():
     clear = torch.tensor([8.0, 6.0, 1.0])  # negative control: 2.0 apart is 32 ulps, no tie
     assert top2_margin_ulps(clear, torch.bfloat16)[1] == 32.0 > NEAR_TIE_ULPS
     assert top2_margin_ulps(tie, torch.float32)[1] == 0.125 * 2 ** 20  # fp32's ulp at 8 is 2^-20
+
+
+def test_adversarial_sets_are_what_they_say():
+    from conftest import tiny_target
+    from vlmspec.data.heldout import PHOTO_QUESTIONS, TEXT_PROMPTS, adversarial
+
+    import pytest
+
+    tok = tiny_target("llava").processor.tokenizer
+    photos = adversarial("photo_unknown", 3)
+    assert [c.prompt for c in photos] == list(PHOTO_QUESTIONS[:3]) and all(len(c.images) == 1 for c in photos)
+    assert len({c.images[0].size for c in photos}) > 1  # different photographs in turn
+    rand = adversarial("random_tokens", 2, tok, seed=4)
+    assert rand[0].prompt != rand[1].prompt and not rand[0].images and rand == adversarial("random_tokens", 2, tok, seed=4)
+    assert [c.prompt for c in adversarial("unseen_text", 2)] == list(TEXT_PROMPTS[:2])
+    with pytest.raises(ValueError, match="tokenizer"):
+        adversarial("random_tokens", 1)
+    with pytest.raises(ValueError, match="unknown adversarial"):
+        adversarial("nonsense", 1)
+
+
+def test_bench_adaptive_times_the_three_ways_per_category(tmp_path):
+    from conftest import tiny_target
+    from vlmspec.bench.adaptive import WAYS, categories, format_table, measure
+    from vlmspec.draft.base import TreeConfig
+    from vlmspec.draft.ngram import NgramDrafter
+    from vlmspec.engine import SpecEngine
+
+    target = tiny_target("llava")
+    engine = SpecEngine(target, NgramDrafter(TreeConfig(depth=3, top_k=2, total_tokens=6)))
+    cats = categories(target, 1)
+    assert set(cats) == {"in_domain", "photo_unknown", "random_tokens", "unseen_text"}
+    report = measure(engine, cats, temperatures=(0.0, 1.5), max_new_tokens=6, repeats=1, progress=False)
+    assert len(report["rows"]) == 4 * 2 and all(r[f"{w}_s"] > 0 for r in report["rows"] for w in WAYS)
+    assert {(s["category"], s["temperature"]) for s in report["summary"]} == {(c, t) for c in cats for t in (0.0, 1.5)}
+    for s in report["summary"]:
+        assert s["goodput_vs_plain_worst"] <= s["goodput_vs_plain"] * (1 + 1e-9) and sum(s["depths"].values()) > 0
+    table = format_table(report)
+    assert all(c in table for c in cats) and report["cost_model"]["step_s"] > 0

@@ -567,6 +567,7 @@ def test_server_bench_pairs_the_same_answers_and_times_both_paths(stream, monkey
     report = overhead.measure(engine, prompts, max_tokens=12, repeats=2, stream=stream, warmup=0)
     assert len(report["rows"]) == 4 and all(r["direct_s"] > 0 and r["served_s"] > 0 for r in report["rows"])
     assert report["min_ratio"] <= report["median_ratio"] <= report["max_ratio"]
+    assert report["min_ratio"] <= report["geomean_lo"] <= report["geomean_ratio"] <= report["geomean_hi"] <= report["max_ratio"]
     assert "served / direct" in overhead.format_report(report)
     real = overhead._direct
 

@@ -1,10 +1,12 @@
 """The speculative decoding loop, on token ids: draft a tree, verify it in one target forward, commit.
 
     prefill -> first token (root)
-    loop:  tree    = session.propose(root, max_depth)    # drafter
+    loop:  depth   = control.choose(max_depth)          # how deep to draft this step (vlmspec.control)
+           tree    = session.propose(root, depth)       # drafter
            out     = target.forward_tree(state, tree)   # ONE target forward over all N nodes
            verdict = verify(tree, out.logits)           # accepted path + recovered/bonus token
            target.commit(state, path); session.commit(...)  # keep the accepted KV entries
+           control.observe(tree depth, accepted)       # the request's acceptance history
            emit accepted tokens + next token; root = next token
 
 With the `none` drafter every tree is the root alone and this is plain autoregressive decoding,
@@ -21,6 +23,7 @@ from typing import Any, Iterator
 
 import torch
 
+from vlmspec.control import Controller, FixedPolicy, Policy
 from vlmspec.draft.base import Drafter, PromptContext, TreeConfig
 from vlmspec.sampling import SamplingParams, next_token
 from vlmspec.stats import SpecStats
@@ -40,6 +43,7 @@ class GenerationConfig:
     seed: int | None = None
     ignore_eos: bool = False
     tree: TreeConfig | None = None  # this request's draft-tree shape (None: the drafter's default)
+    policy: Policy | None = None  # how deep to draft each step (None: FixedPolicy, the tree's full depth)
     sync_timings: bool = True  # on CUDA, synchronise before each timing lap (exact split, one sync per lap)
 
     def __post_init__(self) -> None:
@@ -142,6 +146,7 @@ class _Request:
     config: GenerationConfig
     state: TargetState
     session: Any  # DraftSession
+    control: Controller  # this request's speculation controller
     rng: torch.Generator | None
     eos: set[int]
     clock: Clock
@@ -193,7 +198,8 @@ class SpecEngine:
         session = self.drafter.start(prompt, config.tree)
         clock.lap("draft")
         rng = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
-        req = _Request(config, state, session, rng, set() if config.ignore_eos else target.eos_token_ids, clock, state.seq_len)
+        control = (config.policy or FixedPolicy()).start()
+        req = _Request(config, state, session, control, rng, set() if config.ignore_eos else target.eos_token_ids, clock, state.seq_len)
         req.root = next_token(out.logits[0], config.sampling, rng)
         return req
 
@@ -204,7 +210,8 @@ class SpecEngine:
         if room < 0:
             return None
         max_depth = min(req.config.max_new_tokens - len(req.emitted) - 1, room)
-        tree = req.session.propose(req.root, max_depth).truncate_depth(max_depth)
+        depth = req.control.choose(max_depth)
+        tree = req.session.propose(req.root, depth).truncate_depth(depth)
         clock.lap("draft")
         out = target.forward_tree(state, tree)
         verdict = verify(tree, out.logits, req.config.sampling, req.rng)
@@ -214,7 +221,9 @@ class SpecEngine:
         clock.lap("commit")
         req.session.commit(tree.tokens[path], out.features[to_device(path, out.features.device)])
         clock.lap("draft")
-        req.stats.observe(tree.size - 1, verdict.num_accepted, int(tree.depth.max()))
+        drafted_depth = int(tree.depth.max())
+        req.stats.observe(tree.size - 1, verdict.num_accepted, drafted_depth)
+        req.control.observe(drafted_depth, verdict.num_accepted)
         req.root = verdict.next_token
         event = self._emit(req, tree.tokens[path[1:]].tolist() + [verdict.next_token], tree.size - 1, verdict.num_accepted)
         if not req.done and state.seq_len >= target.max_positions:

@@ -20,9 +20,10 @@ from pathlib import Path
 import torch
 
 from vlmspec import assets
+from vlmspec.control import CostModel, FixedPolicy
 from vlmspec.draft import NoDrafter, TreeConfig, load_drafter
 from vlmspec.draft.base import Drafter
-from vlmspec.engine import SpecEngine
+from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.errors import ConfigError
 from vlmspec.target import Target, load_target
 
@@ -113,3 +114,20 @@ def build_engine(spec: EngineSpec) -> SpecEngine:
 def plain_engine(engine: SpecEngine) -> SpecEngine:
     """Plain decoding through the same engine code over the same target (the oracle, the baseline)."""
     return SpecEngine(engine.target, NoDrafter())
+
+
+def measure_cost(engine: SpecEngine, inputs: dict, depths: tuple[int, ...] | None = None, tokens: int = 12, repeats: int = 2) -> CostModel:
+    """The engine's own step time at each depth (default: 0, 1 and the drafter's full depth, or
+    the default tree's for a drafter without one) on `inputs`, through a FixedPolicy per depth
+    (greedy, `tokens` new tokens, the best of `repeats`), fitted into a `CostModel` for the goodput
+    policy."""
+    full = (engine.drafter.tree or TreeConfig()).depth
+    depths = depths or tuple(sorted({0, 1, full}))
+    samples = {}
+    for depth in depths:
+        best = float("inf")
+        for _ in range(repeats):
+            r = engine.generate(inputs, GenerationConfig(max_new_tokens=tokens, ignore_eos=True, policy=FixedPolicy(depth)))
+            best = min(best, sum(v for k, v in r.timings.items() if k != "prefill") / max(r.stats.num_drafts, 1))
+        samples[depth] = best
+    return CostModel.fit(samples)

@@ -21,14 +21,14 @@ from vlmspec.cli.options import (
     positive_int,
 )
 
-BENCHES = ("run", "verify-cost", "kernel", "ablate", "server")
+BENCHES = ("run", "verify-cost", "kernel", "ablate", "server", "adaptive")
 DEFAULT = "run"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser(
         "bench",
-        help="speed of every method side by side (default: run), or verify-cost, kernel, ablate",
+        help="speed of every method side by side (default: run), or verify-cost, kernel, ablate, server, adaptive",
         description="Benchmarks. `vlmspec bench WHICH --help` for the options of each; without WHICH, `run`.",
     )
     which = b.add_subparsers(dest="bench", metavar="{" + ",".join(BENCHES) + "}", required=True)
@@ -58,6 +58,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--stream", action="store_true", help="stream the served answers (SSE) instead of one response")
     sv.add_argument("--json", dest="json_path", help="write the per-request rows and the summary here")
     sv.set_defaults(func=run_server_bench)
+
+    ad = which.add_parser("adaptive", help="adaptive speculation (goodput) vs plain decoding and the fixed tree, in domain and on "
+                                           "adversarial prompts (photos it cannot answer, random tokens, unseen text)")
+    add_engine_args(ad)
+    ad.add_argument("-n", type=positive_int("-n"), default=4, help="prompts per category")
+    ad.add_argument("--temperature", action="append", type=float_in("--temperature", 0.0, 100.0), default=[],
+                    help="sampling temperature (repeatable; default: 0 and 1.5)")
+    ad.add_argument("--repeats", type=positive_int("--repeats"), default=2, help="measured runs per prompt and way")
+    ad.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=64, help="new tokens per prompt (EOS ignored)")
+    ad.add_argument("--json", dest="json_path", help="write the per-prompt rows and the summary here")
+    ad.set_defaults(func=run_adaptive_bench)
 
     v = which.add_parser("verify-cost", help="ms per target forward over a tree of N nodes vs a one-token step")
     v.add_argument("--model", help="a model folder (default: a synthetic --shape with random weights)")
@@ -148,10 +159,26 @@ def run_server_bench(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as exc:
         raise UsageError(f"bench server needs the service's packages: pip install 'vlmspec[serve]' ({exc.name} is missing)") from None
     engine = factory.build_engine(engine_spec(args))
-    report = measure(engine, heldout("bench", args.n), max_tokens=args.max_new_tokens, repeats=args.repeats, stream=args.stream)
+    report = measure(engine, heldout("bench", args.n), max_tokens=args.max_new_tokens, repeats=args.repeats, stream=args.stream, progress=True)
     report["command"] = args.command_line
     print(format_report(report))
     if args.json_path:
+        Path(args.json_path).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def run_adaptive_bench(args: argparse.Namespace) -> int:
+    from vlmspec import factory
+    from vlmspec.bench.adaptive import categories, format_table, measure
+
+    engine = factory.build_engine(engine_spec(args))
+    if engine.drafter.tree is None:
+        raise UsageError("bench adaptive compares ways to speculate: give a drafter that drafts (--drafter eagle, ngram or a folder)")
+    report = measure(engine, categories(engine.target, args.n), tuple(args.temperature or (0.0, 1.5)), args.max_new_tokens, args.repeats)
+    report["command"] = args.command_line
+    print(format_table(report))
+    if args.json_path:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps(report, indent=2))
     return 0
 

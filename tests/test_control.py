@@ -1,0 +1,179 @@
+"""Adaptive speculation (vlmspec.control): the goodput choice on constructed acceptance histories
+and cost models, and the engine under policies that change the tree every step (greedy parity)."""
+import pytest
+import torch
+
+from conftest import tiny_target
+from drafters import OracleDrafter
+from vlmspec.control import AcceptanceTracker, CostModel, FixedPolicy, GoodputPolicy
+from vlmspec.draft.base import NoDrafter, TreeConfig
+from vlmspec.draft.eagle import EagleDrafter
+from vlmspec.draft.ngram import NgramDrafter
+from vlmspec.engine import GenerationConfig, SpecEngine
+from vlmspec.factory import measure_cost
+from vlmspec.inputs import encode_prompt
+from vlmspec.sampling import SamplingParams
+from vlmspec.testing.tiny import tiny_image
+
+# drafting a level costs a tenth of a target step, plus a fixed tenth
+CHEAP = CostModel(step_s=1.0, draft_s=0.1, per_level_s=0.1)
+# in between
+MID = CostModel(step_s=1.0, draft_s=0.2, per_level_s=0.1)
+# drafting costs as much as verifying (the toy's regime)
+DEAR = CostModel(step_s=1.0, draft_s=0.5, per_level_s=0.4)
+
+
+def test_cost_model_fit_recovers_a_linear_cost_and_refuses_too_little():
+    truth = CostModel(step_s=0.05, draft_s=0.01, per_level_s=0.004)
+    fitted = CostModel.fit({d: truth.seconds(d) for d in (0, 1, 3, 5)})
+    assert fitted.step_s == pytest.approx(0.05) and fitted.draft_s == pytest.approx(0.01) and fitted.per_level_s == pytest.approx(0.004)
+    one = CostModel.fit({0: 1.0, 4: 1.8})  # one drafted depth: all of the extra per level
+    assert one.seconds(4) == pytest.approx(1.8) and one.draft_s == 0
+    assert CostModel.fit({0: 1.0, 2: 0.9}).seconds(2) == 1.0  # noise below the base: drafting is not free, but not negative
+    with pytest.raises(ValueError, match="depth 0"):
+        CostModel.fit({1: 1.0, 2: 1.2})
+    with pytest.raises(ValueError, match="step_s > 0"):
+        CostModel(step_s=0.0)
+
+
+def _history(policy: GoodputPolicy, steps: list[tuple[int, int]]) -> AcceptanceTracker:
+    ctl = policy.start()
+    for depth, accepted in steps:
+        ctl.observe(depth, accepted)
+    return ctl
+
+
+def test_expected_tokens_follow_the_conditional_acceptance_chain():
+    # 10 steps at depth 3: depth 1 always accepted, depth 2 half the time, depth 3 never
+    ctl = _history(GoodputPolicy(CHEAP, prior_weight=1e-9, decay=1.0), [(3, 1)] * 5 + [(3, 2)] * 5)
+    assert ctl.accept_rates(3) == pytest.approx([1.0, 0.5, 0.0], abs=1e-6)
+    assert ctl.expected_tokens(0) == 1.0 and ctl.expected_tokens(3) == pytest.approx(1 + 1 + 0.5 + 0, abs=1e-6)
+    assert ctl.choose(3) == 2  # depth 3 costs more and adds nothing
+
+
+def test_goodput_stops_drafting_when_acceptance_collapses_and_goes_deep_when_it_is_high():
+    policy = GoodputPolicy(MID)
+    high = _history(policy, [(5, 5)] * 8)
+    assert high.choose(5) == 5
+    assert high.choose(2) == 2  # never past max_depth
+    collapsed = _history(policy, [(5, 5)] * 8 + [(5, 0)] * 10)
+    assert collapsed.choose(5) == 0
+    # negative control: the same collapsed history with a free drafter still drafts (nothing to lose)
+    free = _history(GoodputPolicy(CostModel(step_s=1.0)), [(5, 5)] * 8 + [(5, 0)] * 10)
+    assert free.choose(5) > 0
+    # where drafting is dear, a middling acceptance is not worth it; where it is cheap, it is
+    middling = [(3, 1), (3, 2), (3, 0), (3, 1)] * 3
+    assert _history(GoodputPolicy(DEAR), middling).choose(3) == 0
+    assert _history(GoodputPolicy(CHEAP), middling).choose(3) > 0
+
+
+def test_after_a_collapse_the_estimates_drift_back_and_drafting_is_tried_again():
+    policy = GoodputPolicy(MID, prior_accept=0.7, decay=0.8)
+    ctl = _history(policy, [(4, 0)] * 6)
+    assert ctl.choose(4) == 0
+    tried = None
+    for step in range(40):  # no-draft steps teach nothing; the old evidence fades
+        depth = ctl.choose(4)
+        if depth > 0:
+            tried = step
+            break
+        ctl.observe(0, 0)
+    assert tried is not None and tried > 0
+
+
+def test_policies_validate_and_fixed_is_the_full_depth():
+    assert FixedPolicy().start().choose(7) == 7 and FixedPolicy(2).start().choose(7) == 2 and FixedPolicy(2).start().choose(1) == 1
+    with pytest.raises(ValueError):
+        GoodputPolicy(CHEAP, prior_accept=1.0)
+    with pytest.raises(ValueError):
+        GoodputPolicy(CHEAP, decay=0.0)
+
+
+class CyclingPolicy:
+    """Changes the depth every step (0, 1, ..., 5, 0, ...): the engine must stay exact whatever
+    the controller picks."""
+
+    name = "cycling"
+
+    def start(self):
+        return self
+
+    def __init__(self):
+        self.n = 0
+        self.seen = []
+
+    def choose(self, max_depth: int) -> int:
+        self.n += 1
+        return min(self.n % 6, max_depth)
+
+    def observe(self, depth: int, num_accepted: int) -> None:
+        self.seen.append((depth, num_accepted))
+
+
+@pytest.mark.parametrize("kind", ["image", "text"])
+def test_greedy_parity_under_every_policy(kind):
+    target = tiny_target("llava")
+    inputs = encode_prompt(target, "describe the image in detail" if kind == "image" else "once upon a time", [tiny_image(0)] if kind == "image" else [])
+    new = 40
+    plain = SpecEngine(target, NoDrafter()).generate(inputs, GenerationConfig(max_new_tokens=new, ignore_eos=True)).token_ids
+    tree = TreeConfig(depth=5, top_k=3, total_tokens=12)
+    drafters = {"ngram": NgramDrafter(tree), "eagle_random": EagleDrafter.random_init(target, tree, seed=1),
+                "oracle": OracleDrafter(plain, depth=5, vocab=target.vocab_size)}
+    for name, drafter in drafters.items():
+        engine = SpecEngine(target, drafter)
+        cost = measure_cost(engine, inputs, tokens=6, repeats=1)
+        for policy in (FixedPolicy(), FixedPolicy(0), GoodputPolicy(cost), GoodputPolicy(DEAR), CyclingPolicy()):
+            got = engine.generate(inputs, GenerationConfig(max_new_tokens=new, ignore_eos=True, policy=policy))
+            assert got.token_ids == plain, f"{kind}/{name}/{policy.name} diverged from plain decoding"
+        if name == "oracle":  # the oracle is always right: goodput keeps drafting, and deep
+            ctl = GoodputPolicy(cost).start()
+            engine.generate(inputs, GenerationConfig(max_new_tokens=new, ignore_eos=True, policy=_Keep(ctl)))
+            assert ctl.chosen and sum(d > 0 for d in ctl.chosen) >= len(ctl.chosen) - 1
+
+
+class _Keep:
+    """A policy handing out one given controller (to read its choices afterwards)."""
+
+    name = "keep"
+
+    def __init__(self, ctl):
+        self.ctl = ctl
+
+    def start(self):
+        return self.ctl
+
+
+def test_a_fixed_depth_zero_is_plain_decoding_and_sampling_stays_seeded():
+    target = tiny_target("llava")
+    inputs = encode_prompt(target, "once upon a time", [])
+    engine = SpecEngine(target, NgramDrafter(TreeConfig(depth=3, top_k=2, total_tokens=6)))
+    r = engine.generate(inputs, GenerationConfig(max_new_tokens=16, ignore_eos=True, policy=FixedPolicy(0)))
+    assert r.num_drafted == 0 and r.num_target_forwards == 16
+    cfg = dict(max_new_tokens=16, ignore_eos=True, sampling=SamplingParams(temperature=1.0), seed=3)
+    a = engine.generate(inputs, GenerationConfig(**cfg, policy=GoodputPolicy(CHEAP)))
+    b = engine.generate(inputs, GenerationConfig(**cfg, policy=GoodputPolicy(CHEAP)))
+    assert a.token_ids == b.token_ids
+
+
+def test_steps_without_a_draft_run_no_drafter_forward():
+    """A plain step under the controller costs the target's step only: the EAGLE head's pairs wait
+    for the next drafted step (then run in one forward) instead of running every step."""
+    target = tiny_target("llava")
+    inputs = encode_prompt(target, "once upon a time", [])
+    drafter = EagleDrafter.random_init(target, TreeConfig(depth=3, top_k=2, total_tokens=6), seed=2)
+    calls = []
+    real = drafter.head.forward
+    drafter.head.forward = lambda *a, **k: calls.append(a[0].shape[-1]) or real(*a, **k)
+    plain = SpecEngine(target, NoDrafter()).generate(inputs, GenerationConfig(max_new_tokens=12, ignore_eos=True)).token_ids
+    got = SpecEngine(target, drafter).generate(inputs, GenerationConfig(max_new_tokens=12, ignore_eos=True, policy=FixedPolicy(0)))
+    assert got.token_ids == plain and len(calls) == 1  # the prompt's rows at the first step, nothing after
+    calls.clear()
+
+    class ThenDraft(CyclingPolicy):  # four plain steps, then one drafted step
+        def choose(self, max_depth):
+            self.n += 1
+            return 0 if self.n <= 5 else max_depth
+
+    got = SpecEngine(target, drafter).generate(inputs, GenerationConfig(max_new_tokens=12, ignore_eos=True, policy=ThenDraft()))
+    assert got.token_ids == plain
+    assert calls[0] > 1 and calls[1] == 5  # the prompt; then the 5 waiting pairs in one forward, then the tree's levels

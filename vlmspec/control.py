@@ -1,0 +1,177 @@
+"""Adaptive speculation: how many levels to draft at each step of a request (SmartSpec's goodput).
+
+The engine asks the request's controller before every step and tells it what happened after;
+the policy itself is shared and stateless, the acceptance history is the request's own:
+
+    ctl = policy.start()                      # one per request
+    depth = ctl.choose(max_depth)             # 0: no draft this step (a plain decoding step)
+    ctl.observe(depth, num_accepted)          # after verification
+
+`FixedPolicy` always drafts the drafter's full depth (what the engine did before). `GoodputPolicy`
+maximises the expected goodput of the step, emitted tokens per second:
+
+    E[D] = 1 + sum_{k=1..D} prod_{d=1..k} a_d     a_d = P(the depth-d token is accepted | depth d-1 was)
+    T[D] = cost.seconds(D)                        a step that drafts D levels (CostModel)
+    D*   = argmax_{D in 0..max_depth} E[D] / T[D]
+
+a_d is estimated per request from decayed counts under a Beta prior (for a_1 `prior_accept`, for
+each deeper a_d the estimate of a_(d-1)): a collapse of acceptance shows within a few steps, and while nothing is drafted the estimates drift back to the prior, so
+the policy tries drafting again now and then. The cost model is measured at start-up through the
+engine itself (`vlmspec.factory.measure_cost`) or given; only ratios of its times matter.
+
+Batched serving will pass the batch's size to `choose` and a cost model per batch size (SmartSpec's
+goodput is defined over the batch); today a step serves one request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds of one engine step that drafts `depth` levels: step_s for depth 0 (the target's
+    one-token step with the drafter's bookkeeping), plus draft_s + per_level_s * depth otherwise."""
+
+    step_s: float
+    draft_s: float = 0.0
+    per_level_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.step_s > 0 or self.draft_s < 0 or self.per_level_s < 0:
+            raise ValueError(f"a cost model needs step_s > 0 and non-negative extras, got {self}")
+
+    def seconds(self, depth: int) -> float:
+        return self.step_s if depth <= 0 else self.step_s + self.draft_s + self.per_level_s * depth
+
+    @classmethod
+    def fit(cls, samples: dict[int, float]) -> "CostModel":
+        """{depth: measured seconds per step} with depth 0 and at least one depth >= 1 -> the model
+        (per-level slope by least squares over the drafted depths, clipped at 0)."""
+        if 0 not in samples or not any(d > 0 for d in samples):
+            raise ValueError(f"fit needs depth 0 and a drafted depth, got {sorted(samples)}")
+        base = samples[0]
+        drafted = sorted((d, s - base) for d, s in samples.items() if d > 0)
+        if len(drafted) == 1:
+            d, extra = drafted[0]
+            return cls(base, 0.0, max(extra, 0.0) / d)
+        n = len(drafted)
+        mx, my = sum(d for d, _ in drafted) / n, sum(e for _, e in drafted) / n
+        slope = sum((d - mx) * (e - my) for d, e in drafted) / sum((d - mx) ** 2 for d, _ in drafted)
+        slope = max(slope, 0.0)
+        return cls(base, max(my - slope * mx, 0.0), slope)
+
+
+class Controller(Protocol):
+    def choose(self, max_depth: int) -> int:
+        """Levels to draft this step, 0..max_depth."""
+        ...
+
+    def observe(self, depth: int, num_accepted: int) -> None:
+        """The step drafted `depth` levels and `num_accepted` tokens of its path were accepted."""
+        ...
+
+
+class Policy(Protocol):
+    name: str
+
+    def start(self) -> Controller:
+        """One request's controller."""
+        ...
+
+
+@dataclass(frozen=True)
+class FixedPolicy:
+    """Always the same depth (None: as deep as the drafter's tree goes)."""
+
+    depth: int | None = None
+    name: str = "fixed"
+
+    def start(self) -> Controller:
+        return _Fixed(self.depth)
+
+
+class _Fixed:
+    def __init__(self, depth: int | None) -> None:
+        self.depth = depth
+
+    def choose(self, max_depth: int) -> int:
+        return max_depth if self.depth is None else min(self.depth, max_depth)
+
+    def observe(self, depth: int, num_accepted: int) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class GoodputPolicy:
+    """SmartSpec's choice of depth by expected goodput (see the module docstring)."""
+
+    cost: CostModel
+    prior_accept: float = 0.5  # prior mean of each a_d
+    prior_weight: float = 2.0  # its strength in pseudo-observations
+    decay: float = 0.8  # per step: older observations count this much less (memory of about 5 steps)
+    name: str = "goodput"
+
+    def __post_init__(self) -> None:
+        if not (0 < self.prior_accept < 1 and self.prior_weight > 0 and 0 < self.decay <= 1):
+            raise ValueError(f"goodput policy: prior in (0, 1), weight > 0, decay in (0, 1], got {self}")
+
+    def start(self) -> Controller:
+        return AcceptanceTracker(self)
+
+
+@dataclass
+class AcceptanceTracker:
+    """One request's decayed per-depth counts and the goodput choice over them."""
+
+    policy: GoodputPolicy
+    reached: list[float] = field(default_factory=list)  # [d]: decayed steps that drafted depth d+1
+    accepted: list[float] = field(default_factory=list)  # [d]: of those, decayed accepts at depth d+1
+    chosen: list[int] = field(default_factory=list)  # the depth of every step, in order
+
+    def accept_rates(self, depth: int) -> list[float]:
+        """Posterior means of a_1..a_depth. a_1's prior mean is `prior_accept`; each deeper a_d's
+        is a_(d-1)'s estimate, so depths a collapse keeps from being reached are not left at an
+        optimistic prior."""
+        p = self.policy
+        rates, prior = [], p.prior_accept
+        for d in range(depth):
+            r = self.reached[d] if d < len(self.reached) else 0.0
+            a = self.accepted[d] if d < len(self.accepted) else 0.0
+            prior = (a + prior * p.prior_weight) / (r + p.prior_weight)
+            rates.append(prior)
+        return rates
+
+    def expected_tokens(self, depth: int) -> float:
+        """E[D]: the step's root token plus the expected accepted run."""
+        total, run = 1.0, 1.0
+        for a in self.accept_rates(depth):
+            run *= a
+            total += run
+        return total
+
+    def goodput(self, depth: int) -> float:
+        return self.expected_tokens(depth) / self.policy.cost.seconds(depth)
+
+    def choose(self, max_depth: int) -> int:
+        best = max(range(max(max_depth, 0) + 1), key=lambda d: (self.goodput(d), -d))
+        self.chosen.append(best)
+        return best
+
+    def observe(self, depth: int, num_accepted: int) -> None:
+        assert 0 <= num_accepted <= depth, (depth, num_accepted)
+        k = self.policy.decay
+        self.reached = [x * k for x in self.reached]
+        self.accepted = [x * k for x in self.accepted]
+        while len(self.reached) < depth:
+            self.reached.append(0.0)
+            self.accepted.append(0.0)
+        for d in range(min(depth, num_accepted + 1)):  # depths past the first rejection were not reached on the path
+            self.reached[d] += 1.0
+            self.accepted[d] += float(d < num_accepted)
+
+
+POLICIES = ("goodput", "fixed")
+
+__all__ = ["AcceptanceTracker", "Controller", "CostModel", "FixedPolicy", "GoodputPolicy", "POLICIES", "Policy"]
