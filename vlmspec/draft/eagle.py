@@ -397,7 +397,7 @@ class _EagleSession:
 
     def commit(self, token_ids: torch.Tensor, features: torch.Tensor) -> None:
         """token_ids [k] (root + accepted, any device), features [k, H] (the target's, on its device).
-        They wait, with any a step without a draft left, until the next drafted step runs the head."""
+        They wait, with those of earlier steps that drafted nothing, until the next drafted step runs the head."""
         assert self.prompt is None and self.pending_next.shape[0] == self.pending_feats.shape[0], "propose() must run between commits"
         self.pending_feats = torch.cat([self.pending_feats, features.to(self.device, self.dtype)])
         self.pending_next = torch.cat([self.pending_next, to_device(token_ids[1:], self.device)])
