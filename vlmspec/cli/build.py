@@ -29,10 +29,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--lr", type=float_in("--lr", 0.0, 1.0, low_open=True), default=1e-3, help="the projector's peak rate")
     a.add_argument("--lora-lr", type=float_in("--lora-lr", 0.0, 1.0, low_open=True), default=4e-4, help="the LoRA pairs' peak learning rate")
     a.add_argument("--lora-rank", type=positive_int("--lora-rank"), default=16, help='LoRA rank on every projection of the 30 decoder layers (alpha = 2 x rank)')
-    a.add_argument("--followups", type=int, default=6, help="more questions about each image in its training dialogue (0: one question per image)")
+    a.add_argument("--followups", type=int, default=4, help="more questions about each image in its training dialogue (0: one question per image)")
     a.add_argument("--aux-weight", type=float_in("--aux-weight", 0.0, 100.0), default=0.2, help="weight of the scene-probe loss on the image tokens during SFT")
     a.add_argument("--probe-steps", type=int, default=80, help="stage 0: steps of the projector on the scene probes alone (0: none)")
-    a.add_argument("--probe-cells", action="store_true", help="the probes read the image tokens pooled to cells (attempt 3) instead of every token")
+    a.add_argument("--probe-tokens", action="store_true", help="the probes ask every image token about its own cell instead of reading cells pooled (attempt 4; measured worse)")
     a.add_argument("--text-pairs", type=int, default=96, help="text-only pairs the base model writes itself (Magpie) to keep its text behaviour (0: none)")
     a.add_argument("--text-per-step", type=int, default=1, help="of those text pairs in each batch")
     a.add_argument("--minutes", type=float_in("--minutes", 0.0, 1e6, low_open=True), default=None, help="wall-clock budget of this run")
@@ -64,7 +64,7 @@ def run_train_align(args: argparse.Namespace) -> int:
         raise UsageError(f"--resume: no checkpoint in {args.out}/checkpoint")
     cfg = AlignConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, lora_lr=args.lora_lr, lora_rank=args.lora_rank,
                       lora_alpha=2.0 * args.lora_rank, minutes=args.minutes, seed=args.seed, followups=args.followups,
-                      aux_weight=args.aux_weight, probe_steps=args.probe_steps, probe_per_token=not args.probe_cells,
+                      aux_weight=args.aux_weight, probe_steps=args.probe_steps, probe_per_token=args.probe_tokens,
                       text_pairs=args.text_pairs, text_per_step=args.text_per_step)
     train_align(args.base, args.out, cfg, resume=args.resume)
     return 0
