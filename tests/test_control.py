@@ -52,19 +52,19 @@ def test_expected_tokens_follow_the_conditional_acceptance_chain():
 
 
 def test_goodput_stops_drafting_when_acceptance_collapses_and_goes_deep_when_it_is_high():
-    policy = GoodputPolicy(MID)
+    policy = GoodputPolicy(MID, prior_accept=0.5)
     high = _history(policy, [(5, 5)] * 8)
     assert high.choose(5) == 5
     assert high.choose(2) == 2  # never past max_depth
     collapsed = _history(policy, [(5, 5)] * 8 + [(5, 0)] * 10)
     assert collapsed.choose(5) == 0
     # negative control: the same collapsed history with a free drafter still drafts (nothing to lose)
-    free = _history(GoodputPolicy(CostModel(step_s=1.0)), [(5, 5)] * 8 + [(5, 0)] * 10)
+    free = _history(GoodputPolicy(CostModel(step_s=1.0), prior_accept=0.5), [(5, 5)] * 8 + [(5, 0)] * 10)
     assert free.choose(5) > 0
     # where drafting is dear, a middling acceptance is not worth it; where it is cheap, it is
     middling = [(3, 1), (3, 2), (3, 0), (3, 1)] * 3
-    assert _history(GoodputPolicy(DEAR), middling).choose(3) == 0
-    assert _history(GoodputPolicy(CHEAP), middling).choose(3) > 0
+    assert _history(GoodputPolicy(DEAR, prior_accept=0.5), middling).choose(3) == 0
+    assert _history(GoodputPolicy(CHEAP, prior_accept=0.5), middling).choose(3) > 0
 
 
 def test_after_a_collapse_the_estimates_drift_back_and_drafting_is_tried_again():
@@ -177,3 +177,15 @@ def test_steps_without_a_draft_run_no_drafter_forward():
     got = SpecEngine(target, drafter).generate(inputs, GenerationConfig(max_new_tokens=12, ignore_eos=True, policy=ThenDraft()))
     assert got.token_ids == plain
     assert calls[0] > 1 and calls[1] == 5  # the prompt; then the 5 waiting pairs in one forward, then the tree's levels
+
+
+def test_the_controller_chooses_within_the_drafters_tree():
+    target = tiny_target("llava")
+    inputs = encode_prompt(target, "once upon a time", [])
+    engine = SpecEngine(target, NgramDrafter(TreeConfig(depth=3, top_k=2, total_tokens=6)))
+    ctl = GoodputPolicy(CostModel(step_s=1.0)).start()  # free drafting: always as deep as allowed
+    engine.generate(inputs, GenerationConfig(max_new_tokens=20, ignore_eos=True, policy=_Keep(ctl)))
+    assert max(ctl.chosen) == 3
+    ctl = GoodputPolicy(CostModel(step_s=1.0)).start()
+    engine.generate(inputs, GenerationConfig(max_new_tokens=20, ignore_eos=True, policy=_Keep(ctl), tree=TreeConfig(depth=2, top_k=2, total_tokens=4)))
+    assert max(ctl.chosen) == 2  # the request's own tree

@@ -16,7 +16,8 @@ maximises the expected goodput of the step, emitted tokens per second:
 
 a_d is estimated per request from decayed counts under a Beta prior (for a_1 `prior_accept`, for
 each deeper a_d the estimate of a_(d-1)): a collapse of acceptance shows within a few steps, and while nothing is drafted the estimates drift back to the prior, so
-the policy tries drafting again now and then. The cost model is measured at start-up through the
+the policy tries drafting again now and then (slowly: `idle_decay` per plain step, so a drafter that
+keeps failing costs a retry every few dozen steps, not every few). The cost model is measured at start-up through the
 engine itself (`vlmspec.factory.measure_cost`) or given; only ratios of its times matter.
 
 Batched serving will pass the batch's size to `choose` and a cost model per batch size (SmartSpec's
@@ -108,14 +109,15 @@ class GoodputPolicy:
     """SmartSpec's choice of depth by expected goodput (see the module docstring)."""
 
     cost: CostModel
-    prior_accept: float = 0.5  # prior mean of each a_d
+    prior_accept: float = 0.8  # prior mean of a_1 (optimistic: a request starts by drafting and learns)
     prior_weight: float = 2.0  # its strength in pseudo-observations
-    decay: float = 0.8  # per step: older observations count this much less (memory of about 5 steps)
+    decay: float = 0.8  # per drafted step: older observations count this much less (memory of about 5 steps)
+    idle_decay: float = 0.97  # per step without a draft: the drift back to the prior (a retry after ~10-50 steps)
     name: str = "goodput"
 
     def __post_init__(self) -> None:
-        if not (0 < self.prior_accept < 1 and self.prior_weight > 0 and 0 < self.decay <= 1):
-            raise ValueError(f"goodput policy: prior in (0, 1), weight > 0, decay in (0, 1], got {self}")
+        if not (0 < self.prior_accept < 1 and self.prior_weight > 0 and 0 < self.decay <= 1 and 0 < self.idle_decay <= 1):
+            raise ValueError(f"goodput policy: prior in (0, 1), weight > 0, decays in (0, 1], got {self}")
 
     def start(self) -> Controller:
         return AcceptanceTracker(self)
@@ -161,7 +163,7 @@ class AcceptanceTracker:
 
     def observe(self, depth: int, num_accepted: int) -> None:
         assert 0 <= num_accepted <= depth, (depth, num_accepted)
-        k = self.policy.decay
+        k = self.policy.decay if depth > 0 else self.policy.idle_decay
         self.reached = [x * k for x in self.reached]
         self.accepted = [x * k for x in self.accepted]
         while len(self.reached) < depth:

@@ -210,6 +210,9 @@ class SpecEngine:
         if room < 0:
             return None
         max_depth = min(req.config.max_new_tokens - len(req.emitted) - 1, room)
+        shape = req.config.tree or self.drafter.tree
+        if shape is not None:  # the controller chooses within the drafter's tree
+            max_depth = min(max_depth, shape.depth)
         depth = req.control.choose(max_depth)
         tree = req.session.propose(req.root, depth).truncate_depth(depth)
         clock.lap("draft")
