@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import base64
 import io
-import math
-import random
+import json
 import statistics
 import time
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 from vlmspec.data.heldout import Conversation
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.inputs import encode_prompt
+from vlmspec.stats import bootstrap_geomean, geomean
 from vlmspec.testing.live_server import LiveServer
 from vlmspec.text import generate_text
 
@@ -53,8 +53,6 @@ def _direct(engine: SpecEngine, conv: Conversation, max_tokens: int) -> tuple[fl
 def _served(client: Any, url: str, body: dict[str, Any]) -> tuple[float, str]:
     t0 = time.perf_counter()
     if body["stream"]:
-        import json
-
         parts = []
         with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
             r.raise_for_status()
@@ -95,22 +93,11 @@ def measure(engine: SpecEngine, prompts: list[Conversation], max_tokens: int = 6
                 bar.update(1)
     ratios = [r["ratio"] for r in rows]
     q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
-    lo, hi = _bootstrap_geomean(ratios)
-    return {"geomean_ratio": _geomean(ratios), "geomean_lo": lo, "geomean_hi": hi, "rows": rows, "stream": stream, "max_tokens": max_tokens, "prompts": len(prompts), "repeats": repeats,
+    lo, hi = bootstrap_geomean(ratios)
+    return {"geomean_ratio": geomean(ratios), "geomean_lo": lo, "geomean_hi": hi, "rows": rows, "stream": stream, "max_tokens": max_tokens, "prompts": len(prompts), "repeats": repeats,
             "median_ratio": statistics.median(ratios), "ratio_q1": q[0], "ratio_q3": q[2],
             "min_ratio": min(ratios), "max_ratio": max(ratios),
             "direct_s_total": sum(r["direct_s"] for r in rows), "served_s_total": sum(r["served_s"] for r in rows)}
-
-
-def _geomean(xs: list[float]) -> float:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs))
-
-
-def _bootstrap_geomean(xs: list[float], draws: int = 2000, level: float = 0.9) -> tuple[float, float]:
-    rng = random.Random(0)
-    means = sorted(_geomean(rng.choices(xs, k=len(xs))) for _ in range(draws))
-    cut = int(draws * (1 - level) / 2)
-    return means[cut], means[draws - 1 - cut]
 
 
 def format_report(report: dict[str, Any]) -> str:

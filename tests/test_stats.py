@@ -38,3 +38,16 @@ def test_plain_decoding_has_tau_one_and_no_positions():
 def test_impossible_observation_is_refused():
     with pytest.raises(AssertionError):
         SpecStats().observe(num_drafted=2, num_accepted=3, tree_depth=3)
+
+
+def test_geometric_mean_and_its_bootstrap_interval():
+    import math
+
+    from vlmspec.stats import bootstrap_geomean, geomean
+
+    assert geomean([1.0, 4.0]) == 2.0 and math.isnan(geomean([]))
+    xs = [0.9, 1.0, 1.1, 1.05, 0.95, 1.2, 0.85, 1.0]
+    lo, hi = bootstrap_geomean(xs)
+    assert min(xs) <= lo <= geomean(xs) <= hi <= max(xs)
+    assert bootstrap_geomean(xs) == (lo, hi)  # seeded
+    assert bootstrap_geomean([1.0] * 5) == (1.0, 1.0)  # no spread, no interval

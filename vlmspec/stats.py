@@ -13,6 +13,8 @@ through the engine has mean accepted length 1.0.
 
 from __future__ import annotations
 
+import math
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,3 +78,17 @@ class SpecStats:
             "mean_accepted_length": self.mean_accepted_length,
             "acceptance_by_position": self.acceptance_by_position,
         }
+
+
+def geomean(xs: list[float]) -> float:
+    """Geometric mean of positive numbers (speed ratios); nan for none."""
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def bootstrap_geomean(xs: list[float], draws: int = 2000, level: float = 0.9, seed: int = 0) -> tuple[float, float]:
+    """Percentile-bootstrap interval (`level`) of the geometric mean over the items of `xs` (fixed seed)."""
+    rng = random.Random(seed)
+    means = sorted(geomean(rng.choices(xs, k=len(xs))) for _ in range(draws))
+    cut = int(draws * (1 - level) / 2)
+    return means[cut], means[draws - 1 - cut]
+

@@ -17,7 +17,6 @@ keeps, and the depths the controller chose.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import Counter
 from typing import Any
@@ -29,6 +28,7 @@ from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.factory import measure_cost
 from vlmspec.inputs import encode_prompt
 from vlmspec.sampling import SamplingParams
+from vlmspec.stats import geomean
 
 WAYS = ("plain", "fixed", "goodput")
 
@@ -51,10 +51,6 @@ def categories(target: Any, n: int, seed: int = 0) -> dict[str, list[Conversatio
     cats = {"in_domain": heldout("bench", n)}
     cats.update({kind: adversarial(kind, n, tok, seed) for kind in ADVERSARIAL})
     return cats
-
-
-def _geomean(xs: list[float]) -> float:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
 def measure(engine: SpecEngine, cats: dict[str, list[Conversation]], temperatures: tuple[float, ...] = (0.0, 1.5),
@@ -105,7 +101,7 @@ def summarise(rows: list[dict[str, Any]], max_new_tokens: int) -> list[dict[str,
         depths: Counter = Counter()
         for r in sel:
             depths.update({int(k): v for k, v in r["depths"].items()})
-        fixed_gain, good_gain = _geomean(f_vs_plain), _geomean(g_vs_plain)
+        fixed_gain, good_gain = geomean(f_vs_plain), geomean(g_vs_plain)
         out.append({"category": key[0], "temperature": key[1], "prompts": len(sel), **{f"{w}_tok_s": tps[w] for w in WAYS},
                     "goodput_vs_plain": good_gain, "goodput_vs_plain_worst": min(g_vs_plain), "fixed_vs_plain": fixed_gain,
                     "goodput_keeps_of_fixed": good_gain / fixed_gain if fixed_gain > 0 else float("nan"),

@@ -14,11 +14,14 @@ with.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 from PIL import Image
 
+from vlmspec.assets import SAMPLE_IMAGES
 from vlmspec.data import toyworld
+from vlmspec.inputs import load_image_file
 
 
 @dataclass
@@ -109,12 +112,7 @@ def adversarial(kind: str, n: int, tokenizer=None, seed: int = 0, words: int = 2
     ToyWorld renders left out) in turn with PHOTO_QUESTIONS; random_tokens: `words` vocabulary
     tokens drawn uniformly (needs `tokenizer`; special tokens left out), decoded; unseen_text:
     TEXT_PROMPTS in turn."""
-    import random
-
     if kind == "photo_unknown":
-        from vlmspec.assets import SAMPLE_IMAGES
-        from vlmspec.inputs import load_image_file
-
         photos = sorted(p for p in SAMPLE_IMAGES.glob("*.jpg"))
         assert photos, f"no sample photographs in {SAMPLE_IMAGES}"
         return [Conversation(PHOTO_QUESTIONS[i % len(PHOTO_QUESTIONS)], "", [load_image_file(photos[i % len(photos)])], kind) for i in range(n)]

@@ -72,9 +72,13 @@ def _generate(model: Any, tokenizer: Any, texts: list[str], max_new_tokens: int,
     return result
 
 
+def _key(prompt: str) -> str:
+    """An instruction up to case and spacing (what counts as a repeat)."""
+    return " ".join(prompt.lower().split())
+
+
 def _usable(prompt: str, seen: set[str]) -> bool:
-    key = " ".join(prompt.lower().split())
-    return len(prompt.split()) >= 3 and "<|" not in prompt and key not in seen
+    return len(prompt.split()) >= 3 and "<|" not in prompt and _key(prompt) not in seen
 
 
 Pair = tuple[str, str, bool]  # (instruction, greedy answer, the answer ended within answer_tokens)
@@ -86,7 +90,7 @@ def magpie_pairs(model: Any, tokenizer: Any, cfg: MagpieConfig = MagpieConfig(),
     from tqdm import tqdm
 
     opening = user_turn_opening(tokenizer)
-    seen = {" ".join(p.lower().split()) for p in TEXT_PROMPTS}
+    seen = {_key(p) for p in TEXT_PROMPTS}
     pairs: list[Pair] = []
     bar = tqdm(total=cfg.n, desc="magpie pairs", disable=not progress, dynamic_ncols=True)
     for rnd in range(cfg.max_rounds):
@@ -96,7 +100,7 @@ def magpie_pairs(model: Any, tokenizer: Any, cfg: MagpieConfig = MagpieConfig(),
         prompts = []
         for text, ended in _generate(model, tokenizer, [opening] * cfg.batch, cfg.prompt_tokens, True, cfg):
             if ended and _usable(text, seen):
-                seen.add(" ".join(text.lower().split()))
+                seen.add(_key(text))
                 prompts.append(text)
         if not prompts:
             continue
