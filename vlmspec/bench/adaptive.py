@@ -65,9 +65,9 @@ def measure(engine: SpecEngine, cats: dict[str, list[Conversation]], temperature
     total = sum(len(v) for v in cats.values()) * len(temperatures) * repeats
     bar = tqdm(total=total, desc="bench adaptive", unit="prompt", disable=not progress, dynamic_ncols=True)
     for cat, convs in cats.items():
-        for temp in temperatures:
-            for i, conv in enumerate(convs):
-                inputs = encode_prompt(target, conv.prompt, conv.images)
+        for i, conv in enumerate(convs):
+            inputs = encode_prompt(target, conv.prompt, conv.images)  # once per prompt, for every temperature
+            for temp in temperatures:
                 for rep in range(repeats):
                     rec = _Recording(GoodputPolicy(cost))
                     ways = {"plain": (plain, None), "fixed": (engine, FixedPolicy()), "goodput": (engine, rec)}
