@@ -346,3 +346,25 @@ def test_a_cut_answer_is_labelled_without_its_end_of_turn():
     end_of_turn = full[full.rindex(whole.answer) + len(whole.answer):]  # what the template writes after an answer
     extra = labels[0][labels[0] != -100][n_cut:]
     assert end_of_turn.strip() and tok.decode(extra).strip() == end_of_turn.strip()
+
+
+def test_listed_answers_name_the_counted_objects_then_the_count_and_short_ones_are_unchanged():
+    """Attempt 5 of #19: count answers list the counted objects in reading order first; the score
+    still reads the count (the list holds no number words); the default style is the old one."""
+    import random
+
+    from vlmspec.data import toyworld as tw
+
+    for seed in range(200):
+        short, listed = tw.make_sample(seed, "count"), tw.make_sample(seed, "count", tw.LISTED)
+        assert (short.prompt, short.meta["target"]) == (listed.prompt, listed.meta["target"])
+        k = listed.meta["target"]["count"]
+        assert tw.score(listed, listed.answer)["counting"] == 1.0
+        assert listed.answer.endswith(short.answer) and short.answer.startswith("There ")
+        assert listed.answer.startswith("I can see ") == (k > 0)
+        if k:
+            assert listed.answer.count(" in the ") + listed.answer.count(" at the ") + listed.answer.count(" on the ") == k
+        d_short, d_listed = tw.make_sample(seed, "describe"), tw.make_sample(seed, "describe", tw.LISTED)
+        assert d_listed.meta["scene"] == d_short.meta["scene"] and d_listed.meta["target"]["order"] == sorted(d_listed.meta["target"]["order"])
+        scene = short.meta["scene"]
+        assert [q for _, q, _ in tw.followups(scene, random.Random(seed), 4)] == [q for _, q, _ in tw.followups(scene, random.Random(seed), 4, tw.LISTED)]

@@ -31,7 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--lora-rank", type=positive_int("--lora-rank"), default=16, help='LoRA rank on every projection of the 30 decoder layers (alpha = 2 x rank)')
     a.add_argument("--followups", type=int, default=4, help="more questions about each image in its training dialogue (0: one question per image)")
     a.add_argument("--aux-weight", type=float_in("--aux-weight", 0.0, 100.0), default=0.2, help="weight of the scene-probe loss on the image tokens during SFT")
-    a.add_argument("--probe-steps", type=int, default=80, help="stage 0: steps of the projector on the scene probes alone (0: none)")
+    a.add_argument("--answer-style", choices=("short", "listed"), default="listed",
+                   help="listed: count answers name the counted objects first, descriptions go in reading order (attempt 5); short: attempts 1-4")
+    a.add_argument("--probe-steps", type=int, default=240, help="stage 0: steps of the projector on the scene probes alone (0: none)")
     a.add_argument("--probe-tokens", action="store_true", help="the probes ask every image token about its own cell instead of reading cells pooled (attempt 4; measured worse)")
     a.add_argument("--text-pairs", type=int, default=96, help="text-only pairs the base model writes itself (Magpie) to keep its text behaviour (0: none)")
     a.add_argument("--text-per-step", type=int, default=1, help="of those text pairs in each batch")
@@ -65,6 +67,6 @@ def run_train_align(args: argparse.Namespace) -> int:
     cfg = AlignConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, lora_lr=args.lora_lr, lora_rank=args.lora_rank,
                       lora_alpha=2.0 * args.lora_rank, minutes=args.minutes, seed=args.seed, followups=args.followups,
                       aux_weight=args.aux_weight, probe_steps=args.probe_steps, probe_per_token=args.probe_tokens,
-                      text_pairs=args.text_pairs, text_per_step=args.text_per_step)
+                      answer_style=args.answer_style,                      text_pairs=args.text_pairs, text_per_step=args.text_per_step)
     train_align(args.base, args.out, cfg, resume=args.resume)
     return 0

@@ -99,6 +99,26 @@ NUM_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eig
 _SS = 4  # supersampling factor
 
 
+@dataclass(frozen=True)
+class AnswerStyle:
+    """How the grounded answers are phrased; the scene, the question and the scored fact stay the same.
+
+    ``list_before_count``: a count answer first names the counted objects in reading order ("I can
+    see a red star in the top left corner and a blue star in the center. There are 2 stars."), so
+    the number is read off a list the model has just written instead of guessed in one token.
+    ``reading_order``: descriptions always go through the objects in reading order (else the
+    order is sometimes random or reversed). Both teach one skill: walk the grid, name what is there.
+    """
+
+    list_before_count: bool = False
+    reading_order: bool = False
+
+
+SHORT = AnswerStyle()
+LISTED = AnswerStyle(list_before_count=True, reading_order=True)
+ANSWER_STYLES = {"short": SHORT, "listed": LISTED}
+
+
 @dataclass
 class Sample:
     seed: int
@@ -410,11 +430,13 @@ def _relation(rng: random.Random, o1: dict, o2: dict) -> str | None:
     return tmpl.format(c1=o1["color"], s1=o1["shape"], rel=rel, c2=o2["color"], s2=o2["shape"])
 
 
-def _task_describe(rng: random.Random) -> tuple[dict, str, str, dict]:
+def _task_describe(rng: random.Random, style: AnswerStyle = SHORT) -> tuple[dict, str, str, dict]:
     scene = _sample_objects_scene(rng, with_sign=rng.random() < 0.35)
     objs = scene["objects"]
     n = len(objs)
-    order_mode = rng.choice(("reading", "random", "random", "reverse"))
+    order_mode = rng.choice(("reading", "random", "random", "reverse"))  # drawn in every style: same stream
+    if style.reading_order:
+        order_mode = "reading"
     order = list(range(n))
     if order_mode == "random":
         rng.shuffle(order)
@@ -477,7 +499,21 @@ def _task_describe(rng: random.Random) -> tuple[dict, str, str, dict]:
     return scene, prompt, " ".join(parts), {"type": "describe", "order": order}
 
 
-def _task_count(rng: random.Random):
+def _listing(objs: list[dict]) -> str:
+    """'I can see a red star in the top left corner and a blue star in the center.' for `objs`
+    (non-empty) in reading order; no number words, so a count after it is the answer's first number."""
+    names = [f"{_a(o['color'])} {o['shape']} {_canonical_pos(o['row'], o['col'])}"
+             for o in sorted(objs, key=lambda o: (o["row"], o["col"]))]
+    body = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+    return f"I can see {body}."
+
+
+def _count_answer(k: int, noun1: str, nounp: str, counted: list[dict], style: AnswerStyle) -> str:
+    short = f"There are no {nounp}." if k == 0 else f"There is 1 {noun1}." if k == 1 else f"There are {k} {nounp}."
+    return f"{_listing(counted)} {short}" if style.list_before_count and counted else short
+
+
+def _task_count(rng: random.Random, style: AnswerStyle = SHORT):
     scene = _sample_objects_scene(rng, with_sign=rng.random() < 0.3)
     objs = scene["objects"]
     kind = rng.choice(("color", "shape", "all", "color", "shape"))
@@ -501,6 +537,7 @@ def _task_count(rng: random.Random):
         if "shapes" in prompt:
             noun1, nounp = f"{c} shape", f"{c} shapes"
         target = {"type": "count", "by": "color", "value": c, "count": k}
+        counted = [o for o in objs if o["color"] == c]
     elif kind == "shape":
         s = asked
         k = sum(o["shape"] == s for o in objs)
@@ -508,6 +545,7 @@ def _task_count(rng: random.Random):
         prompt = rng.choice((f"How many {nounp} are there?", f"How many {nounp} are in the picture?",
                              f"Count the {nounp}."))
         target = {"type": "count", "by": "shape", "value": s, "count": k}
+        counted = [o for o in objs if o["shape"] == s]
     else:
         k = len(objs)
         noun1, nounp = "object", "objects"
@@ -516,13 +554,8 @@ def _task_count(rng: random.Random):
         if "shapes" in prompt:
             noun1, nounp = "shape", "shapes"
         target = {"type": "count", "by": "all", "value": None, "count": k}
-    if k == 0:
-        answer = f"There are no {nounp}."
-    elif k == 1:
-        answer = f"There is 1 {noun1}."
-    else:
-        answer = f"There are {k} {nounp}."
-    return scene, prompt, answer, target
+        counted = objs
+    return scene, prompt, _count_answer(k, noun1, nounp, counted, style), target
 
 
 def _unique(objs, key) -> list:
@@ -715,8 +748,9 @@ _TASK_FNS = {
 }
 
 
-def make_sample(seed: int, task: str | None = None) -> Sample:
-    """Deterministic sample from ``(seed, task)``. ``task=None`` draws from :data:`TASK_MIX`.
+def make_sample(seed: int, task: str | None = None, style: AnswerStyle = SHORT) -> Sample:
+    """Deterministic sample from ``(seed, task)``. ``task=None`` draws from :data:`TASK_MIX`;
+    `style` phrases count and describe answers (the scene and question do not depend on it).
 
     ``make_sample(s)`` equals ``make_sample(s, make_sample(s).task)``.
     """
@@ -725,13 +759,14 @@ def make_sample(seed: int, task: str | None = None) -> Sample:
     task = picked if task is None else task
     if task not in _TASK_FNS:
         raise ValueError(f"unknown task {task!r}; expected one of {TASKS}")
-    scene, prompt, answer, target = _TASK_FNS[task](rng)
+    fn = _TASK_FNS[task]
+    scene, prompt, answer, target = fn(rng, style) if task in ("count", "describe") else fn(rng)
     image = render_scene(scene) if scene is not None else None
     meta = {"seed": seed, "task": task, "scene": scene, "target": target}
     return Sample(seed=seed, task=task, image=image, prompt=prompt, answer=answer, meta=meta)
 
 
-def followups(scene: dict, rng: random.Random, n: int) -> list[tuple[str, str, str]]:
+def followups(scene: dict, rng: random.Random, n: int, style: AnswerStyle = SHORT) -> list[tuple[str, str, str]]:
     """Up to `n` more (task, prompt, answer) questions about the same `scene`, in the tasks' own
     answer forms, for multi-turn training dialogues (one image read once, several answers
     supervised). Drawn from what the scene holds: counts, attributes and places of its objects,
@@ -747,17 +782,13 @@ def followups(scene: dict, rng: random.Random, n: int) -> list[tuple[str, str, s
                 options.append(("read_chart", f"Which bar is the {word}?", f"Bar {b['label']} is the {word}, with a value of {b['value']}."))
     else:
         objs = scene["objects"]
-
-        def count_answer(k: int, noun1: str, nounp: str) -> str:
-            return f"There are no {nounp}." if k == 0 else f"There is 1 {noun1}." if k == 1 else f"There are {k} {nounp}."
-
-        options.append(("count", "How many objects are there?", count_answer(len(objs), "object", "objects")))
+        options.append(("count", "How many objects are there?", _count_answer(len(objs), "object", "objects", objs, style)))
         for c in rng.sample(COLOR_NAMES, 2):
-            k = sum(o["color"] == c for o in objs)
-            options.append(("count", f"How many {c} objects are there?", count_answer(k, f"{c} object", f"{c} objects")))
+            got = [o for o in objs if o["color"] == c]
+            options.append(("count", f"How many {c} objects are there?", _count_answer(len(got), f"{c} object", f"{c} objects", got, style)))
         for sh in rng.sample(SHAPES, 2):
-            k = sum(o["shape"] == sh for o in objs)
-            options.append(("count", f"How many {SHAPE_PLURALS[sh]} are there?", count_answer(k, sh, SHAPE_PLURALS[sh])))
+            got = [o for o in objs if o["shape"] == sh]
+            options.append(("count", f"How many {SHAPE_PLURALS[sh]} are there?", _count_answer(len(got), sh, SHAPE_PLURALS[sh], got, style)))
         for o in objs:
             pos = _canonical_pos(o["row"], o["col"])
             colour = rng.choice(("colour", "color"))

@@ -52,7 +52,7 @@ from vlmspec.train.vision_pretrain import SceneProbe, pool_cells, pretrain_batch
 
 # the grounded questions the target must answer, weighted toward the short ones; no toy text-only
 # answers (text-only behaviour is SmolLM2-Instruct's own)
-ALIGN_MIX = {"count": 0.24, "attribute": 0.24, "read_text": 0.16, "describe": 0.2, "spatial": 0.08, "read_chart": 0.08}
+ALIGN_MIX = {"count": 0.28, "attribute": 0.26, "read_text": 0.14, "describe": 0.2, "spatial": 0.06, "read_chart": 0.06}
 PROJECTOR = "model.multi_modal_projector."
 
 
@@ -74,7 +74,8 @@ class AlignConfig:
     probe_per_token: bool = False  # True: the probes ask every image token about its own cell (attempt 4: worse); False: cells pooled
     text_pairs: int = 96  # Magpie text-only pairs (the base model's own instructions and greedy answers)
     text_per_step: int = 1  # of them in each batch, beside the image dialogues (0: none)
-    probe_steps: int = 80  # stage 0
+    answer_style: str = "listed"  # toyworld.ANSWER_STYLES: "listed" (attempt 5) or "short" (attempts 1-4)
+    probe_steps: int = 240  # stage 0 (attempts 1-4: 80, where the probes were still improving)
     probe_batch: int = 16
     probe_lr: float = 3e-3
     ckpt_every: int = 50
@@ -211,10 +212,11 @@ def pretrain_projector(model, probe, processor, cfg: AlignConfig, state: dict[st
 def dialogue(seed: int, cfg: AlignConfig) -> Conversation:
     """The training dialogue of `seed`: its ToyWorld question, then up to `cfg.followups` more
     about the same image (a pure function of the seed)."""
-    s = sample_for(seed, cfg)
+    style = toyworld.ANSWER_STYLES[cfg.answer_style]
+    s = sample_for(seed, cfg, style)
     conv = Conversation.from_sample(s)
     if s.image is not None and cfg.followups > 0:
-        more = toyworld.followups(s.meta["scene"], random.Random(seed ^ 0xF011), cfg.followups + 1)
+        more = toyworld.followups(s.meta["scene"], random.Random(seed ^ 0xF011), cfg.followups + 1, style)
         conv.followups = [(q, a) for _, q, a in more if a != s.answer][: cfg.followups]
     return conv
 

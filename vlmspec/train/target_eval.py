@@ -20,9 +20,10 @@ from vlmspec.inputs import encode_prompt
 from vlmspec.target import Target
 from vlmspec.text import generate_text
 
-# task -> (metric key, max new tokens)
+# task -> (metric key, max new tokens); counts have room for the list of objects a model may
+# write before the number (`toyworld.LISTED`: up to six objects, about 10 tokens each)
 SCORED = {
-    "count": ("counting", 24),
+    "count": ("counting", 96),
     "attribute": ("attribute", 24),
     "read_text": ("text_reading", 24),
     "describe": ("description_coverage", 256),

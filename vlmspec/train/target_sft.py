@@ -189,12 +189,12 @@ def parse_task_mix(text: str) -> dict[str, float]:
     return mix
 
 
-def sample_for(seed: int, cfg: SFTConfig) -> toyworld.Sample:
+def sample_for(seed: int, cfg: SFTConfig, style: toyworld.AnswerStyle = toyworld.SHORT) -> toyworld.Sample:
     """The training sample of `seed` under the run's task mix (a pure function of the seed)."""
     if cfg.task_mix is None:
-        return toyworld.make_sample(seed)
+        return toyworld.make_sample(seed, style=style)
     task = random.Random(seed ^ 0x5EED).choices(list(cfg.task_mix), weights=list(cfg.task_mix.values()))[0]
-    return toyworld.make_sample(seed, task)
+    return toyworld.make_sample(seed, task, style)
 
 
 def batches(start_step: int, cfg: SFTConfig, processor: Any) -> Iterator[tuple[int, dict[str, torch.Tensor], list[dict]]]:
