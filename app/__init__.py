@@ -42,7 +42,10 @@ worker); today's server.py <-> chat.py round trips (messages, images, prompt enc
 Routes
 ------
 ``POST /v1/chat/completions``  OpenAI chat completions (stream or not) with images as data URLs;
-                                extensions: ``speculative`` (bool, default true), ``top_k``, ``ignore_eos``.
+                                extensions: ``speculative`` (bool, default true), ``speculation``
+                                ({"policy": "goodput"|"fixed", "max_depth": int, "tree_tokens": int}),
+                                ``top_k``, ``ignore_eos``; the response's ``speculative`` block says
+                                what ran (policy, the chosen depth per forward).
 ``GET  /v1/models``            the served model (``/v1/models/{model}``: one).
 ``GET  /healthz``              liveness (never needs the API key).
 ``GET  /metrics``              Prometheus text (a per-app registry).

@@ -31,10 +31,12 @@ METRIC_NAMES = (
     "vlmspec_accepted_tokens_total",  # counter
     "vlmspec_mean_accepted_length",  # gauge {mode}: tokens per verify forward, over all requests so far
     "vlmspec_acceptance_rate",  # gauge {position}: P(drafted token at depth d accepted | depth reached)
+    "vlmspec_speculation_depth",  # histogram {policy}: the depth the controller chose, per verify forward (0: no draft)
 )
 MODES = ("speculative", "plain")
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _SPEED_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
+_DEPTH_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
 
 
 class Metrics:
@@ -59,6 +61,8 @@ class Metrics:
         self.accepted = Counter("vlmspec_accepted_tokens", "drafted tokens accepted", registry=r)
         self.mean_accepted = Gauge("vlmspec_mean_accepted_length", "tokens per verify forward (bonus included), all requests so far", ["mode"], registry=r)
         self.acceptance = Gauge("vlmspec_acceptance_rate", "P(drafted token at this depth accepted | depth reached), all requests so far", ["position"], registry=r)
+        self.depth = Histogram("vlmspec_speculation_depth", "depth chosen by the speculation controller per verify forward (0: no draft)",
+                               ["policy"], buckets=_DEPTH_BUCKETS, registry=r)
         self._lock = threading.Lock()
         self._totals = {mode: SpecStats() for mode in MODES}  # all completed generations so far, per mode
         for mode in MODES:  # the series exist from the start
@@ -75,6 +79,10 @@ class Metrics:
         self.accepted.inc(result.num_accepted)
         if result.elapsed_s > 0 and result.token_ids:
             self.tokens_per_s.labels(mode).observe(result.tokens_per_s)
+        if mode == "speculative":
+            depth = self.depth.labels(result.policy)
+            for d in result.depths:
+                depth.observe(d)
         with self._lock:
             self._totals[mode] += result.stats
             total = self._totals[mode]

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from vlmspec.control import SpeculationOptions
 from vlmspec.engine import GenerationConfig
 from vlmspec.errors import InputError
 from vlmspec.inputs import load_image_url
@@ -63,6 +64,22 @@ class StreamOptions(_Strict):
     include_usage: bool | None = None
 
 
+MAX_TREE_TOKENS = 256  # drafted nodes one request may ask to verify per forward
+
+
+class SpeculationParams(_Strict):
+    """Extension: how this request speculates (every field optional; the server's defaults otherwise)."""
+
+    policy: Literal["goodput", "fixed"] | None = None  # goodput: per step by expected tokens/s; fixed: full depth
+    max_depth: int | None = Field(None, ge=0, le=64)  # drafted levels per step at most (0: never draft); capped by the tree
+    tree_tokens: int | None = Field(None, ge=1, le=MAX_TREE_TOKENS)  # drafted nodes per step at most
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    def options(self) -> SpeculationOptions:
+        return SpeculationOptions(self.policy, self.max_depth, self.tree_tokens)
+
+
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
 
@@ -80,6 +97,7 @@ class ChatCompletionRequest(_Strict):
     stream_options: StreamOptions | None = None
     n: int | None = None
     speculative: bool = True  # extension: false = plain autoregressive decoding
+    speculation: SpeculationParams | None = None  # extension: policy, max depth, tree budget
     ignore_eos: bool = False  # extension (vLLM-style)
     logprobs: bool | None = None
     tools: list[Any] | None = None
@@ -255,7 +273,9 @@ def generation_config(req: ChatCompletionRequest, settings: ServerSettings) -> t
         top_k=req.top_k or 0,
         top_p=1.0 if req.top_p is None else req.top_p,
     )
-    return GenerationConfig(max_new_tokens=max_tokens, sampling=sampling, seed=req.seed, ignore_eos=req.ignore_eos), stop
+    knobs = req.speculation.options() if req.speculation is not None else SpeculationOptions()
+    return GenerationConfig(max_new_tokens=max_tokens, sampling=sampling, seed=req.seed, ignore_eos=req.ignore_eos,
+                            speculation=knobs), stop
 
 
 def to_hf_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
@@ -299,6 +319,8 @@ def speculative_block(enabled: bool, drafter: str, completion: Completion) -> di
         "accepted_tokens": result.num_accepted,
         "mean_accepted_length": result.mean_accepted_length,
         "acceptance_by_position": result.acceptance_by_position,
+        "policy": result.policy if enabled else None,
+        "depths": result.depths if enabled else [],  # the controller's chosen depth, per target forward after the prefill
     }
 
 

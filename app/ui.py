@@ -6,8 +6,9 @@
 A "Run" submits the speculative job, then the plain one (one after the other, through the same
 worker and queue as the API; see ui_runner.py), and streams both answers, their tokens/s, the
 speedup, and a step-by-step view where each target forward's emitted tokens (accepted drafts + the
-bonus token) are highlighted. The tree-size slider sets the speculative job's tree size (its
-GenerationConfig.tree); it is hidden when the drafter has no tree.
+bonus token) are highlighted, and the steps where the speculation controller drafted nothing are
+marked. The speculation controls (policy, max depth, tree size) become the speculative job's
+`GenerationConfig.speculation`; they are hidden when the drafter has no tree.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import gradio as gr
 
 from vlmspec.assets import SAMPLE_IMAGES
+from vlmspec.control import POLICIES, SpeculationOptions, depth_summary
 
 from .ui_runner import Comparison, RunError, RunState, ServiceRunner
 
@@ -72,6 +74,7 @@ CSS = """
 .vs-t1 { background: #e2e8f0; } .vs-t2 { background: #bbf7d0; } .vs-t3 { background: #86efac; }
 .vs-t4 { background: #4ade80; } .vs-t5 { background: #22c55e; } .vs-t6 { background: #16a34a; color: white; }
 .vs-alt { outline: 1px solid #94a3b8; }
+.vs-d0 { outline: 1px dashed #b45309; }
 .vs-legend span { display: inline-block; padding: 0 .5em; margin-right: .3em; border-radius: 4px; font-size: .85em; }
 """
 
@@ -84,18 +87,19 @@ def render_steps(state: RunState | None) -> str:
     """The step view: one highlighted span per target forward (its text, subscript: tokens emitted)."""
     legend = ('<div class="vs-legend vs-muted">tokens per target forward: '
               + "".join(f'<span class="vs-t{k}">{k if k < 6 else "6+"}</span>' for k in range(1, 7))
-              + " &nbsp;(the subscript: tokens this forward emitted = accepted drafts + 1)</div>")
+              + " &nbsp;(the subscript: tokens this forward emitted = accepted drafts + 1; "
+              + '<span class="vs-d0">dashed</span>: the controller drafted nothing)</div>')
     if state is None:
         return legend + '<div class="vs-steps vs-muted">speculative decoding is off</div>'
     if not state.steps:
         body = "waiting for the worker ..." if state.waiting else ""
         return legend + f'<div class="vs-steps vs-muted">{body}</div>'
     spans = []
-    for i, (text, n, acc, drafted) in enumerate(state.steps):
+    for i, (text, n, acc, drafted, depth) in enumerate(state.steps):
         what = "prefill" if i == 0 else f"forward {i}"
-        title = f"{what}: {n} token(s) emitted, {acc} of {drafted} drafted accepted"
+        title = f"{what}: {n} token(s) emitted, {acc} of {drafted} drafted accepted" + (f", depth {depth} chosen" if i else "")
         shown = html.escape(text) if text else "&#8203;"
-        alt = " vs-alt" if i % 2 else ""
+        alt = " vs-d0" if i and depth == 0 and state.mode == "speculative" else " vs-alt" if i % 2 else ""
         spans.append(f'<span class="vs-step vs-t{_tier(n)}{alt}" title="{html.escape(title)}">{shown}<sub>{n}</sub></span>')
     return legend + '<div class="vs-steps" id="vs-steps">' + "".join(spans) + "</div>"
 
@@ -113,7 +117,9 @@ def render_stats(state: RunState | None, label: str) -> str:
     return (f"**{res.tokens_per_s:.1f} tok/s** · {len(res.token_ids)} tokens in {res.elapsed_s:.2f} s · "
             f"{res.num_target_forwards} target forwards · {res.mean_accepted_length:.2f} tokens/forward"
             + (f" · {res.num_accepted}/{res.num_drafted} drafts accepted" if res.num_drafted else "")
+            + (f" · policy {res.policy}, depths chosen {depth_summary(res.depths)}" if state.mode == "speculative" and res.depths else "")
             + f" · finish: {res.finish_reason}")
+
 
 
 def _pending_banner(cmp: Comparison) -> str:
@@ -180,10 +186,13 @@ class _Inputs:
     speculative: gr.Checkbox
     compare: gr.Checkbox
     tree_size: gr.Slider
+    policy: gr.Radio
+    max_depth: gr.Slider
     run: gr.Button
 
     def run_args(self) -> list[Any]:  # in the order of _Handlers.on_run's parameters
-        return [self.image, self.prompt, self.max_tokens, self.temperature, self.speculative, self.compare, self.tree_size]
+        return [self.image, self.prompt, self.max_tokens, self.temperature, self.speculative, self.compare, self.tree_size,
+                self.policy, self.max_depth]
 
 
 def _input_column(samples: list[Path], cap: int) -> _Inputs:
@@ -200,10 +209,14 @@ def _input_column(samples: list[Path], cap: int) -> _Inputs:
         with gr.Row():
             speculative = gr.Checkbox(value=True, label="speculative decoding", elem_id="speculative")
             compare = gr.Checkbox(value=True, label="also run plain decoding (speedup)", elem_id="compare")
+        with gr.Row():
+            policy = gr.Radio(list(POLICIES), value=POLICIES[0], label="speculation policy", visible=False, elem_id="policy",
+                              info="goodput: drafts as deep as pays, from the acceptance so far (0 when nothing is accepted); fixed: always the full depth")
+            max_depth = gr.Slider(0, 16, value=5, step=1, label="max draft depth (0: never draft)", visible=False, elem_id="max-depth")
         tree_size = gr.Slider(1, 128, value=16, step=1, label="draft tree size (drafted tokens per forward)",
                               visible=False, elem_id="tree-size")
         run = gr.Button("Run", variant="primary", elem_id="run")
-    return _Inputs(image, gallery, prompt, max_tokens, temperature, speculative, compare, tree_size, run)
+    return _Inputs(image, gallery, prompt, max_tokens, temperature, speculative, compare, tree_size, policy, max_depth, run)
 
 
 def _output_column() -> list[Any]:
@@ -232,15 +245,17 @@ class _Handlers:
     def __init__(self, runner: ServiceRunner, samples: list[Path]) -> None:
         self.runner, self.samples = runner, samples
 
-    def on_load(self) -> tuple[str, Any]:
+    def on_load(self) -> tuple[str, Any, Any, Any]:
         info = self.runner.info()
-        n = info["tree_total_tokens"]
+        n, depth = info["tree_total_tokens"], info["tree_depth"]
         text = (f"{TITLE}\nmodel **{info['model']}** · drafter **{info['drafter']}**"
-                + (f" · tree of {n} drafted tokens" if n else "")
+                + (f" · tree of {n} drafted tokens, {depth} deep · policy **{info['policy']}**" if n else "")
                 + " · every run goes through the server's worker queue, like the API"
                 + (f"\n\n{MODEL_NOTE}" if info.get("default_model") else f"\n\n{TOY_NOTE}" if info.get("toy_model") else ""))
         slider = gr.update(visible=n is not None, value=n if n else 16, maximum=max(128, n or 0))
-        return text, slider
+        policy = gr.update(visible=n is not None, value=info["policy"] if info["policy"] in POLICIES else POLICIES[0])
+        max_depth = gr.update(visible=n is not None, value=depth or 0, maximum=max(16, depth or 0))
+        return text, slider, policy, max_depth
 
     def on_pick(self, evt: gr.SelectData) -> Any:
         if evt.index is None or not 0 <= evt.index < len(self.samples):
@@ -248,16 +263,18 @@ class _Handlers:
         return str(self.samples[evt.index])
 
     async def on_run(self, img: Any, text: str, n_tokens: float, temp: float, spec_on: bool, plain_on: bool,
-                     tree_n: float | None) -> AsyncIterator[tuple[str, ...]]:
+                     tree_n: float | None, policy: str | None = None, max_depth: float | None = None,
+                     ) -> AsyncIterator[tuple[str, ...]]:
         if not spec_on and not plain_on:  # not an error: a message where the speedup goes, the old run cleared
             yield render_message(NO_MODE)
             return
         note = NO_IMAGE_NOTE if img is None else ""
         last, cmp = 0.0, None
-        tree = int(tree_n) if tree_n else None
+        knobs = SpeculationOptions(policy=policy if policy in POLICIES else None, tree_tokens=int(tree_n) if tree_n else None,
+                                   max_depth=int(max_depth) if max_depth is not None else None)
         try:
             async for cmp in self.runner.compare(img, text, max_tokens=int(n_tokens), temperature=float(temp),
-                                                 speculative=bool(spec_on), plain=bool(plain_on), tree_total_tokens=tree):
+                                                 speculative=bool(spec_on), plain=bool(plain_on), speculation=knobs):
                 now = time.monotonic()
                 done = any(r is not None and (r.result is not None or r.error) for r in (cmp.spec, cmp.plain))
                 if now - last < 0.05 and not done:  # at most ~20 page updates a second
@@ -280,7 +297,8 @@ def build_ui(runner: ServiceRunner) -> gr.Blocks:
             outputs = _output_column()
         # one documented API endpoint, /run (gradio_client: Client(url).predict(..., api_name="/run"));
         # the page-only events are kept out of the API
-        demo.load(handlers.on_load, outputs=[header, inputs.tree_size], queue=False, api_visibility="private")
+        demo.load(handlers.on_load, outputs=[header, inputs.tree_size, inputs.policy, inputs.max_depth], queue=False,
+                  api_visibility="private")
         inputs.gallery.select(handlers.on_pick, outputs=inputs.image, queue=False, api_visibility="private")
         inputs.run.click(handlers.on_run, inputs=inputs.run_args(), outputs=outputs, concurrency_limit=1, api_name="run",
                          api_description="Answer the prompt about the image with speculative and (optionally) plain "

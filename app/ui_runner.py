@@ -6,7 +6,8 @@
 
 The runner submits a `Job` and awaits its messages on the event loop, so the model is only ever
 touched by the worker thread. The image goes through `vlmspec.inputs.checked_rgb` with the
-server's limits; the tree-size knob becomes this job's `GenerationConfig.tree`.
+server's limits; the speculation knobs (policy, max depth, tree size) become this job's
+`GenerationConfig.speculation`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 from PIL import Image
 
 from vlmspec import assets
+from vlmspec.control import SpeculationOptions
 from vlmspec.engine import GenerationConfig, GenerationResult
 from vlmspec.errors import InputError
 from vlmspec.inputs import checked_rgb, user_turn
@@ -41,7 +43,7 @@ class RunState:
 
     mode: str  # "speculative" | "plain"
     text: str = ""
-    steps: list[tuple[str, int, int, int]] = field(default_factory=list)  # (text, tokens, accepted, drafted) per forward
+    steps: list[tuple[str, int, int, int, int]] = field(default_factory=list)  # (text, tokens, accepted, drafted, depth chosen) per forward
     tokens: int = 0
     t0: float = field(default_factory=time.monotonic)
     result: GenerationResult | None = None  # once done
@@ -72,12 +74,12 @@ class RunState:
         step = event.step
         if step is None:  # the text layer's final flush: text held back from earlier tokens
             if self.steps:
-                text, n, acc, drafted = self.steps[-1]
-                self.steps[-1] = (text + event.text, n, acc, drafted)
+                text, *rest = self.steps[-1]
+                self.steps[-1] = (text + event.text, *rest)
             return
         self.tokens += len(step.token_ids)
         if step.token_ids or event.text:
-            self.steps.append((event.text, len(step.token_ids), step.num_accepted, step.num_drafted))
+            self.steps.append((event.text, len(step.token_ids), step.num_accepted, step.num_drafted, step.depth))
 
 
 @dataclass
@@ -110,7 +112,8 @@ def _run_summary(r: RunState | None) -> dict[str, Any] | None:
     return {"text": r.text, "error": r.error, "tokens": r.tokens, "tokens_per_s": r.tokens_per_s,
             "target_forwards": res.num_target_forwards if res else None,
             "mean_accepted_length": res.mean_accepted_length if res else None,
-            "steps": [n for _, n, _, _ in r.steps]}
+            "steps": [step[1] for step in r.steps], "policy": res.policy if res else None,
+            "depths": res.depths if res else None}
 
 
 class ServiceRunner:
@@ -123,12 +126,13 @@ class ServiceRunner:
     def info(self) -> dict[str, Any]:
         default = assets.DEFAULT_TARGET.resolve()
         return {"model": self.settings.model, "drafter": self.service.drafter_name,
-                "tree_total_tokens": self.service.tree_total_tokens, "max_tokens_cap": self.settings.max_tokens_cap,
+                "tree_total_tokens": self.service.tree_total_tokens, "tree_depth": self.service.tree_depth,
+                "policy": self.service.default_policy, "max_tokens_cap": self.settings.max_tokens_cap,
                 "default_model": any(Path(a).resolve() == default for a in self.settings.model_aliases),
                 "toy_model": any(Path(a).resolve() == assets.BUNDLED_TARGET.resolve() for a in self.settings.model_aliases)}
 
     def _job(self, image: Image.Image | None, prompt: str, speculative: bool, max_tokens: int, temperature: float,
-             seed: int | None, tree_total_tokens: int | None) -> Job:
+             seed: int | None, speculation: SpeculationOptions | None) -> Job:
         prompt = (prompt or "").strip()
         if not prompt:
             raise RunError("the prompt is empty")
@@ -137,17 +141,16 @@ class ServiceRunner:
         except InputError as exc:
             raise RunError(exc.message) from None
         max_tokens = max(1, min(int(max_tokens), self.settings.max_tokens_cap))
-        tree = self.service.tree_config(tree_total_tokens) if speculative else None
         config = GenerationConfig(max_new_tokens=max_tokens, sampling=SamplingParams(temperature=float(temperature)),
-                                  seed=seed, tree=tree)
+                                  seed=seed, speculation=speculation if speculative and speculation else SpeculationOptions())
         return Job.on_loop(user_turn(prompt, len(images)), images, config, speculative=speculative,
                            timeout_s=self.settings.request_timeout_s)
 
     async def stream(self, image: Image.Image | None, prompt: str, *, speculative: bool, max_tokens: int = 64,
-                     temperature: float = 0.0, seed: int | None = 0, tree_total_tokens: int | None = None,
+                     temperature: float = 0.0, seed: int | None = 0, speculation: SpeculationOptions | None = None,
                      ) -> AsyncIterator[RunState]:
         """Submit one job and yield its RunState after each engine step (and once when it is done)."""
-        job = self._job(image, prompt, speculative, max_tokens, temperature, seed, tree_total_tokens)
+        job = self._job(image, prompt, speculative, max_tokens, temperature, seed, speculation)
         try:
             self.service.submit(job)
         except APIError as exc:  # queue full, shutting down
@@ -168,13 +171,13 @@ class ServiceRunner:
 
     async def compare(self, image: Image.Image | None, prompt: str, *, max_tokens: int = 64, temperature: float = 0.0,
                       seed: int | None = 0, speculative: bool = True, plain: bool = True,
-                      tree_total_tokens: int | None = None) -> AsyncIterator[Comparison]:
+                      speculation: SpeculationOptions | None = None) -> AsyncIterator[Comparison]:
         """The speculative run, then the plain run (each through the worker); yields the pair as it fills."""
         cmp = Comparison(RunState("speculative") if speculative else None, RunState("plain") if plain else None)
         kw: dict[str, Any] = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}
         if speculative:
             try:
-                async for st in self.stream(image, prompt, speculative=True, tree_total_tokens=tree_total_tokens, **kw):
+                async for st in self.stream(image, prompt, speculative=True, speculation=speculation, **kw):
                     cmp.spec = st
                     yield cmp
             except RunError as exc:

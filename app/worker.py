@@ -10,15 +10,15 @@ then ``("done", Completion)`` or ``("error", APIError)`` (an error may also come
 
 On the worker thread a job goes: `vlmspec.inputs.encode_messages` (the conversation -> model
 inputs) -> `vlmspec.text.stream_text` (text, stop strings) around the engine. The worker checks
-the job's cancel flag (client gone, timeout, shutdown) between engine steps. A per-job tree size
-travels in `job.config.tree` (see `Service.tree_config`); the shared drafter is never changed.
+the job's cancel flag (client gone, timeout, shutdown) between engine steps. A job's speculation
+knobs (policy, max depth, tree budget) travel in `job.config.speculation`; the shared engine and
+drafter are never changed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import math
 import queue
@@ -31,7 +31,6 @@ from typing import Any, Union
 
 from PIL import Image
 
-from vlmspec.draft import TreeConfig
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.errors import ContextLengthError
 from vlmspec.factory import plain_engine
@@ -180,13 +179,16 @@ class Service:
         tree = self.spec.drafter.tree if self.spec is not None else None
         return tree.total_tokens if tree is not None else None
 
-    def tree_config(self, total_tokens: int | None) -> TreeConfig | None:
-        """The drafter's tree shape with `total_tokens` drafted nodes, for one job's GenerationConfig.tree
-        (None: the drafter's own, also when it has no tree)."""
+    @property
+    def tree_depth(self) -> int | None:
+        """The speculative drafter's tree depth (the deepest a request may draft); None without a tree."""
         tree = self.spec.drafter.tree if self.spec is not None else None
-        if total_tokens is None or tree is None:
-            return None
-        return dataclasses.replace(tree, total_tokens=max(1, int(total_tokens)))
+        return tree.depth if tree is not None else None
+
+    @property
+    def default_policy(self) -> str:
+        """The speculation policy a request that names none gets."""
+        return self.spec.speculation.policy().name if self.spec is not None else "?"
 
     def submit(self, job: Job) -> None:
         """Queue `job`, or raise APIError: 503 when shutting down, 429 (with Retry-After) when full."""

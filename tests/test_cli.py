@@ -48,6 +48,22 @@ def test_generate_json_keys_and_parity(capsys, model_dir, image_path):
     assert rec["mean_accepted_length"] >= 1.0 and rec["num_target_forwards"] >= 1
 
 
+def test_generate_policy_flag_and_self_speculation(capsys, model_dir):
+    """#21: --policy picks the speculation policy (goodput by default), the JSON says what ran;
+    --drafter self drafts with the target's own first layer and answers what plain decoding answers."""
+    base = ("--model", str(model_dir), "--prompt", "hello there", "--max-new-tokens", "10")
+    plain = _run_json(capsys, *base, "--drafter", "none")
+    default = _run_json(capsys, *base, "--drafter", "ngram")
+    fixed = _run_json(capsys, *base, "--drafter", "ngram", "--policy", "fixed")
+    own = _run_json(capsys, *base, "--drafter", "self")
+    assert default["policy"] == "goodput" and fixed["policy"] == "fixed" and own["drafter"] == "self"
+    assert default["token_ids"] == fixed["token_ids"] == own["token_ids"] == plain["token_ids"]
+    assert len(fixed["depths"]) == fixed["num_target_forwards"] - 1
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", *base, "--policy", "sometimes"])
+    assert exc.value.code == 2 and "--policy" in capsys.readouterr().err
+
+
 def test_generate_text_only_sampling_seeded(capsys, model_dir):
     args = ("--model", str(model_dir), "--prompt", "hello", "--max-new-tokens", "8", "--temperature", "1.0", "--seed", "5", "--drafter", "none")
     assert _run_json(capsys, *args)["token_ids"] == _run_json(capsys, *args)["token_ids"]
@@ -64,7 +80,7 @@ def test_generate_text_only_sampling_seeded(capsys, model_dir):
         (["--temperature", "-1"], "--temperature must be in"),
         (["--top-p", "0"], "--top-p must be in"),
         (["--top-k", "-1"], "--top-k must be >= 0"),
-        (["--drafter", "/no/drafter"], "neither 'none', 'ngram' nor a drafter folder"),
+        (["--drafter", "/no/drafter"], "neither 'none', 'ngram', 'self[:E]' nor a drafter folder"),
     ],
 )
 def test_bad_input_exit_2_one_line(capsys, model_dir, args, message):

@@ -5,10 +5,11 @@ import torch
 
 from conftest import tiny_target
 from drafters import OracleDrafter
-from vlmspec.control import AcceptanceTracker, CostModel, FixedPolicy, GoodputPolicy
+from vlmspec.control import AcceptanceTracker, CostModel, FixedPolicy, GoodputPolicy, Speculation, SpeculationOptions, depth_summary
 from vlmspec.draft.base import NoDrafter, TreeConfig
 from vlmspec.draft.eagle import EagleDrafter
 from vlmspec.draft.ngram import NgramDrafter
+from vlmspec.draft.self_spec import SelfSpecDrafter
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.factory import measure_cost
 from vlmspec.inputs import encode_prompt
@@ -118,7 +119,7 @@ def test_greedy_parity_under_every_policy(kind):
     plain = SpecEngine(target, NoDrafter()).generate(inputs, GenerationConfig(max_new_tokens=new, ignore_eos=True)).token_ids
     tree = TreeConfig(depth=5, top_k=3, total_tokens=12)
     drafters = {"ngram": NgramDrafter(tree), "eagle_random": EagleDrafter.random_init(target, tree, seed=1),
-                "oracle": OracleDrafter(plain, depth=5, vocab=target.vocab_size)}
+                "oracle": OracleDrafter(plain, depth=5, vocab=target.vocab_size), "self": SelfSpecDrafter(target, tree)}
     for name, drafter in drafters.items():
         engine = SpecEngine(target, drafter)
         cost = measure_cost(engine, inputs, tokens=6, repeats=1)
@@ -189,3 +190,59 @@ def test_the_controller_chooses_within_the_drafters_tree():
     ctl = GoodputPolicy(CostModel(step_s=1.0)).start()
     engine.generate(inputs, GenerationConfig(max_new_tokens=20, ignore_eos=True, policy=_Keep(ctl), tree=TreeConfig(depth=2, top_k=2, total_tokens=4)))
     assert max(ctl.chosen) == 2  # the request's own tree
+
+
+# ------------------------------------------------------------------------ per-request knobs (#21 item 4)
+
+
+def test_speculation_options_validate_and_the_engine_default_resolves_the_policy():
+    with pytest.raises(ValueError, match="policy"):
+        SpeculationOptions(policy="greedy")
+    with pytest.raises(ValueError, match="max_depth"):
+        SpeculationOptions(max_depth=-1)
+    with pytest.raises(ValueError, match="tree_tokens"):
+        SpeculationOptions(tree_tokens=0)
+    with pytest.raises(ValueError, match="default"):
+        Speculation(default="always")
+    cost = CostModel(step_s=1.0, draft_s=0.1)
+    assert isinstance(Speculation("goodput", cost).policy(), GoodputPolicy)
+    assert Speculation("goodput", cost).policy().cost == cost
+    assert isinstance(Speculation("goodput", cost).policy("fixed"), FixedPolicy)
+    assert isinstance(Speculation("fixed", cost).policy("goodput"), GoodputPolicy)
+    assert isinstance(Speculation("goodput", None).policy(), FixedPolicy)  # no cost model: fixed, and the result says so
+    assert depth_summary([0, 0, 5, 5, 5, 2]) == "0x2 2x1 5x3"
+
+
+def test_request_knobs_travel_with_the_request_and_leave_the_engine_alone():
+    """max_depth 0 is plain decoding, max_depth and tree_tokens cap what is drafted, the result names
+    the policy and the depth of every step; the next request without knobs gets the defaults."""
+    target = tiny_target("llava")
+    inputs = encode_prompt(target, "once upon a time", [tiny_image(0)])
+    tree = TreeConfig(depth=4, top_k=2, total_tokens=8)
+    engine = SpecEngine(target, EagleDrafter.random_init(target, tree, seed=3), Speculation("goodput", CostModel(step_s=1.0, per_level_s=0.01)))
+    plain = SpecEngine(target, NoDrafter()).generate(inputs, GenerationConfig(max_new_tokens=16, ignore_eos=True)).token_ids
+
+    def run(**knobs):
+        return engine.generate(inputs, GenerationConfig(max_new_tokens=16, ignore_eos=True, speculation=SpeculationOptions(**knobs)))
+
+    off = run(max_depth=0)
+    assert off.token_ids == plain and off.num_drafted == 0 and set(off.depths) == {0}
+    assert len(off.depths) == off.stats.num_drafts  # one entry per verify forward
+    capped = run(policy="fixed", max_depth=2, tree_tokens=3)
+    assert capped.token_ids == plain and capped.policy == "fixed"
+    assert max(capped.depths) == 2 and capped.num_drafted <= 3 * capped.stats.num_drafts
+    assert len(capped.stats.reached_per_pos) == 2  # nothing was drafted deeper than 2
+    default = run()
+    assert default.token_ids == plain and default.policy == "goodput" and max(default.depths) == 4
+    assert engine.drafter.tree == tree and engine.speculation.default == "goodput"  # nothing shared was changed
+
+
+def test_with_policy_measures_a_cost_model_only_for_a_drafter_that_drafts():
+    from vlmspec.factory import with_policy
+
+    target = tiny_target("llava")
+    engine = with_policy(SpecEngine(target, NgramDrafter(TreeConfig(depth=3, top_k=2, total_tokens=6))), "goodput")
+    cost = engine.speculation.cost
+    assert cost is not None and cost.step_s > 0 and engine.speculation.policy().name == "goodput"
+    assert with_policy(SpecEngine(target, NoDrafter()), "goodput").speculation.cost is None
+    assert with_policy(engine, "fixed", cost).speculation.policy().name == "fixed"

@@ -7,6 +7,7 @@ from drafters import OracleDrafter
 from vlmspec.draft.base import NoDrafter, TreeConfig
 from vlmspec.draft.eagle import EagleDrafter
 from vlmspec.draft.ngram import NgramDrafter
+from vlmspec.draft.self_spec import SelfSpecDrafter
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.sampling import SamplingParams
 from vlmspec.testing.tiny import tiny_image
@@ -33,12 +34,15 @@ def _hf_greedy(target, inputs):
 
 def _drafters(target, ref):
     tree = TreeConfig(depth=5, top_k=3, total_tokens=12)
-    return {
+    drafters = {
         "none": NoDrafter(),
         "ngram": NgramDrafter(tree),
         "eagle_random": EagleDrafter.random_init(target, tree, seed=1),
         "oracle": OracleDrafter(ref, depth=tree.depth, vocab=target.vocab_size),
     }
+    if not target.uses_mrope:  # self-speculation refuses M-RoPE targets (tests/test_self_spec.py)
+        drafters["self"] = SelfSpecDrafter(target, tree)
+    return drafters
 
 
 @pytest.mark.parametrize("kind", list(PROMPTS))

@@ -315,6 +315,12 @@ BAD = {
     "stream_not_bool": ({**_user("hi"), "stream": "yes"}, 400, "stream"),
     "speculative_not_bool": ({**_user("hi"), "speculative": "maybe"}, 400, "speculative"),
     "n_two": ({**_user("hi"), "n": 2}, 400, "n"),
+    # #21: the speculation knobs are checked like every other field
+    "speculation_policy_unknown": ({**_user("hi"), "speculation": {"policy": "greedy"}}, 400, "speculation.policy"),
+    "speculation_depth_negative": ({**_user("hi"), "speculation": {"max_depth": -1}}, 400, "speculation.max_depth"),
+    "speculation_tree_too_big": ({**_user("hi"), "speculation": {"tree_tokens": 100000}}, 400, "speculation.tree_tokens"),
+    "speculation_unknown_knob": ({**_user("hi"), "speculation": {"depth": 3}}, 400, "speculation.depth"),
+    "speculation_not_object": ({**_user("hi"), "speculation": "fast"}, 400, "speculation"),
     "logprobs": ({**_user("hi"), "logprobs": True}, 400, "logprobs"),
     # #22: fields that would change the answer are refused by name, never silently ignored
     "unknown_field": ({**_user("hi"), "temprature": 0.5}, 400, "temprature"),
@@ -425,6 +431,27 @@ def test_disconnecting_stream_cancels_generation(server, client):
         c.post("/v1/chat/completions", json={**body, "stream": False})
     assert wait_for(lambda: metric_value(client.get("/metrics").text, "vlmspec_cancelled_generations_total",
                                          {"reason": "disconnect"}) == before + 2, timeout=15)
+
+
+def test_speculation_knobs_travel_with_the_request(client):
+    """#21 item 4: policy, max depth and tree budget per request; the response says what ran, step by step."""
+    msgs = [{"role": "user", "content": "the cat the cat the cat the cat"}]
+    plain = client.post("/v1/chat/completions", json=chat(msgs, speculative=False, max_tokens=24, ignore_eos=True)).json()
+    off = client.post("/v1/chat/completions", json=chat(msgs, max_tokens=24, ignore_eos=True, speculation={"max_depth": 0})).json()
+    capped = client.post("/v1/chat/completions", json=chat(msgs, max_tokens=24, ignore_eos=True,
+                                                           speculation={"policy": "fixed", "max_depth": 2, "tree_tokens": 3})).json()
+    default = client.post("/v1/chat/completions", json=chat(msgs, max_tokens=24, ignore_eos=True)).json()
+    text = plain["choices"][0]["message"]["content"]
+    for body in (off, capped, default):
+        assert body["choices"][0]["message"]["content"] == text  # greedy: every setting answers the same
+    so, sc, sd = off["speculative"], capped["speculative"], default["speculative"]
+    assert so["drafted_tokens"] == 0 and set(so["depths"]) == {0} and len(so["depths"]) == so["target_forwards"] - 1
+    assert sc["policy"] == "fixed" and max(sc["depths"]) == 2 and sc["depths"].count(2) >= len(sc["depths"]) - 2 and sc["drafted_tokens"] <= 3 * len(sc["depths"])
+    assert sd["policy"] == "fixed" and max(sd["depths"]) == 4  # this test server's default: fixed, the tree's full depth
+    assert plain["speculative"]["policy"] is None and plain["speculative"]["depths"] == []
+    hist = client.get("/metrics").text
+    assert metric_value(hist, "vlmspec_speculation_depth_count", {"policy": "fixed"}) >= len(sc["depths"]) + len(sd["depths"])
+    assert metric_value(hist, "vlmspec_speculation_depth_bucket", {"policy": "fixed", "le": "0.0"}) >= len(so["depths"])
 
 
 # ------------------------------------------------------------------------------------------ (f) metrics

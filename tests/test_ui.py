@@ -26,6 +26,8 @@ pytest.importorskip("prometheus_client")
 from conftest import tiny_target
 from PIL import Image
 
+from vlmspec.control import SpeculationOptions, depth_summary
+
 from vlmspec.app import ServerSettings, create_app
 from vlmspec.app.ui_runner import ServiceRunner
 from vlmspec.testing.live_server import LiveServer
@@ -82,7 +84,8 @@ def test_ui_mounted_and_runner_side_by_side(engines, tmp_path):
         runner = ServiceRunner(app.state.service, app.state.settings)
         assert runner.info()["drafter"] == "ngram" and runner.info()["tree_total_tokens"] == 8
         image = Image.open(cat_png(tmp_path))
-        cmp = asyncio.run(runner.compare_final(image, PROMPT, max_tokens=32, temperature=0.0, tree_total_tokens=3))
+        knobs = SpeculationOptions(policy="fixed", max_depth=2, tree_tokens=3)
+        cmp = asyncio.run(runner.compare_final(image, PROMPT, max_tokens=32, temperature=0.0, speculation=knobs))
         s, p = cmp.spec, cmp.plain
         assert s.error is None and p.error is None
         assert s.result is not None and p.result is not None
@@ -91,10 +94,11 @@ def test_ui_mounted_and_runner_side_by_side(engines, tmp_path):
         assert cmp.speedup == pytest.approx(s.result.tokens_per_s / p.result.tokens_per_s)
         assert p.result.mean_accepted_length == 1.0 and p.result.num_target_forwards == len(p.result.token_ids)
         # the step view: one entry per target forward, tokens = accepted + 1 (bonus), covering the answer
-        assert sum(n for _, n, _, _ in s.steps) == len(s.result.token_ids)
-        assert all(n == acc + 1 for _, n, acc, _ in s.steps[1:-1])
-        # the tree-size knob reached the drafter for that job only
-        assert max(d for _, _, _, d in s.steps) <= 3
+        assert sum(step[1] for step in s.steps) == len(s.result.token_ids)
+        assert all(n == acc + 1 for _, n, acc, _, _ in s.steps[1:-1])
+        # the knobs reached that job only: at most 3 drafted nodes, 2 levels, under the fixed policy
+        assert max(step[3] for step in s.steps) <= 3 and s.result.depths and max(s.result.depths) == 2
+        assert s.result.policy == "fixed" and [step[4] for step in s.steps[1:]] == s.result.depths
         assert engines[0].drafter.tree.total_tokens == 8
         summary = cmp.summary()
         assert summary["speedup"] is not None and summary["identical"] is True
@@ -102,6 +106,8 @@ def test_ui_mounted_and_runner_side_by_side(engines, tmp_path):
         from vlmspec.app.ui import render_stats, render_steps, render_summary
 
         assert "tok/s" in render_stats(s, "speculative") and "speedup" in render_summary(cmp)
+        assert f"policy fixed, depths chosen {depth_summary(s.result.depths)}" in render_stats(s, "speculative")
+        assert f"2x{s.result.depths.count(2)}" in depth_summary(s.result.depths)
         assert render_steps(s).count('class="vs-step ') == len(s.steps)
 
 
@@ -114,13 +120,13 @@ def test_ui_opens_on_a_toyworld_scene_and_says_what_the_default_model_knows(engi
     assert samples[0].name == "toyworld_scene.png"
     assert [p.name.startswith("toyworld") for p in samples] == sorted((p.name.startswith("toyworld") for p in samples), reverse=True)
     app = create_app(engines, settings(model_aliases=(str(assets.DEFAULT_TARGET),)))
-    header, _ = _Handlers(ServiceRunner(app.state.service, app.state.settings), samples).on_load()
+    header, *_ = _Handlers(ServiceRunner(app.state.service, app.state.settings), samples).on_load()
     assert MODEL_NOTE in header and "aligned on ToyWorld" in header
     toy = create_app(engines, settings(model_aliases=(str(assets.BUNDLED_TARGET),)))  # the toy says what it knows
-    header, _ = _Handlers(ServiceRunner(toy.state.service, toy.state.settings), samples).on_load()
+    header, *_ = _Handlers(ServiceRunner(toy.state.service, toy.state.settings), samples).on_load()
     assert TOY_NOTE in header and MODEL_NOTE not in header
     other = create_app(engines, settings(model_aliases=("/some/other/vlm",)))  # negative control: another model, no note
-    header, _ = _Handlers(ServiceRunner(other.state.service, other.state.settings), samples).on_load()
+    header, *_ = _Handlers(ServiceRunner(other.state.service, other.state.settings), samples).on_load()
     assert MODEL_NOTE not in header and TOY_NOTE not in header
 
 
@@ -143,7 +149,7 @@ def _run_page(handlers, image, speculative=True, plain=True):
     """The page's Run handler to completion: its last outputs."""
     async def go():
         last = None
-        async for out in handlers.on_run(image, PROMPT, 16, 0.0, speculative, plain, None):
+        async for out in handlers.on_run(image, PROMPT, 16, 0.0, speculative, plain, None, "goodput", 3):
             last = out
         return last
     return asyncio.run(go())

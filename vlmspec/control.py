@@ -176,4 +176,50 @@ class AcceptanceTracker:
 
 POLICIES = ("goodput", "fixed")
 
-__all__ = ["AcceptanceTracker", "Controller", "CostModel", "FixedPolicy", "GoodputPolicy", "POLICIES", "Policy"]
+
+@dataclass(frozen=True)
+class SpeculationOptions:
+    """One request's speculation knobs; they travel with the request (the API's extension fields,
+    the CLI's flags, the demo's controls) and never change the engine."""
+
+    policy: str | None = None  # "goodput" | "fixed"; None: the engine's default
+    max_depth: int | None = None  # drafted levels per step at most (0: never draft); None: the tree's depth
+    tree_tokens: int | None = None  # drafted nodes per step at most; None: the tree's own
+
+    def __post_init__(self) -> None:
+        if self.policy is not None and self.policy not in POLICIES:
+            raise ValueError(f"speculation policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.max_depth is not None and self.max_depth < 0:
+            raise ValueError(f"max_depth must be >= 0, got {self.max_depth}")
+        if self.tree_tokens is not None and self.tree_tokens < 1:
+            raise ValueError(f"tree_tokens must be >= 1, got {self.tree_tokens}")
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """An engine's speculation defaults, shared read-only by its requests: the policy of a request
+    that names none, and the cost model the goodput policy needs. Without a cost model (an engine
+    that never drafts, or one built without measuring) a request asking for goodput runs the fixed
+    policy, and its result says which policy ran."""
+
+    default: str = "fixed"
+    cost: CostModel | None = None
+
+    def __post_init__(self) -> None:
+        if self.default not in POLICIES:
+            raise ValueError(f"default speculation policy must be one of {POLICIES}, got {self.default!r}")
+
+    def policy(self, name: str | None = None) -> Policy:
+        """The policy a request naming `name` (None: the default) runs."""
+        if (name or self.default) == "goodput" and self.cost is not None:
+            return GoodputPolicy(self.cost)
+        return FixedPolicy()
+
+
+def depth_summary(depths: list[int]) -> str:
+    """[0, 0, 5, 5, 5] -> '0x2 5x3': how often a request's controller chose each depth."""
+    return " ".join(f"{d}x{depths.count(d)}" for d in sorted(set(depths)))
+
+
+__all__ = ["AcceptanceTracker", "Controller", "CostModel", "FixedPolicy", "GoodputPolicy", "POLICIES", "Policy",
+           "Speculation", "SpeculationOptions", "depth_summary"]

@@ -17,13 +17,14 @@ one request needs travels in its `GenerationConfig` and its `_Request` state, ne
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
 
-from vlmspec.control import Controller, FixedPolicy, Policy
+from vlmspec.control import Controller, Policy, Speculation, SpeculationOptions
 from vlmspec.draft.base import Drafter, PromptContext, TreeConfig
 from vlmspec.sampling import SamplingParams, next_token
 from vlmspec.stats import SpecStats
@@ -43,7 +44,8 @@ class GenerationConfig:
     seed: int | None = None
     ignore_eos: bool = False
     tree: TreeConfig | None = None  # this request's draft-tree shape (None: the drafter's default)
-    policy: Policy | None = None  # how deep to draft each step (None: FixedPolicy, the tree's full depth)
+    speculation: SpeculationOptions = field(default_factory=SpeculationOptions)  # policy, max depth, tree budget
+    policy: Policy | None = None  # an explicit policy object (benches, tests); wins over speculation.policy
     sync_timings: bool = True  # on CUDA, synchronise before each timing lap (exact split, one sync per lap)
 
     def __post_init__(self) -> None:
@@ -58,6 +60,7 @@ class StepEvent:
     token_ids: list[int]  # tokens emitted by this pass (cut at EOS / max tokens)
     num_drafted: int  # drafted nodes in the tree (root excluded)
     num_accepted: int  # accepted drafted tokens (tau of this pass = num_accepted + 1)
+    depth: int = 0  # levels the controller chose to draft this pass (0: a plain step, and the prefill's token)
 
 
 @dataclass
@@ -68,6 +71,8 @@ class GenerationResult:
     stats: SpecStats  # counters of this generation's verify forwards
     elapsed_s: float
     timings: dict[str, float]  # seconds: prefill, draft, verify, commit, other
+    policy: str = "fixed"  # the speculation policy that ran
+    depths: list[int] = field(default_factory=list)  # [step]: levels the controller chose, per verify forward
 
     @property
     def num_target_forwards(self) -> int:  # prefill + verify forwards
@@ -106,6 +111,8 @@ class GenerationResult:
             "elapsed_s": self.elapsed_s,
             "tokens_per_s": self.tokens_per_s,
             "timings": self.timings,
+            "policy": self.policy,
+            "depths": self.depths,
         }
 
 
@@ -147,6 +154,8 @@ class _Request:
     state: TargetState
     session: Any  # DraftSession
     control: Controller  # this request's speculation controller
+    policy: str  # its policy's name
+    tree: TreeConfig | None  # this request's tree shape (None: a drafter without one)
     rng: torch.Generator | None
     eos: set[int]
     clock: Clock
@@ -154,14 +163,22 @@ class _Request:
     root: int = -1  # last emitted token, not yet in the target's KV cache
     emitted: list[int] = field(default_factory=list)
     stats: SpecStats = field(default_factory=SpecStats)
+    depths: list[int] = field(default_factory=list)  # the controller's choice per step
     finish: str = "length"
     done: bool = False
 
 
 class SpecEngine:
-    def __init__(self, target: Target, drafter: Drafter) -> None:
+    def __init__(self, target: Target, drafter: Drafter, speculation: Speculation | None = None) -> None:
         self.target = target
         self.drafter = drafter
+        self.speculation = speculation or Speculation()  # default policy + cost model (read-only)
+
+    def request_tree(self, config: GenerationConfig) -> TreeConfig | None:
+        """The tree shape of a request: its own or the drafter's, within its tree budget."""
+        tree = config.tree or self.drafter.tree
+        budget = config.speculation.tree_tokens
+        return tree if tree is None or budget is None else dataclasses.replace(tree, total_tokens=budget)
 
     def generate(self, inputs: dict[str, torch.Tensor], config: GenerationConfig) -> GenerationResult:
         gen = self.stream(inputs, config)
@@ -186,7 +203,7 @@ class SpecEngine:
                 yield event
         finally:
             gen.result = GenerationResult(req.emitted, req.finish, req.prompt_tokens, req.stats,
-                                          time.perf_counter() - t_start, dict(req.clock.t))
+                                          time.perf_counter() - t_start, dict(req.clock.t), req.policy, req.depths)
 
     def _start(self, inputs: dict[str, torch.Tensor], config: GenerationConfig) -> _Request:
         """Prefill, open the drafter's session, pick the first token."""
@@ -194,12 +211,15 @@ class SpecEngine:
         clock = Clock(target.device, config.sync_timings)
         state, out = target.prefill(inputs, visual=self.drafter.needs_visual)
         clock.lap("prefill")
-        prompt = PromptContext(inputs["input_ids"][0].cpu(), out.features, inputs, out.image_mask, out.image_embeds, out.attention)
-        session = self.drafter.start(prompt, config.tree)
+        prompt = PromptContext(inputs["input_ids"][0].cpu(), out.features, inputs, out.image_mask, out.image_embeds, out.attention,
+                               kv=state.cache)
+        tree = self.request_tree(config)
+        session = self.drafter.start(prompt, tree)
         clock.lap("draft")
         rng = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
-        control = (config.policy or FixedPolicy()).start()
-        req = _Request(config, state, session, control, rng, set() if config.ignore_eos else target.eos_token_ids, clock, state.seq_len)
+        policy = config.policy or self.speculation.policy(config.speculation.policy)
+        req = _Request(config, state, session, policy.start(), policy.name, tree, rng,
+                       set() if config.ignore_eos else target.eos_token_ids, clock, state.seq_len)
         req.root = next_token(out.logits[0], config.sampling, rng)
         return req
 
@@ -210,10 +230,12 @@ class SpecEngine:
         if room < 0:
             return None
         max_depth = min(req.config.max_new_tokens - len(req.emitted) - 1, room)
-        shape = req.config.tree or self.drafter.tree
-        if shape is not None:  # the controller chooses within the drafter's tree
-            max_depth = min(max_depth, shape.depth)
+        if req.tree is not None:  # the controller chooses within the request's tree
+            max_depth = min(max_depth, req.tree.depth)
+        if req.config.speculation.max_depth is not None:
+            max_depth = min(max_depth, req.config.speculation.max_depth)
         depth = req.control.choose(max_depth)
+        req.depths.append(depth)
         tree = req.session.propose(req.root, depth).truncate_depth(depth)
         clock.lap("draft")
         out = target.forward_tree(state, tree)
@@ -228,12 +250,12 @@ class SpecEngine:
         req.stats.observe(tree.size - 1, verdict.num_accepted, drafted_depth)
         req.control.observe(drafted_depth, verdict.num_accepted)
         req.root = verdict.next_token
-        event = self._emit(req, tree.tokens[path[1:]].tolist() + [verdict.next_token], tree.size - 1, verdict.num_accepted)
+        event = self._emit(req, tree.tokens[path[1:]].tolist() + [verdict.next_token], tree.size - 1, verdict.num_accepted, depth)
         if not req.done and state.seq_len >= target.max_positions:
             req.done = True
         return event
 
-    def _emit(self, req: _Request, new: list[int], num_drafted: int, num_accepted: int) -> StepEvent:
+    def _emit(self, req: _Request, new: list[int], num_drafted: int, num_accepted: int, depth: int = 0) -> StepEvent:
         """Append tokens up to EOS / max tokens; marks the request done when either is reached."""
         keep: list[int] = []
         for tok in new:
@@ -246,7 +268,7 @@ class SpecEngine:
                 break
         req.emitted.extend(keep)
         req.clock.lap("other")
-        return StepEvent(keep, num_drafted, num_accepted)
+        return StepEvent(keep, num_drafted, num_accepted, depth)
 
 
 __all__ = ["SpecEngine", "GenerationConfig", "GenerationResult", "StepEvent", "Generation", "Clock"]

@@ -8,7 +8,9 @@ The CLI, the server and the benchmarks build engines here and nowhere else:
 
 Resolution rules: no model -> the aligned real target when it is built (`vlmspec build-target`
 with the trained parts), else the committed toy; "toy" -> the toy; drafter "auto" -> the bundled EAGLE drafter when the model is the toy it was
-trained for, else n-gram; "eagle" -> that drafter (the name the service shows for it); device None -> CUDA when available; dtype "auto" -> bfloat16 on CUDA, float32 on CPU.
+trained for, else n-gram; "eagle" -> that drafter (the name the service shows for it); device None -> CUDA when available; dtype "auto" -> bfloat16 on CUDA, float32 on CPU;
+policy "goodput" (the default) -> the engine's cost model is measured at build (`measure_cost`,
+about 70 steps through the engine itself on a short text prompt) unless the drafter never drafts.
 Bad choices raise `ConfigError` with a message that says what to pass instead.
 """
 
@@ -20,11 +22,12 @@ from pathlib import Path
 import torch
 
 from vlmspec import assets
-from vlmspec.control import CostModel, FixedPolicy
+from vlmspec.control import POLICIES, CostModel, FixedPolicy, Speculation
 from vlmspec.draft import NoDrafter, TreeConfig, load_drafter
 from vlmspec.draft.base import Drafter
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.errors import ConfigError
+from vlmspec.inputs import encode_prompt
 from vlmspec.target import Target, load_target
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -41,6 +44,11 @@ class EngineSpec:
     tree_depth: int | None = None  # None: the device's default (TreeConfig.for_device)
     tree_topk: int | None = None
     tree_tokens: int | None = None
+    policy: str = "goodput"  # the default speculation policy of the engine's requests (goodput | fixed)
+
+
+# the prompt the cost model is measured on at build (step times hardly depend on the prompt)
+COST_PROMPT = "Write a short story about a lighthouse keeper."
 
 
 def resolve_device(device: str | None) -> str:
@@ -107,8 +115,19 @@ def drafter_for(spec: EngineSpec, target: Target) -> Drafter:
 
 
 def build_engine(spec: EngineSpec) -> SpecEngine:
+    if spec.policy not in POLICIES:
+        raise ConfigError(f"--policy must be one of {', '.join(POLICIES)}, got {spec.policy!r}")
     target = load(spec)
-    return SpecEngine(target, drafter_for(spec, target))
+    engine = SpecEngine(target, drafter_for(spec, target))
+    return with_policy(engine, spec.policy)
+
+
+def with_policy(engine: SpecEngine, policy: str, cost: CostModel | None = None) -> SpecEngine:
+    """`engine` whose requests default to `policy`; goodput gets `cost`, measured here when not given
+    (nothing is measured for a drafter that never drafts: its requests run plain steps anyway)."""
+    if policy == "goodput" and cost is None and not isinstance(engine.drafter, NoDrafter):
+        cost = measure_cost(engine, encode_prompt(engine.target, COST_PROMPT))
+    return SpecEngine(engine.target, engine.drafter, Speculation(policy, cost))
 
 
 def plain_engine(engine: SpecEngine) -> SpecEngine:

@@ -25,7 +25,7 @@ from vlmspec.control import FixedPolicy, GoodputPolicy, Policy
 from vlmspec.data.heldout import ADVERSARIAL, Conversation, adversarial, heldout
 from vlmspec.draft import NoDrafter
 from vlmspec.engine import GenerationConfig, SpecEngine
-from vlmspec.factory import measure_cost
+from vlmspec.factory import COST_PROMPT, measure_cost
 from vlmspec.inputs import encode_prompt
 from vlmspec.sampling import SamplingParams
 from vlmspec.stats import geomean
@@ -54,12 +54,11 @@ def categories(target: Any, n: int, seed: int = 0) -> dict[str, list[Conversatio
 
 
 def measure(engine: SpecEngine, cats: dict[str, list[Conversation]], temperatures: tuple[float, ...] = (0.0, 1.5),
-            max_new_tokens: int = 64, repeats: int = 2, cost_prompt: str = "Tell me about the weather.",
-            progress: bool = True) -> dict[str, Any]:
+            max_new_tokens: int = 64, repeats: int = 2, progress: bool = True) -> dict[str, Any]:
     from tqdm import tqdm
 
     target = engine.target
-    cost = measure_cost(engine, encode_prompt(target, cost_prompt), tokens=12, repeats=2)
+    cost = engine.speculation.cost or measure_cost(engine, encode_prompt(target, COST_PROMPT))  # the one the engine serves with
     plain = SpecEngine(target, NoDrafter())
     rows: list[dict[str, Any]] = []
     total = sum(len(v) for v in cats.values()) * len(temperatures) * repeats

@@ -401,12 +401,18 @@ class RunOptions:
 
 
 def bench_drafters(spec: EngineSpec, target: Target, eagle: tuple[str, ...] = ()) -> dict[str, Drafter]:
-    """none, ngram, and one EAGLE drafter per folder in `eagle` (default: the drafter `spec`'s
-    "auto" resolves to, when that is a trained one), all with `spec`'s tree on the target's device."""
+    """none, ngram, and one drafter per entry of `eagle`: an EAGLE folder (default: the drafter
+    `spec`'s "auto" resolves to, when that is a trained one) or `self` / `self:E` (self-speculation),
+    all with `spec`'s tree on the target's device."""
     drafters: dict[str, Drafter] = {"none": NoDrafter(), "ngram": NgramDrafter(factory.tree_config(spec, str(target.device)))}
     auto = factory.resolve_drafter("auto", target.name)
-    for i, folder in enumerate(eagle or ([auto] if auto not in ("ngram", "none") else [])):
-        drafters["eagle" if i == 0 else f"eagle_{Path(folder).name}"] = factory.drafter_for(replace(spec, drafter=folder), target)
+    folders = 0
+    for entry in eagle or ([auto] if auto not in ("ngram", "none") else []):
+        if entry == "self" or entry.startswith("self:"):
+            name = entry
+        else:
+            name, folders = ("eagle" if folders == 0 else f"eagle_{Path(entry).name}"), folders + 1
+        drafters[name] = factory.drafter_for(replace(spec, drafter=entry), target)
     return drafters
 
 

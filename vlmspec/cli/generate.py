@@ -46,6 +46,7 @@ def load_image(path: str):
 
 def run(args: argparse.Namespace) -> int:
     from vlmspec import factory
+    from vlmspec.control import depth_summary
     from vlmspec.engine import GenerationConfig
     from vlmspec.inputs import encode_prompt
     from vlmspec.sampling import SamplingParams
@@ -73,7 +74,9 @@ def run(args: argparse.Namespace) -> int:
     result = gen.completion.result
     print(
         f"[{len(result.token_ids)} tokens in {result.elapsed_s:.2f}s, {result.tokens_per_s:.1f} tok/s, "
-        f"{result.num_target_forwards} target forwards, mean accepted length {result.mean_accepted_length:.2f}]",
+        f"{result.num_target_forwards} target forwards, mean accepted length {result.mean_accepted_length:.2f}"
+        + (f", policy {result.policy}: depths chosen {depth_summary(result.depths)}"
+           if result.depths and engine.drafter.tree is not None else "") + "]",
         file=sys.stderr,
     )
     return 0

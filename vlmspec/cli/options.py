@@ -18,6 +18,7 @@ from vlmspec.errors import VlmspecError
 EXIT_USAGE = 2
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_CHOICES = ("auto", "triton", "sdpa", "eager")
+POLICY_CHOICES = ("goodput", "fixed")  # vlmspec.control.POLICIES (kept here so --help needs no torch)
 
 
 class UsageError(VlmspecError):
@@ -95,7 +96,7 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """--model --drafter --device --dtype --attention --tree-*: the fields of `vlmspec.factory.EngineSpec`."""
+    """--model --drafter --device --dtype --attention --tree-* --policy: the fields of `vlmspec.factory.EngineSpec`."""
     p.add_argument("--model", help="target VLM: a local folder (e.g. models/smolvlm-base, the real target make setup "
                                    "builds), a hub id, or 'toy' (the 4M-parameter ToyWorld toy); default: models/smolvlm-toyworld "
                                    "when built with trained parts, else the toy")
@@ -105,16 +106,30 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_device_args(p)
     p.add_argument("--attention", default="auto", choices=ATTENTION_CHOICES, help="tree attention: auto = Triton kernel on CUDA, SDPA on CPU")
     add_tree_args(p)
+    p.add_argument("--policy", default="goodput", choices=POLICY_CHOICES,
+                   help="how deep to draft each step: goodput = per step by expected tokens per second, from the request's "
+                        "acceptance so far and a cost model measured at start-up (SmartSpec; drafts nothing when drafting "
+                        "does not pay); fixed = always the tree's full depth")
 
 
 def engine_spec(args: argparse.Namespace, **overrides: object):
     """The `EngineSpec` of the parsed options (fields a parser lacks keep their defaults)."""
     from vlmspec.factory import EngineSpec
 
-    fields = ("model", "drafter", "device", "dtype", "attention", "tree_depth", "tree_topk", "tree_tokens")
+    fields = ("model", "drafter", "device", "dtype", "attention", "tree_depth", "tree_topk", "tree_tokens", "policy")
     values = {f: getattr(args, f) for f in fields if getattr(args, f, None) is not None}
     values.update(overrides)
     return EngineSpec(**values)  # type: ignore[arg-type]
+
+
+def describe_speculation(engine) -> str:
+    """One line: the engine's default policy and, for goodput, the cost model it measured."""
+    spec = engine.speculation
+    if spec.cost is None:
+        return f"policy {spec.policy().name}"
+    c = spec.cost
+    return (f"policy goodput, cost model measured at start-up: a plain step {c.step_s * 1e3:.1f} ms, drafting "
+            f"+{c.draft_s * 1e3:.1f} ms + {c.per_level_s * 1e3:.1f} ms per level (--policy fixed: always the full depth)")
 
 
 def env_default(name: str) -> str | None:

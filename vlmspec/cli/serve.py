@@ -18,7 +18,7 @@ import socket
 import sys
 from pathlib import Path
 
-from vlmspec.cli.options import UsageError, add_engine_args, engine_spec, env_default, float_in, int_in, non_negative_int, positive_int
+from vlmspec.cli.options import UsageError, add_engine_args, describe_speculation, engine_spec, env_default, float_in, int_in, non_negative_int, positive_int
 
 SERVE_EXTRA = ("fastapi", "uvicorn")
 INSTALL_HINT = "the server needs fastapi, uvicorn and prometheus_client: pip install 'vlmspec[serve]'"
@@ -81,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     drafter = factory.resolve_drafter(spec.drafter, model)  # a bad choice fails before the model loads
     print(f"loading {model} (drafter: {drafter}) ...", file=sys.stderr)
     engine = factory.build_engine(spec)
+    print(f"speculation: {describe_speculation(engine)}", file=sys.stderr)
     try:
         from vlmspec.app import ServerSettings, serve
     except ModuleNotFoundError as exc:  # an optional dependency of the service

@@ -6,13 +6,15 @@ from pathlib import Path
 
 from vlmspec.draft.base import Drafter, DraftSession, NoDrafter, PromptContext, TreeConfig
 from vlmspec.draft.ngram import NgramDrafter
-from vlmspec.errors import DrafterLoadError
+from vlmspec.errors import ConfigError, DrafterLoadError
 
-MODEL_FREE = ("none", "ngram")
+MODEL_FREE = ("none", "ngram", "self")
 
 
 def load_drafter(spec: str, target, tree: TreeConfig | None = None) -> Drafter:
-    """`none` | `ngram` | a drafter folder | a drafter's hub id ("org/name"), checked against target.
+    """`none` | `ngram` | `self` (self-speculation, DEL's dynamic exit) | `self:E` (exit after layer E)
+    | `self:E:K` / `self:auto:K` (over the first K token ids) | a drafter folder | a drafter's hub id
+    ("org/name"), checked against target.
 
     A hub id is fetched when the hub answers, else read from the local Hugging Face cache.
     """
@@ -20,10 +22,24 @@ def load_drafter(spec: str, target, tree: TreeConfig | None = None) -> Drafter:
         return NoDrafter()
     if spec == "ngram":
         return NgramDrafter(tree)
+    if spec == "self" or spec.startswith("self:"):
+        from vlmspec.draft.self_spec import SelfSpecConfig, SelfSpecDrafter
+
+        parts = spec.split(":")[1:]  # self[:E|auto[:K]]
+        ok = len(parts) <= 2 and (not parts or parts[0] == "auto" or parts[0].isdigit()) and (len(parts) < 2 or parts[1].isdigit())
+        if not ok:
+            raise DrafterLoadError(f"drafter {spec!r}: write self, self:E (exit after layer E, e.g. self:8) or self:E:K / self:auto:K "
+                                   "(draft over the first K token ids)")
+        exit_layer = int(parts[0]) if parts and parts[0] != "auto" else None
+        vocab = int(parts[1]) if len(parts) == 2 else None
+        try:
+            return SelfSpecDrafter(target, tree, SelfSpecConfig(exit_layer=exit_layer, draft_vocab=vocab))
+        except ConfigError as exc:
+            raise DrafterLoadError(f"drafter {spec!r}: {exc}") from None
     from vlmspec.draft.eagle import EagleDrafter, looks_like_hub_id
 
     if not Path(spec).expanduser().is_dir() and not looks_like_hub_id(spec):
-        raise DrafterLoadError(f"drafter {spec!r} is neither 'none', 'ngram' nor a drafter folder (or a hub id: org/name)")
+        raise DrafterLoadError(f"drafter {spec!r} is neither 'none', 'ngram', 'self[:E]' nor a drafter folder (or a hub id: org/name)")
     return EagleDrafter.from_pretrained(spec, target, tree)
 
 

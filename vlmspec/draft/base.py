@@ -17,6 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from vlmspec.kv_cache import KVCache
 from vlmspec.tree import DraftTree
 
 
@@ -54,6 +55,9 @@ class PromptContext:
     image_mask: torch.Tensor | None = None  # [L] bool, image-token positions
     image_embeds: torch.Tensor | None = None  # [n_img, H] projected image embeddings, in order
     attention: torch.Tensor | None = None  # [L] target's last-layer attention of the last prompt token
+    # the request's target KV cache, live (committed entries only between steps): read, never written,
+    # by drafters that reuse the target's own layers (self-speculation)
+    kv: KVCache | None = None
 
 
 @runtime_checkable
