@@ -174,16 +174,19 @@ class Service:
         return self.spec.drafter.name if self.spec is not None else "?"
 
     @property
+    def _tree(self):
+        """The speculative drafter's default tree (None: no tree, or not loaded yet)."""
+        return self.spec.drafter.tree if self.spec is not None else None
+
+    @property
     def tree_total_tokens(self) -> int | None:
         """The speculative drafter's tree size; None when it has no tree (or is not loaded yet)."""
-        tree = self.spec.drafter.tree if self.spec is not None else None
-        return tree.total_tokens if tree is not None else None
+        return self._tree.total_tokens if self._tree is not None else None
 
     @property
     def tree_depth(self) -> int | None:
         """The speculative drafter's tree depth (the deepest a request may draft); None without a tree."""
-        tree = self.spec.drafter.tree if self.spec is not None else None
-        return tree.depth if tree is not None else None
+        return self._tree.depth if self._tree is not None else None
 
     @property
     def default_policy(self) -> str:

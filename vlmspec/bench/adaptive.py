@@ -21,28 +21,15 @@ import time
 from collections import Counter
 from typing import Any
 
-from vlmspec.control import FixedPolicy, GoodputPolicy, Policy
+from vlmspec.control import FixedPolicy, GoodputPolicy
 from vlmspec.data.heldout import ADVERSARIAL, Conversation, adversarial, heldout
-from vlmspec.draft import NoDrafter
 from vlmspec.engine import GenerationConfig, SpecEngine
-from vlmspec.factory import COST_PROMPT, measure_cost
+from vlmspec.factory import COST_PROMPT, measure_cost, plain_engine
 from vlmspec.inputs import encode_prompt
 from vlmspec.sampling import SamplingParams
 from vlmspec.stats import geomean
 
 WAYS = ("plain", "fixed", "goodput")
-
-
-class _Recording:
-    """A policy that keeps every controller it hands out (to read the depths chosen)."""
-
-    def __init__(self, policy: Policy) -> None:
-        self.policy, self.name, self.controllers = policy, policy.name, []
-
-    def start(self):
-        ctl = self.policy.start()
-        self.controllers.append(ctl)
-        return ctl
 
 
 def categories(target: Any, n: int, seed: int = 0) -> dict[str, list[Conversation]]:
@@ -59,7 +46,7 @@ def measure(engine: SpecEngine, cats: dict[str, list[Conversation]], temperature
 
     target = engine.target
     cost = engine.speculation.cost or measure_cost(engine, encode_prompt(target, COST_PROMPT))  # the one the engine serves with
-    plain = SpecEngine(target, NoDrafter())
+    plain = plain_engine(engine)
     rows: list[dict[str, Any]] = []
     total = sum(len(v) for v in cats.values()) * len(temperatures) * repeats
     bar = tqdm(total=total, desc="bench adaptive", unit="prompt", disable=not progress, dynamic_ncols=True)
@@ -68,10 +55,9 @@ def measure(engine: SpecEngine, cats: dict[str, list[Conversation]], temperature
             inputs = encode_prompt(target, conv.prompt, conv.images)  # once per prompt, for every temperature
             for temp in temperatures:
                 for rep in range(repeats):
-                    rec = _Recording(GoodputPolicy(cost))
-                    ways = {"plain": (plain, None), "fixed": (engine, FixedPolicy()), "goodput": (engine, rec)}
+                    ways = {"plain": (plain, None), "fixed": (engine, FixedPolicy()), "goodput": (engine, GoodputPolicy(cost))}
                     order = WAYS[(i + rep) % 3:] + WAYS[: (i + rep) % 3]  # rotate who goes first
-                    secs = {}
+                    secs, depths = {}, Counter()
                     for way in order:
                         eng, policy = ways[way]
                         cfg = GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True, sampling=SamplingParams(temperature=temp),
@@ -80,7 +66,8 @@ def measure(engine: SpecEngine, cats: dict[str, list[Conversation]], temperature
                         r = eng.generate(inputs, cfg)
                         secs[way] = time.perf_counter() - t0
                         assert len(r.token_ids) == max_new_tokens, (way, len(r.token_ids))
-                    depths = Counter(d for ctl in rec.controllers for d in ctl.chosen)
+                        if way == "goodput":
+                            depths = Counter(r.depths)  # the depth goodput chose at each step
                     rows.append({"category": cat, "temperature": temp, "prompt": i, "repeat": rep, **{f"{w}_s": secs[w] for w in WAYS},
                                  "depths": dict(sorted(depths.items()))})
                     bar.update(1)

@@ -75,7 +75,7 @@ class SelfSpecDrafter:
         for e in exits:
             self.view.check_exit(e)
         self.exits = tuple(exits)
-        vocab = target.output_embeddings().weight.shape[0]
+        vocab = self.view.head.weight.shape[0]
         if config.draft_vocab is not None and not 1 <= config.draft_vocab <= vocab:
             raise ConfigError(f"draft vocabulary must be in [1, {vocab}] tokens, got {config.draft_vocab}")
         # [K] target ids the head drafts over (None: all); the LM head's rows for them, copied once
