@@ -138,7 +138,7 @@ def test_train_align_resumes_exactly_and_its_parts_build(tmp_path):
 
     base = _tiny_base(tmp_path / "base")
     cfg = dict(batch_size=2, lora_rank=2, lora_alpha=4.0, eval_every=1000, eval_samples=2, ckpt_every=1, warmup=1,
-               probe_steps=2, probe_batch=2, followups=2, text_pairs=2, text_per_step=1)
+               probe_steps=2, probe_batch=2, followups=2, text_pairs=2, text_per_step=1, tower_tail=2, position_weight=1.0)
     pairs = [["name three red fruits", "Apples, cherries and strawberries.", True], ["say hello", "Hello! I am", False]]
     for run in "ab":  # the base model's own pairs, as magpie would have cached them (a random tiny model writes none)
         (tmp_path / run).mkdir()
@@ -152,6 +152,9 @@ def test_train_align_resumes_exactly_and_its_parts_build(tmp_path):
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     base_state = load_file(str(base / "model.safetensors"))
     assert any(not torch.equal(a[k], base_state[k]) for k in a if k in base_state)  # the projector moved
+    tower = [k for k in a if k.startswith("model.vision_tower.")]  # the tower's trained tail ships, and moved
+    assert tower and all(".blocks.5." in k or ".blocks.6." in k or ".conv_head." in k or ".bn2." in k for k in tower)
+    assert any(not torch.equal(a[k], base_state[k]) for k in tower)
     from transformers import FastVlmForConditionalGeneration
 
     model = FastVlmForConditionalGeneration.from_pretrained(base)
@@ -214,18 +217,35 @@ def test_per_token_probes_ask_each_token_about_its_own_cell():
         assert not torch.allclose(shuffled, want, atol=1e-3)
 
 
+def test_cell_probe_reads_where_each_token_is():
+    from vlmspec.train.vision_pretrain import CellProbe, token_cells
+
+    probe = CellProbe(9)
+    with torch.no_grad():
+        probe.cell.weight.copy_(torch.eye(9) * 20)
+        probe.cell.bias.zero_()
+    cells = token_cells(36)  # a 6 x 6 map
+    placed = torch.nn.functional.one_hot(cells, 9).float().expand(2, -1, -1)  # each token carries its cell
+    loss, acc = probe(placed)
+    assert acc == 1.0 and float(loss.detach()) < 1e-3
+    # negative control: tokens that carry another token's place
+    wrong_loss, wrong_acc = probe(placed[:, cells.argsort(descending=True)])
+    assert wrong_acc < 0.5 and float(wrong_loss.detach()) > 1.0
+
+
 def test_projector_rescale_moves_the_image_tokens_and_keeps_the_probes_logits():
-    from vlmspec.train.align import ProjectorTap, cell_tokens, image_token_rms, pool_cells, rescale_projector, text_rms
-    from vlmspec.train.vision_pretrain import SceneProbe
+    from vlmspec.train.align import Probes, ProjectorTap, cell_tokens, image_token_rms, pool_cells, projected_tokens, rescale_projector, text_rms
 
     model = tiny_fast_vlm()
-    probe = SceneProbe(model.config.text_config.hidden_size)
+    probe = Probes(model.config.text_config.hidden_size, AlignConfig(position_weight=1.0))
     pixels = torch.randn(2, 3, 96, 96, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        before, logits = image_token_rms(model, pixels), probe.obj(cell_tokens(model, pixels))
+        before, logits = image_token_rms(model, pixels), probe.scene.obj(cell_tokens(model, pixels))
+        cell_logits = probe.position.cell(projected_tokens(model, pixels))
         rescale_projector(model, probe, 0.25)
         assert image_token_rms(model, pixels) == pytest.approx(before * 0.25, rel=1e-5)
-        assert torch.allclose(probe.obj(cell_tokens(model, pixels)), logits, atol=1e-5)
+        assert torch.allclose(probe.scene.obj(cell_tokens(model, pixels)), logits, atol=1e-5)
+        assert torch.allclose(probe.position.cell(projected_tokens(model, pixels)), cell_logits, atol=1e-5)
     assert 0 < text_rms(model) < 1
     # the tap sees the tokens of the model's own forward: pooled, they are cell_tokens' output
     tap = ProjectorTap(model)

@@ -200,3 +200,32 @@ def test_bench_adaptive_times_the_three_ways_per_category(tmp_path):
         assert s["goodput_vs_plain_worst"] <= s["goodput_vs_plain"] * (1 + 1e-9) and sum(s["depths"].values()) > 0
     table = format_table(report)
     assert all(c in table for c in cats) and report["cost_model"]["step_s"] > 0
+
+
+def test_bench_stop_head_times_the_five_ways_and_counts_what_the_rule_saves():
+    import torch
+
+    from conftest import tiny_target
+    from vlmspec.bench.stop_head import WAYS, format_table, measure
+    from vlmspec.data.heldout import heldout
+    from vlmspec.draft.base import TreeConfig
+    from vlmspec.draft.eagle import EagleConfig, EagleDrafter, EagleHead
+    from vlmspec.engine import SpecEngine
+
+    target = tiny_target("llava")
+    cfg = EagleConfig.from_target(target)
+    cfg.acceptance_head = True
+    torch.manual_seed(0)
+    head = EagleHead(cfg, target.input_embeddings(), target.output_embeddings())
+    with torch.no_grad():  # predicted rejection everywhere: the rule stops every tree after its first level
+        head.accept.mlp[-1].weight.zero_()
+        head.accept.mlp[-1].bias.fill_(-6.0)
+    tree = TreeConfig(depth=3, top_k=2, total_tokens=6)
+    report = measure(SpecEngine(target, EagleDrafter(head, tree, 0.3)), heldout("bench", 1), temperatures=(0.0,),
+                     max_new_tokens=12, repeats=1, progress=False)
+    assert [r["way"] for r in report["rows"]] == list(WAYS)  # prompt 0, repeat 0: no rotation
+    by = {s["way"]: s for s in report["summary"]}
+    # at most one level per step (a step near the token limit may draft none), the full tree deeper
+    assert by["fixed+stop"]["levels_per_step"] <= 1.0 < by["fixed"]["levels_per_step"]
+    assert by["plain"]["vs_plain"] == 1.0 and all(s["tok_s"] > 0 for s in report["summary"])
+    assert "fixed+stop" in format_table(report)

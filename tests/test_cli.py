@@ -154,6 +154,13 @@ def test_bench_help_lists_the_sub_benchmarks(capsys):
     assert "--sizes" in _help(capsys, "bench", "verify-cost")
     assert "--no-flush" in _help(capsys, "bench", "kernel")
     assert "--n-select" in _help(capsys, "bench", "ablate")
+    assert "acceptance head" in _help(capsys, "bench", "stop-head")
+
+
+def test_bench_stop_head_without_an_acceptance_head_is_one_line(capsys, model_dir):
+    assert main(["bench", "stop-head", "--model", str(model_dir), "--drafter", "ngram"]) == 2
+    err = capsys.readouterr().err
+    assert "--acceptance-head" in err and "Traceback" not in err
 
 
 def test_serve_help_lists_its_options(capsys):

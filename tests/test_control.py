@@ -127,7 +127,7 @@ def test_greedy_parity_under_every_policy(kind):
             got = engine.generate(inputs, GenerationConfig(max_new_tokens=new, ignore_eos=True, policy=policy))
             assert got.token_ids == plain, f"{kind}/{name}/{policy.name} diverged from plain decoding"
         if name == "oracle":  # the oracle is always right: goodput keeps drafting, and deep
-            ctl = GoodputPolicy(cost).start()
+            ctl = GoodputPolicy(CHEAP).start()
             engine.generate(inputs, GenerationConfig(max_new_tokens=new, ignore_eos=True, policy=_Keep(ctl)))
             assert ctl.chosen and sum(d > 0 for d in ctl.chosen) >= len(ctl.chosen) - 1
 
@@ -246,3 +246,26 @@ def test_with_policy_measures_a_cost_model_only_for_a_drafter_that_drafts():
     assert cost is not None and cost.step_s > 0 and engine.speculation.policy().name == "goodput"
     assert with_policy(SpecEngine(target, NoDrafter()), "goodput").speculation.cost is None
     assert with_policy(engine, "fixed", cost).speculation.policy().name == "fixed"
+
+
+def test_measured_cost_charges_verifying_full_trees_even_when_the_drafter_found_nothing(monkeypatch):
+    """n-gram on a prompt without repeats proposes one-node trees while the cost is measured; the
+    model still charges each drafted level what verifying a full tree of that depth costs."""
+    from vlmspec import factory
+
+    calls = []
+
+    def fake_tree_forward(target, prefix, n, repeats, warmup):  # 10 ms + 2 ms per node
+        calls.append(n)
+        return 10.0 + 2.0 * n
+
+    monkeypatch.setattr(factory, "time_tree_forward", fake_tree_forward)
+    target = tiny_target("llava")
+    tree = TreeConfig(depth=5, top_k=4, total_tokens=16)
+    engine = SpecEngine(target, NgramDrafter(tree))
+    inputs = encode_prompt(target, "a quick brown fox", [])
+    cost = measure_cost(engine, inputs, tokens=4, repeats=1)
+    assert sorted(calls) == [1, 1 + factory.tree_nodes(tree, 1), 1 + factory.tree_nodes(tree, 5)] == [1, 5, 17]
+    extra = cost.seconds(5) - cost.seconds(0)  # 16 nodes x 2 ms of verify, plus the n-gram's own (small) time
+    assert 0.032 - 1e-9 <= extra < 0.032 + 0.05
+    assert cost.seconds(1) - cost.seconds(0) >= 0.008 - 1e-3  # 4 nodes at depth 1

@@ -105,3 +105,29 @@ def test_regenerated_answers_are_the_targets_own_and_cached(tmp_path):
     train_drafter(target, "toyworld", out, _cfg(steps=2, regenerate=True, regen_max_tokens=6), progress=False)
     lines = (out / "answers_rank0.jsonl").read_text().splitlines()
     assert len(lines) == 2 * 4  # one generated answer per training sample (batch 4, 2 steps)
+
+
+def test_the_acceptance_head_learns_beside_the_drafter_without_changing_it(tmp_path):
+    """SpecDec++: trained on detached inputs with its own clipping, the acceptance head leaves the
+    drafter's weights bit-identical to a run without it; its loss falls; the stop threshold is
+    chosen from the grid on validation prompts and saved with the drafter."""
+    from vlmspec.train.distill import STOP_GRID
+
+    target = tiny_target("llava")
+    with_head, without = tmp_path / "with", tmp_path / "without"
+    train_drafter(target, "toyworld", with_head, _cfg(steps=12, batch_size=2, acceptance_head=True), progress=False)
+    train_drafter(target, "toyworld", without, _cfg(steps=12, batch_size=2), progress=False)
+    a = load_file(str(with_head / "checkpoint" / "head.safetensors"))
+    b = load_file(str(without / "checkpoint" / "head.safetensors"))
+    assert {k for k in a if k.startswith("accept.")} and set(b) == {k for k in a if not k.startswith("accept.")}
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    history = [h for h in _history(with_head) if "accept_bce1" in h]
+    assert len(history) == 12
+    assert sum(h["accept_bce1"] for h in history[-4:]) < sum(h["accept_bce1"] for h in history[:4])
+    state = json.loads((with_head / "checkpoint" / "trainer_state.json").read_text())
+    chosen = state["stop_threshold"]["chosen"]
+    assert chosen in STOP_GRID and [r["threshold"] for r in state["stop_threshold"]["grid"]] == list(STOP_GRID)
+    best = max(r["modelled_tokens_per_s"] for r in state["stop_threshold"]["grid"])
+    assert next(r for r in state["stop_threshold"]["grid"] if r["threshold"] == chosen)["modelled_tokens_per_s"] == best
+    drafter = EagleDrafter.load(with_head / "drafter", target)
+    assert drafter.head.accept is not None and drafter.stop_threshold == chosen

@@ -162,7 +162,7 @@ def test_hub_id_while_offline_fails_fast_and_clearly(tmp_path, monkeypatch):
         load_drafter("someone/eagle-drafter", target)
     assert time.perf_counter() - t0 < 5
     assert info.value.__cause__ is None and info.value.__suppress_context__  # one clear error, no chained traceback
-    with pytest.raises(DrafterLoadError, match="neither 'none', 'ngram', 'self\[:E\]' nor a drafter folder"):
+    with pytest.raises(DrafterLoadError, match=r"neither 'none', 'ngram', 'self\[:E\]' nor a drafter folder"):
         load_drafter("./no/such/drafter", target)
 
 
@@ -448,3 +448,61 @@ def test_propose_reads_the_device_once(monkeypatch):
         tree = s.propose(root, 10)
         s.commit(tree.tokens[tree.path_to(1)], torch.randn(2, 32))
     assert reads.n == 0 and calls.count(torch.float64) == 2, (reads.n, calls)  # one read per proposal
+
+
+def _with_acceptance_head(target, seed=3):
+    cfg = EagleConfig.from_target(target)
+    cfg.acceptance_head = True
+    torch.manual_seed(seed)
+    return EagleHead(cfg, target.input_embeddings(), target.output_embeddings())
+
+
+def _propose(drafter, target, inputs, root=5, depth=4):
+    _, out = target.prefill(inputs)
+    return drafter.start(PromptContext(inputs["input_ids"][0], out.features)).propose(root, depth)
+
+
+def test_the_stop_rule_only_cuts_levels_off_the_eagle2_tree():
+    """SpecDec++: threshold 0 is EAGLE-2's tree; a head predicting rejection stops after the
+    first level (that level's nodes, nothing else); one predicting acceptance never stops."""
+    target = tiny_target("llava")
+    head = _with_acceptance_head(target)
+    tree = TreeConfig(depth=4, top_k=3, total_tokens=10)
+    inputs = encode_prompt(target, "hello there")
+    full = _propose(EagleDrafter(head, tree, 0.0), target, inputs)
+    assert int(full.depth.max()) >= 2
+    last = head.accept.mlp[-1]
+    with torch.no_grad():
+        last.weight.zero_()
+        last.bias.fill_(-6.0)  # every child predicted rejected (p ~ 0.0025)
+    cut = _propose(EagleDrafter(head, tree, 0.1), target, inputs)
+    assert int(cut.depth.max()) == 1
+    level1 = sorted(int(full.tokens[i]) for i in range(full.size) if int(full.depth[i]) == 1)
+    assert sorted(cut.tokens[1:].tolist()) == level1 and cut.size == 1 + tree.top_k
+    with torch.no_grad():
+        last.bias.fill_(6.0)  # every child predicted accepted: the rule never fires
+    kept = _propose(EagleDrafter(head, tree, 0.9), target, inputs)
+    assert torch.equal(kept.tokens, full.tokens) and torch.equal(kept.parents, full.parents)
+    # a threshold needs the head; a head without one keeps EAGLE-2's tree
+    with pytest.raises(ValueError, match="acceptance head"):
+        EagleDrafter(EagleDrafter.random_init(target, tree).head, tree, 0.2)
+    with pytest.raises(ValueError, match="stop_threshold"):
+        cfg = EagleConfig.from_target(target)
+        EagleConfig(**{**{name: getattr(cfg, name) for name in EagleConfig.field_names()}, "stop_threshold": 0.2})
+
+
+def test_a_stopping_drafter_keeps_greedy_parity_and_round_trips(tmp_path):
+    target = tiny_target("llava")
+    head = _with_acceptance_head(target)
+    head.config.stop_threshold = 0.5  # random weights: predictions scatter around it, so the depth varies step to step
+    drafter = EagleDrafter(head, TreeConfig(depth=5, top_k=3, total_tokens=12))
+    inputs = encode_prompt(target, "describe the image in detail", [tiny_image(0)])
+    plain = SpecEngine(target, NoDrafter()).generate(inputs, GenerationConfig(max_new_tokens=40, ignore_eos=True)).token_ids
+    got = SpecEngine(target, drafter).generate(inputs, GenerationConfig(max_new_tokens=40, ignore_eos=True))
+    assert got.token_ids == plain and got.num_drafted > 0
+    drafter.save(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["acceptance_head"] is True and saved["stop_threshold"] == 0.5
+    loaded = EagleDrafter.load(tmp_path, target, drafter.tree)
+    assert loaded.stop_threshold == 0.5 and loaded.head.accept is not None
+    assert all(torch.equal(a, b) for a, b in zip(loaded.head.accept.state_dict().values(), head.accept.state_dict().values()))

@@ -29,6 +29,7 @@ from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.errors import ConfigError
 from vlmspec.inputs import encode_prompt
 from vlmspec.target import Target, load_target
+from vlmspec.target.timing import time_tree_forward
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BUNDLED_DRAFTER_NAME = "eagle"
@@ -135,18 +136,43 @@ def plain_engine(engine: SpecEngine) -> SpecEngine:
     return SpecEngine(engine.target, NoDrafter())
 
 
-def measure_cost(engine: SpecEngine, inputs: dict, depths: tuple[int, ...] | None = None, tokens: int = 12, repeats: int = 2) -> CostModel:
-    """The engine's own step time at each depth (default: 0, 1 and the drafter's full depth, or
-    the default tree's for a drafter without one) on `inputs`, through a FixedPolicy per depth
-    (greedy, `tokens` new tokens, the best of `repeats`), fitted into a `CostModel` for the goodput
-    policy."""
-    full = (engine.drafter.tree or TreeConfig()).depth
-    depths = depths or tuple(sorted({0, 1, full}))
-    samples = {}
-    for depth in depths:
-        best = float("inf")
+def tree_nodes(tree: TreeConfig, depth: int) -> int:
+    """Drafted nodes of a full `tree` cut at `depth` levels (at most top_k new nodes per level for
+    EAGLE-2's pruned expansion and the n-gram drafter's branches alike)."""
+    return min(tree.total_tokens, depth * tree.top_k)
+
+
+def measure_cost(engine: SpecEngine, inputs: dict, depths: tuple[int, ...] | None = None, tokens: int = 12, repeats: int = 2,
+                 prefix: int = 256) -> CostModel:
+    """The cost model of the goodput policy: seconds per engine step at each drafted depth (default
+    0, 1 and the drafter's full depth, or the default tree's for a drafter without one), fitted
+    into a `CostModel`.
+
+    Each depth's step is the engine's plain step on `inputs` (greedy, `tokens` new tokens, best of
+    `repeats`), plus the drafter's own time at that depth through the engine, plus what verifying
+    a full tree of that depth costs over a one-token step, timed on the target directly
+    (`time_tree_forward`, a `prefix`-token context). The verify part is not read off the engine's
+    run: a drafter that found nothing to propose on the measuring prompt (n-gram on a fresh text)
+    verifies one-node trees there, and would look free to the policy."""
+    tree = engine.drafter.tree or TreeConfig()
+    depths = depths or tuple(sorted({0, 1, tree.depth}))
+
+    def per_step(depth: int) -> tuple[float, float]:  # best (seconds per step, drafter seconds per step)
+        best = (float("inf"), float("inf"))
         for _ in range(repeats):
             r = engine.generate(inputs, GenerationConfig(max_new_tokens=tokens, ignore_eos=True, policy=FixedPolicy(depth)))
-            best = min(best, sum(v for k, v in r.timings.items() if k != "prefill") / max(r.stats.num_drafts, 1))
-        samples[depth] = best
+            steps = max(r.stats.num_drafts, 1)
+            total = sum(v for k, v in r.timings.items() if k != "prefill") / steps
+            best = min(best, (total, r.timings.get("draft", 0.0) / steps))
+        return best
+
+    step_s, draft0 = per_step(0)
+    prefix = max(1, min(prefix, engine.target.max_positions - 2 - tree_nodes(tree, max(depths))))  # a short context's model
+    one_ms = time_tree_forward(engine.target, prefix, 1, repeats=5, warmup=2)
+    samples = {0: step_s}
+    for depth in depths:
+        if depth > 0:
+            _, draft = per_step(depth)
+            extra_ms = time_tree_forward(engine.target, prefix, 1 + tree_nodes(tree, depth), repeats=5, warmup=2) - one_ms
+            samples[depth] = step_s + max(draft - draft0, 0.0) + max(extra_ms, 0.0) / 1e3
     return CostModel.fit(samples)

@@ -9,8 +9,6 @@ tree forward / one-token forward is what sizes the draft tree per device.
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +17,7 @@ import torch
 from vlmspec import factory
 from vlmspec.factory import EngineSpec
 from vlmspec.target import Target
-from vlmspec.tree import DraftTree
+from vlmspec.target.timing import time_tree_forward
 
 SHAPES: dict[str, dict[str, int]] = {
     # the bundled target's text decoder (v4, assets/toyworld-vlm)
@@ -44,28 +42,6 @@ def synthetic_target(shape: str, device: str, dtype: torch.dtype, layers: int | 
         model = LlavaForConditionalGeneration(cfg).to(dtype)
     model.config._attn_implementation = "sdpa"
     return Target(model, processor=None, name=f"synthetic-{shape}")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def time_tree_forward(target: Target, prefix: int, n: int, repeats: int, warmup: int) -> float:
-    """Median ms of one forward_tree over a chain of n nodes on a prefix of `prefix` tokens."""
-    ids = torch.randint(1, target.vocab_size, (1, prefix), device=target.device)
-    state, _ = target.prefill({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
-    tree = DraftTree.chain(1, [2] * (n - 1))
-    times = []
-    for i in range(warmup + repeats):
-        _sync(target.device)
-        t0 = time.perf_counter()
-        target.forward_tree(state, tree)
-        _sync(target.device)
-        if i >= warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
-        state.cache.crop(prefix)  # drop the tree entries again
-    return statistics.median(times)
 
 
 def run(target: Target, prefix: int, sizes: list[int], repeats: int, warmup: int) -> list[dict[str, Any]]:

@@ -21,14 +21,14 @@ from vlmspec.cli.options import (
     positive_int,
 )
 
-BENCHES = ("run", "verify-cost", "kernel", "ablate", "server", "adaptive")
+BENCHES = ("run", "verify-cost", "kernel", "ablate", "server", "adaptive", "stop-head")
 DEFAULT = "run"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser(
         "bench",
-        help="speed of every method side by side (default: run), or verify-cost, kernel, ablate, server, adaptive",
+        help="speed of every method side by side (default: run), or verify-cost, kernel, ablate, server, adaptive, stop-head",
         description="Benchmarks. `vlmspec bench WHICH --help` for the options of each; without WHICH, `run`.",
     )
     which = b.add_subparsers(dest="bench", metavar="{" + ",".join(BENCHES) + "}", required=True)
@@ -62,14 +62,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     ad = which.add_parser("adaptive", help="adaptive speculation (goodput) vs plain decoding and the fixed tree, in domain and on "
                                            "adversarial prompts (photos it cannot answer, random tokens, unseen text)")
-    add_engine_args(ad)
-    ad.add_argument("-n", type=positive_int("-n"), default=4, help="prompts per category")
-    ad.add_argument("--temperature", action="append", type=float_in("--temperature", 0.0, 100.0), default=[],
-                    help="sampling temperature (repeatable; default: 0 and 1.5)")
-    ad.add_argument("--repeats", type=positive_int("--repeats"), default=2, help="measured runs per prompt and way")
-    ad.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=64, help="new tokens per prompt (EOS ignored)")
-    ad.add_argument("--json", dest="json_path", help="write the per-prompt rows and the summary here")
+    _add_ways_args(ad, n=4, n_help="prompts per category", temperatures="0 and 1.5")
     ad.set_defaults(func=run_adaptive_bench)
+
+    sh = which.add_parser("stop-head", help="SpecDec++: one drafter with its acceptance head's stop rule and without, at a fixed "
+                                            "depth and under goodput, against plain decoding (held-out ToyWorld prompts)")
+    _add_ways_args(sh, n=8, n_help="held-out ToyWorld prompts (the bench set)", temperatures="0 and 1")
+    sh.set_defaults(func=run_stop_head_bench)
 
     v = which.add_parser("verify-cost", help="ms per target forward over a tree of N nodes vs a one-token step")
     v.add_argument("--model", help="a model folder (default: a synthetic --shape with random weights)")
@@ -168,6 +167,27 @@ def run_server_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_ways_args(p: argparse.ArgumentParser, n: int, n_help: str, temperatures: str) -> None:
+    """The options of the benches that time ways to speculate through one engine, interleaved."""
+    add_engine_args(p)
+    p.add_argument("-n", type=positive_int("-n"), default=n, help=n_help)
+    p.add_argument("--temperature", action="append", type=float_in("--temperature", 0.0, 100.0), default=[],
+                   help=f"sampling temperature (repeatable; default: {temperatures})")
+    p.add_argument("--repeats", type=positive_int("--repeats"), default=2, help="measured runs per prompt and way")
+    p.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=64, help="new tokens per prompt (EOS ignored)")
+    p.add_argument("--json", dest="json_path", help="write the per-run rows and the summary here")
+
+
+def _report(report: dict, text: str, args: argparse.Namespace) -> int:
+    """Print a bench's table; write its JSON (with the command) where --json asks."""
+    report["command"] = args.command_line
+    print(text)
+    if args.json_path:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json.dumps(report, indent=2))
+    return 0
+
+
 def run_adaptive_bench(args: argparse.Namespace) -> int:
     from vlmspec import factory
     from vlmspec.bench.adaptive import categories, format_table, measure
@@ -176,12 +196,22 @@ def run_adaptive_bench(args: argparse.Namespace) -> int:
     if engine.drafter.tree is None:
         raise UsageError("bench adaptive compares ways to speculate: give a drafter that drafts (--drafter eagle, ngram or a folder)")
     report = measure(engine, categories(engine.target, args.n), tuple(args.temperature or (0.0, 1.5)), args.max_new_tokens, args.repeats)
-    report["command"] = args.command_line
-    print(format_table(report))
-    if args.json_path:
-        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_path).write_text(json.dumps(report, indent=2))
-    return 0
+    return _report(report, format_table(report), args)
+
+
+def run_stop_head_bench(args: argparse.Namespace) -> int:
+    from vlmspec import factory
+    from vlmspec.bench.stop_head import format_table, measure
+    from vlmspec.data.heldout import heldout
+    from vlmspec.draft.eagle import EagleDrafter
+
+    engine = factory.build_engine(engine_spec(args))
+    d = engine.drafter
+    if not isinstance(d, EagleDrafter) or d.head.accept is None or not d.stop_threshold:
+        raise UsageError("bench stop-head needs an EAGLE drafter trained with an acceptance head: "
+                         "vlmspec train --acceptance-head --out RUN, then --drafter RUN/drafter")
+    report = measure(engine, heldout("bench", args.n), tuple(args.temperature or (0.0, 1.0)), args.max_new_tokens, args.repeats)
+    return _report(report, format_table(report), args)
 
 
 def run_verify_cost(args: argparse.Namespace) -> int:

@@ -35,6 +35,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="listed: count answers name the counted objects first, descriptions go in reading order (attempt 5); short: attempts 1-4")
     a.add_argument("--probe-steps", type=int, default=240, help="stage 0: steps of the projector on the scene probes alone (0: none)")
     a.add_argument("--probe-tokens", action="store_true", help="the probes ask every image token about its own cell instead of reading cells pooled (attempt 4; measured worse)")
+    a.add_argument("--tower-tail", type=int, choices=range(0, 8), default=0, metavar="{0..7}",
+                   help="the vision tower's last block stages trained with its 1x1 head (attempt 6: 2, read signs worse); 0: frozen")
+    a.add_argument("--position-weight", type=float_in("--position-weight", 0.0, 100.0), default=0.0,
+                   help="weight of the probe that asks every image token for its cell (attempt 6: 1.0; 0: none)")
+    a.add_argument("--task-mix", help="the image questions' mix, e.g. 'count=0.26,attribute=0.24,read_text=0.1,describe=0.18,spatial=0.16,read_chart=0.06' "
+                                      "(attempt 6's; default: attempt 5's, vlmspec.train.align.ALIGN_MIX)")
     a.add_argument("--text-pairs", type=int, default=96, help="text-only pairs the base model writes itself (Magpie) to keep its text behaviour (0: none)")
     a.add_argument("--text-per-step", type=int, default=1, help="of those text pairs in each batch")
     a.add_argument("--minutes", type=float_in("--minutes", 0.0, 1e6, low_open=True), default=None, help="wall-clock budget of this run")
@@ -58,15 +64,21 @@ def run_build_target(args: argparse.Namespace) -> int:
 
 
 def run_train_align(args: argparse.Namespace) -> int:
-    from vlmspec.train.align import AlignConfig, train_align
+    from vlmspec.train.align import ALIGN_MIX, AlignConfig, train_align
+    from vlmspec.train.target_sft import parse_task_mix
 
     if not (Path(args.base) / "config.json").is_file():
         raise UsageError(f"--base: {args.base} is not a built model folder (vlmspec build-target --no-trained --out {args.base})")
     if args.resume and not (Path(args.out) / "checkpoint").is_dir():
         raise UsageError(f"--resume: no checkpoint in {args.out}/checkpoint")
+    try:
+        mix = parse_task_mix(args.task_mix) if args.task_mix else dict(ALIGN_MIX)
+    except ValueError as exc:
+        raise UsageError(f"--task-mix: {exc}") from None
     cfg = AlignConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, lora_lr=args.lora_lr, lora_rank=args.lora_rank,
                       lora_alpha=2.0 * args.lora_rank, minutes=args.minutes, seed=args.seed, followups=args.followups,
                       aux_weight=args.aux_weight, probe_steps=args.probe_steps, probe_per_token=args.probe_tokens,
-                      answer_style=args.answer_style,                      text_pairs=args.text_pairs, text_per_step=args.text_per_step)
+                      answer_style=args.answer_style, tower_tail=args.tower_tail, position_weight=args.position_weight,
+                      text_pairs=args.text_pairs, text_per_step=args.text_per_step, task_mix=mix)
     train_align(args.base, args.out, cfg, resume=args.resume)
     return 0

@@ -17,6 +17,13 @@ the first format (config.json with "drafter": "eagle") still loads and is conver
 
 On CUDA, a proposal grows the whole tree on the device and reads it back with ONE
 device->host transfer (not one per node); see `_EagleSession.propose`.
+
+SpecDec++ (`acceptance_head`): a small head beside it predicts, for each of a node's top-k
+children, the probability that the target accepts that child given that the node was accepted.
+A proposal stops deepening the tree once no frontier node's predicted path acceptance (the
+product along its path) reaches `stop_threshold`; with the acceptance head off, or threshold 0,
+the tree is EAGLE-2's. Only the tree's shape changes, so verification stays lossless. (That
+check reads one number per level back from the device.)
 """
 
 from __future__ import annotations
@@ -76,6 +83,8 @@ class EagleConfig(PretrainedConfig):
     rms_norm_eps: float = 1e-6
     target_model_type: str = ""
     draft_vocab_size: int = 0  # K > 0: the head predicts over K target tokens only (`d2t` in the weights); 0: all
+    acceptance_head: bool = False  # SpecDec++: an acceptance-prediction head in the weights (`accept.*`)
+    stop_threshold: float = 0.0  # stop deepening when no path's predicted acceptance reaches it (0: never; chosen on validation)
     extra: dict[str, Any] = field(default_factory=dict)  # variant settings: {"visual": VisualConfig dict}
 
     def __post_init__(self, **kwargs: Any) -> None:
@@ -88,6 +97,11 @@ class EagleConfig(PretrainedConfig):
         k = self.draft_vocab_size
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be an integer in 0..vocab_size ({self.vocab_size}), got {k!r}")
+        self.stop_threshold = float(self.stop_threshold)
+        if not isinstance(self.acceptance_head, bool) or not 0.0 <= self.stop_threshold < 1.0:
+            raise ValueError(f"acceptance_head must be a bool and stop_threshold in [0, 1), got {self.acceptance_head!r}, {self.stop_threshold!r}")
+        if self.stop_threshold > 0 and not self.acceptance_head:
+            raise ValueError("stop_threshold needs acceptance_head (the stop rule reads its predictions)")
         if not isinstance(self.extra, dict):
             raise ValueError(f"extra must be a JSON object, got {self.extra!r}")
         super().__post_init__(**kwargs)
@@ -163,6 +177,33 @@ class EagleConfig(PretrainedConfig):
 AutoConfig.register(MODEL_TYPE, EagleConfig, exist_ok=True)  # AutoConfig.from_pretrained(drafter) works too
 
 
+class AcceptanceHead(nn.Module):
+    """SpecDec++'s acceptance predictor: a node's head output and the draft log-probs of its top-k
+    children -> for each child, the logit of P(the target accepts it | the node was accepted).
+    Per child it reads the node's state (projected), the child's log-prob, the best child's and the
+    draft distribution's entropy."""
+
+    def __init__(self, hidden: int, width: int = 32, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.norm = LlamaRMSNorm(hidden, eps=eps)
+        self.proj = nn.Linear(hidden, width)
+        self.mlp = nn.Sequential(nn.Linear(width + 3, width), nn.SiLU(), nn.Linear(width, 1))
+
+    def forward(self, hidden: torch.Tensor, top_logp: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H], top_logp [..., k] (best first), entropy [...] -> logits [..., k] (float32)."""
+        k = top_logp.shape[-1]
+        node = self.proj(self.norm(hidden)).float()  # [..., W]
+        x = torch.cat([node[..., None, :].expand(*top_logp.shape, node.shape[-1]), top_logp[..., None],
+                       top_logp[..., :1, None].expand(*top_logp.shape, 1), entropy[..., None, None].expand(*top_logp.shape, 1)], dim=-1)
+        assert x.shape[-2] == k
+        return self.mlp(x.to(self.proj.weight.dtype)).squeeze(-1).float()
+
+
+def draft_entropy(logp: torch.Tensor) -> torch.Tensor:
+    """[..., V] log-probs -> [...] entropy (nats)."""
+    return -(logp.exp() * logp).sum(-1)
+
+
 class EagleHead(nn.Module):
     """The trainable part of the drafter, over the target's shared, frozen embedding and LM head."""
 
@@ -179,6 +220,8 @@ class EagleHead(nn.Module):
         vis = config.visual
         # VLM-aware variants (compression, decoupling, global feature); None = the plain head
         self.visual = None if vis.is_plain else VisualAdaptor(vis, h)
+        # SpecDec++ acceptance prediction (trained on detached inputs: the head's own training is unchanged)
+        self.accept = AcceptanceHead(h, eps=config.rms_norm_eps) if config.acceptance_head else None
         # shared with the target, never trained or saved by the head
         self._frozen = (embed, lm_head)
         # a trimmed draft vocabulary: d2t[j] = the target id of draft token j (saved with the weights)
@@ -269,9 +312,14 @@ class EagleDrafter:
         """VLM-aware variants read the image embeddings and the target's attention at prefill."""
         return self.head.visual is not None
 
-    def __init__(self, head: EagleHead, tree: TreeConfig | None = None) -> None:
+    def __init__(self, head: EagleHead, tree: TreeConfig | None = None, stop_threshold: float | None = None) -> None:
+        """stop_threshold: SpecDec++'s stop rule (None: the config's; 0: off, EAGLE-2's tree)."""
         self.head = head.eval()
         self.tree = tree or TreeConfig()
+        self.stop_threshold = head.config.stop_threshold if stop_threshold is None else float(stop_threshold)
+        if self.stop_threshold and head.accept is None:
+            raise ValueError("a stop threshold needs a drafter with an acceptance head (vlmspec train --acceptance-head)")
+        assert 0.0 <= self.stop_threshold < 1.0, self.stop_threshold
 
     # ------------------------------------------------------------ construction / io
     @classmethod
@@ -321,7 +369,7 @@ class EagleDrafter:
         return cls(head.to(device=target.device, dtype=target.dtype), tree)
 
     def start(self, prompt: PromptContext, tree: TreeConfig | None = None) -> DraftSession:
-        return _EagleSession(self.head, tree or self.tree, prompt)
+        return _EagleSession(self.head, tree or self.tree, prompt, self.stop_threshold)
 
 
 def _read_config(folder: Path) -> EagleConfig:
@@ -382,9 +430,10 @@ class _EagleSession:
     variant also reads its prompt rows (boolean selections, once per request).
     """
 
-    def __init__(self, head: EagleHead, tree: TreeConfig, prompt: PromptContext) -> None:
+    def __init__(self, head: EagleHead, tree: TreeConfig, prompt: PromptContext, stop_threshold: float = 0.0) -> None:
         self.head = head
         self.tree = tree
+        self.stop_threshold = stop_threshold
         self.cache = KVCache()
         p = next(self.head.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -468,10 +517,13 @@ class _EagleSession:
         and run through the head (their KV entries go after the committed prefix, in frontier
         order). Sizes are known on the host (F = 1, then min(k, F * k)), so nothing is read back.
 
-        root_hidden: [1, H], the head's output at the root's pair. Returns one _Level per depth.
+        root_hidden: [1, H], the head's output at the root's pair. Returns one _Level per depth
+        grown: fewer than `depth` when the SpecDec++ stop rule ends the growth.
         """
         head, k, dev = self.head, self.tree.top_k, self.device
+        stop = self.stop_threshold > 0
         logp = torch.log_softmax(head.logits(root_hidden), -1)  # [F, V], F = 1: the root
+        front_acc = torch.ones(1, device=dev)  # [F] predicted probability that each frontier node's path is accepted
         front_h = root_hidden  # [F, H] head outputs at the frontier nodes' pairs (their children's features)
         front_seen = torch.zeros(1, 0, dtype=torch.bool, device=dev)  # [F, n_tree]: tree KV entries each sees
         front_scores = torch.zeros(1, device=dev)  # [F] float32 cumulative log-probs
@@ -485,6 +537,12 @@ class _EagleSession:
                 levels.append(_Level(ids, cand, None))
                 break
             best = torch.topk(cand, min(k, cand.numel())).indices  # [F'] the next frontier, best first
+            if stop:  # SpecDec++: grow on only while some frontier path is predicted to be accepted often enough
+                child_acc = torch.sigmoid(head.accept(front_h, top.values, draft_entropy(logp)))  # [F, k]
+                front_acc = (front_acc[:, None] * child_acc).flatten().index_select(0, best)  # [F']
+                if float(front_acc.max()) < self.stop_threshold:  # one read per level
+                    levels.append(_Level(ids, cand, None))
+                    break
             levels.append(_Level(ids, cand, best))
             parent = torch.div(best, k, rounding_mode="floor")  # [F'] row of each one's parent in the frontier
             n_new = best.shape[0]

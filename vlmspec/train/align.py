@@ -2,13 +2,21 @@
 `fast_vlm`) on ToyWorld, LLaVA stage-1 style plus low-rank adapters on the language model.
 
 Trained: the projector (1280 -> 576 -> 576) and LoRA pairs on every projection of the 30 decoder
-layers; frozen: the vision tower (its BatchNorms in eval mode) and every base weight.
+layers; with `tower_tail` (attempt 6) also the vision tower's last block stages and its 1x1 head.
+Frozen: the rest of the tower (all its BatchNorm statistics: eval mode) and every base weight.
+Attempt 6 (tower tail 2 + the cell probe + more spatial questions) wrote each token's cell into it
+(probe 1.00) but read images worse than attempt 5 (signs 0.05 against 1.00), so the defaults
+are attempt 5's.
 
   stage 0  the projector alone, through linear probes (`vision_pretrain.SceneProbe`) on its
            tokens average-pooled to ToyWorld's 3x3 cells: each cell's object and size, the sign's
            word, the chart's bars (with `probe_per_token`, attempt 4, every token is asked about its
            own cell instead: harder for the linear projector, per-token object accuracy 0.66
-           against 0.93 pooled, and the run read images worse). No language-model forward, so it is cheap. Then the projector's
+           against 0.93 pooled, and the run read images worse); with `position_weight` (attempt 6)
+           a probe asks every token which cell it lies in, so the tokens carry where they are
+           (the CNN tower has no position embedding: a linear probe on the frozen tower's tokens
+           names their cell 0.66 of the time, and attempt 5 named objects but put them in the
+           wrong places). No language-model forward, so it is cheap. Then the projector's
            output is rescaled to the RMS of the text embeddings (measured after the first attempt,
            which had no such step: image tokens at RMS 1.5 against text at 0.14, not read at all).
   SFT      answer-only next-token cross-entropy, averaged per sample, on dialogues: each image
@@ -48,12 +56,14 @@ from vlmspec.train.data import encode_conversations
 from vlmspec.train.lora import LoraAdapters, add_lora
 from vlmspec.train.target_sft import answer_loss, batch_seeds, eval_loss, plot_curve, sample_for
 from vlmspec.train.magpie import MagpieConfig, Pair, cached_pairs
-from vlmspec.train.vision_pretrain import SceneProbe, pool_cells, pretrain_batch, scene_labels
+from vlmspec.train.vision_pretrain import CellProbe, SceneProbe, SceneLabels, pool_cells, pretrain_batch, scene_labels
 
 # the grounded questions the target must answer, weighted toward the short ones; no toy text-only
 # answers (text-only behaviour is SmolLM2-Instruct's own)
 ALIGN_MIX = {"count": 0.28, "attribute": 0.26, "read_text": 0.14, "describe": 0.2, "spatial": 0.06, "read_chart": 0.06}
+# attempt 6's (--task-mix): more of the questions that need places; with the tower tail it read worse
 PROJECTOR = "model.multi_modal_projector."
+TOWER = "model.vision_tower.timm_model."
 
 
 @dataclass
@@ -75,6 +85,9 @@ class AlignConfig:
     text_pairs: int = 96  # Magpie text-only pairs (the base model's own instructions and greedy answers)
     text_per_step: int = 1  # of them in each batch, beside the image dialogues (0: none)
     answer_style: str = "listed"  # toyworld.ANSWER_STYLES: "listed" (attempt 5) or "short" (attempts 1-4)
+    tower_tail: int = 0  # the tower's last block stages trained (with conv_head, bn2's affine); 0: frozen (attempts 1-5; attempt 6: 2, worse)
+    tower_lr: float = 3e-4
+    position_weight: float = 0.0  # the per-token cell probe's weight in the probe loss (0: none; attempt 6: 1.0)
     probe_steps: int = 240  # stage 0 (attempts 1-4: 80, where the probes were still improving)
     probe_batch: int = 16
     probe_lr: float = 3e-3
@@ -91,15 +104,35 @@ def prepare(model: torch.nn.Module, cfg: AlignConfig) -> tuple[LoraAdapters, lis
         p.requires_grad_(False)
     adapters = add_lora(model.model.language_model, cfg.lora_rank, cfg.lora_alpha, seed=cfg.seed)
     projector = list(model.model.multi_modal_projector.parameters())
-    for p in projector:
+    tower = [p for m in tower_tail(model, cfg.tower_tail) for p in m.parameters()]
+    for p in projector + tower:
         p.requires_grad_(True)
-    return adapters, [{"params": projector, "part": "projector", "weight_decay": 0.0},
-                      {"params": list(adapters.parameters()), "part": "lora", "weight_decay": 0.0}]
+    groups = [{"params": projector, "part": "projector", "weight_decay": 0.0},
+              {"params": list(adapters.parameters()), "part": "lora", "weight_decay": 0.0}]
+    if tower:
+        groups.append({"params": tower, "part": "tower", "weight_decay": 0.0})
+    return adapters, groups
+
+
+def tower_tail(model: torch.nn.Module, stages: int) -> list[torch.nn.Module]:
+    """The timm tower's last `stages` block stages and its 1x1 head (conv_head, bn2): the part
+    `train-align` may train; [] for 0."""
+    timm_model = model.model.vision_tower.timm_model
+    if stages <= 0:
+        return []
+    assert stages <= len(timm_model.blocks), f"the tower has {len(timm_model.blocks)} block stages, not {stages}"
+    return [*timm_model.blocks[-stages:], timm_model.conv_head, timm_model.bn2]
+
+
+def _trainable_names(model: torch.nn.Module) -> set[str]:
+    return {n for n, p in model.named_parameters() if p.requires_grad}
 
 
 def trained_tensors(model: torch.nn.Module, adapters: LoraAdapters) -> dict[str, torch.Tensor]:
-    """What ships: the projector's tensors by state-dict name, the LoRA pairs under `lora.`."""
-    out = {k: v.detach().float().clone() for k, v in model.state_dict().items() if k.startswith(PROJECTOR)}
+    """What ships: the projector's and the trained tower tensors by state-dict name, the LoRA pairs
+    under `lora.`."""
+    tower = {n for n in _trainable_names(model) if n.startswith(TOWER)}
+    out = {k: v.detach().float().clone() for k, v in model.state_dict().items() if k.startswith(PROJECTOR) or k in tower}
     out.update({f"lora.{k}": v for k, v in adapters.tensors().items()})
     return out
 
@@ -107,6 +140,13 @@ def trained_tensors(model: torch.nn.Module, adapters: LoraAdapters) -> dict[str,
 def load_trained(model: torch.nn.Module, adapters: LoraAdapters, tensors: dict[str, torch.Tensor]) -> None:
     proj = {k[len(PROJECTOR):]: v for k, v in tensors.items() if k.startswith(PROJECTOR)}
     model.model.multi_modal_projector.load_state_dict(proj, strict=True)
+    tower = {k: v for k, v in tensors.items() if k.startswith(TOWER)}
+    trainable = {n for n in _trainable_names(model) if n.startswith(TOWER)}
+    assert set(tower) == trainable, f"checkpoint tower tensors {sorted(set(tower) ^ trainable)[:4]} do not match the config's tower_tail"
+    with torch.no_grad():
+        params = dict(model.named_parameters())
+        for k, v in tower.items():
+            params[k].copy_(v)
     adapters.load_tensors({k[len("lora."):]: v for k, v in tensors.items() if k.startswith("lora.")})
 
 
@@ -121,10 +161,11 @@ def _set_train_mode(model: torch.nn.Module) -> None:
 
 
 def projected_tokens(model: torch.nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
-    """pixel_values [B, 3, S, S] -> the projector's image tokens, [B, g*g, H]; the frozen tower runs
-    without gradient."""
-    with torch.no_grad():
-        feats = model.model.vision_tower(pixel_values, return_dict=True).last_hidden_state  # [B, C, g, g]
+    """pixel_values [B, 3, S, S] -> the projector's image tokens, [B, g*g, H]; a frozen tower runs
+    without gradient (a trained tail records only its own part: the frozen stages need no grad)."""
+    tower = model.model.vision_tower
+    with torch.set_grad_enabled(torch.is_grad_enabled() and any(p.requires_grad for p in tower.parameters())):
+        feats = tower(pixel_values, return_dict=True).last_hidden_state  # [B, C, g, g]
     return model.model.multi_modal_projector(feats.flatten(2).transpose(1, 2))
 
 
@@ -136,6 +177,28 @@ def cell_tokens(model: torch.nn.Module, pixel_values: torch.Tensor) -> torch.Ten
 def probe_input(tokens: torch.Tensor, cfg: AlignConfig) -> torch.Tensor:
     """The projector's tokens [B, g*g, H] as the probes read them under `cfg`."""
     return tokens if cfg.probe_per_token else pool_cells(tokens)
+
+
+class Probes(torch.nn.Module):
+    """The training-only probes on the projector's tokens: the scene probe (what is in each cell)
+    and, with `cfg.position_weight`, the cell probe (where each token is)."""
+
+    def __init__(self, hidden: int, cfg: AlignConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.scene = SceneProbe(hidden)
+        self.position = CellProbe(hidden) if cfg.position_weight > 0 else None
+
+    def heads(self) -> list[torch.nn.Linear]:
+        return [self.scene.obj, self.scene.size, self.scene.word, self.scene.bars] + ([self.position.cell] if self.position else [])
+
+    def forward(self, tokens: torch.Tensor, labels: SceneLabels) -> tuple[torch.Tensor, dict[str, float]]:
+        """tokens: the projector's [B, g*g, H]. Returns (loss, accuracies)."""
+        loss, acc = self.scene(probe_input(tokens, self.cfg), labels)
+        if self.position is not None:
+            pos_loss, acc["cell"] = self.position(tokens)
+            loss = loss + self.cfg.position_weight * pos_loss
+        return loss, acc
 
 
 class ProjectorTap:
@@ -171,13 +234,13 @@ def image_token_rms(model: torch.nn.Module, pixel_values: torch.Tensor) -> float
 
 
 @torch.no_grad()
-def rescale_projector(model: torch.nn.Module, probe: SceneProbe, factor: float) -> None:
+def rescale_projector(model: torch.nn.Module, probe: Probes, factor: float) -> None:
     """Multiply the projector's output by `factor` (linear_2's weight and bias) and divide the
     probes' weights by it, so the probes' logits stay what they were."""
     lin = model.model.multi_modal_projector.linear_2
     lin.weight.mul_(factor)
     lin.bias.mul_(factor)
-    for head in (probe.obj, probe.size, probe.word, probe.bars):
+    for head in probe.heads():
         head.weight.div_(factor)
 
 
@@ -187,19 +250,25 @@ def pretrain_projector(model, probe, processor, cfg: AlignConfig, state: dict[st
 
     if state.get("probe_step", 0) >= cfg.probe_steps:
         return
-    params = list(model.model.multi_modal_projector.parameters()) + list(probe.parameters())
-    opt = torch.optim.AdamW(params, lr=cfg.probe_lr, weight_decay=0.0)
+    groups = [{"params": list(model.model.multi_modal_projector.parameters()) + list(probe.parameters()), "peak": cfg.probe_lr}]
+    tower = [p for m in tower_tail(model, cfg.tower_tail) for p in m.parameters()]
+    if tower:
+        groups.append({"params": tower, "peak": cfg.tower_lr})
+    opt = torch.optim.AdamW(groups, lr=cfg.probe_lr, weight_decay=0.0)
+    params = [p for g in groups for p in g["params"]]
     bar = tqdm(total=cfg.probe_steps, disable=not progress, desc="stage 0 (projector probes)", dynamic_ncols=True)
     for step in range(cfg.probe_steps):
+        scale = warmup_cosine(step, cfg.probe_steps, 1.0, max(1, cfg.probe_steps // 10), cfg.min_lr_ratio)
         for g in opt.param_groups:
-            g["lr"] = warmup_cosine(step, cfg.probe_steps, cfg.probe_lr, max(1, cfg.probe_steps // 10), cfg.min_lr_ratio)
+            g["lr"] = scale * g["peak"]
         pixels, labels = pretrain_batch(step, cfg.probe_batch, cfg.seed, processor)
-        loss, acc = probe(probe_input(projected_tokens(model, pixels), cfg), labels)
+        loss, acc = probe(projected_tokens(model, pixels), labels)
         loss.backward()
         clipped_step(opt, params, cfg.grad_clip)
         state["history"].append({"vision_step": step, "probe_loss": float(loss.detach()), **{f"acc_{k}": v for k, v in acc.items()}})
         bar.update(1)
-        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", obj=f"{acc.get('obj', float('nan')):.2f}", word=f"{acc.get('word', float('nan')):.2f}")
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", obj=f"{acc.get('obj', float('nan')):.2f}", word=f"{acc.get('word', float('nan')):.2f}",
+                        cell=f"{acc.get('cell', float('nan')):.2f}")
     bar.close()
     pixels, _ = pretrain_batch(cfg.probe_steps, cfg.probe_batch, cfg.seed, processor)
     before, want = image_token_rms(model, pixels), text_rms(model)
@@ -268,7 +337,7 @@ def train_align(base: str | Path, out: str | Path, cfg: AlignConfig, resume: boo
         text_pairs = cached_pairs(out / "magpie.json", model, processor.tokenizer, MagpieConfig(n=cfg.text_pairs, seed=cfg.seed), progress)
         state["magpie_pairs"] = len(text_pairs)
     adapters, groups = prepare(model, cfg)
-    probe = SceneProbe(model.config.text_config.hidden_size)
+    probe = Probes(model.config.text_config.hidden_size, cfg)
     groups.append({"params": list(probe.parameters()), "part": "probe", "weight_decay": 0.0})
     opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.98))
     if resume:
@@ -300,13 +369,13 @@ def train_align(base: str | Path, out: str | Path, cfg: AlignConfig, resume: boo
             break
         lr = warmup_cosine(step, cfg.steps, 1.0, cfg.warmup, cfg.min_lr_ratio)
         for g in opt.param_groups:
-            g["lr"] = lr * (cfg.lora_lr if g["part"] == "lora" else cfg.lr)
+            g["lr"] = lr * {"lora": cfg.lora_lr, "tower": cfg.tower_lr}.get(g["part"], cfg.lr)
         loss = answer_loss(model, batch)
         total = loss
         if scenes:
             tokens = tap.take()  # [n_images, g*g, H], from this forward
             if cfg.aux_weight > 0:
-                total = loss + cfg.aux_weight * probe(probe_input(tokens, cfg), scene_labels(scenes))[0]
+                total = loss + cfg.aux_weight * probe(tokens, scene_labels(scenes))[0]
         total.backward()
         clipped_step(opt, [p for g in opt.param_groups for p in g["params"]], cfg.grad_clip)
         state["step"] = step + 1
@@ -336,5 +405,5 @@ def train_align(base: str | Path, out: str | Path, cfg: AlignConfig, resume: boo
     return result
 
 
-__all__ = ["ALIGN_MIX", "AlignConfig", "ProjectorTap", "align_batches", "cell_tokens", "pool_cells", "probe_input", "projected_tokens", "dialogue", "export", "load_trained", "prepare",
-           "pretrain_projector", "rescale_projector", "text_rms", "train_align", "trained_tensors"]
+__all__ = ["ALIGN_MIX", "AlignConfig", "Probes", "ProjectorTap", "align_batches", "cell_tokens", "pool_cells", "probe_input", "projected_tokens", "dialogue", "export", "load_trained", "prepare",
+           "pretrain_projector", "rescale_projector", "text_rms", "tower_tail", "train_align", "trained_tensors"]

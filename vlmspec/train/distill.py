@@ -10,6 +10,12 @@ unrolled `ttt_steps` times, step j reading its OWN predictions of step j-1 as fe
 learns to draft from what it will really see at depth j. (An approximation of EAGLE-3's TTT:
 within step j the head attends causally over that step's sequence of predicted features.)
 
+With `acceptance_head` (SpecDec++) a small head learns beside it, on the head's detached outputs,
+whether each of the top-k draft children at every unrolled position is the teacher's next token
+(the greedy acceptance given that the path so far was accepted): weighted binary cross-entropy,
+`accept_rej_weight` on the rejected class as in the paper. Its stop threshold is then chosen on
+validation prompts (`choose_stop_threshold`).
+
 Only answer positions are trained (labels != -100). Data: ToyWorld (with a text-only-first
 curriculum) or a LLaVA-style JSONL. Checkpoints are safetensors with exact resume; under
 torchrun each rank draws its own data and the head's gradients are averaged (all-reduce).
@@ -33,8 +39,10 @@ from safetensors.torch import load_file
 from vlmspec.data import toyworld
 from vlmspec.data.heldout import Conversation, heldout
 from vlmspec.draft.base import NoDrafter, TreeConfig
-from vlmspec.draft.eagle import EagleConfig, EagleDrafter, EagleHead, draft_vocabulary
+from vlmspec.draft.eagle import EagleConfig, EagleDrafter, EagleHead, draft_entropy, draft_vocabulary
+from vlmspec.control import CostModel, FixedPolicy
 from vlmspec.engine import GenerationConfig, SpecEngine
+from vlmspec.factory import COST_PROMPT, measure_cost
 from vlmspec.inputs import encode_prompt
 from vlmspec.sampling import SamplingParams
 from vlmspec.stats import SpecStats
@@ -72,6 +80,12 @@ class DistillConfig:
     # first `draft_vocab_samples` training answers (VocabTrim / EAGLE-3's d2t); 0 = the whole vocabulary
     draft_vocab: int = 0
     draft_vocab_samples: int = 256
+    # SpecDec++: an acceptance-prediction head trained alongside (its inputs detached), its stop
+    # threshold chosen on validation prompts after training
+    acceptance_head: bool = False
+    accept_top_k: int = 4  # children per position it learns about (the tree's top_k)
+    w_accept: float = 0.1
+    accept_rej_weight: float = 1.0  # weight of the rejected class in the BCE (the paper's w_rej / w_acc)
 
 
 # ------------------------------------------------------------------------------------ losses
@@ -182,6 +196,10 @@ def distill_losses(
         with torch.no_grad():
             acc = (head.target_ids(head.logits(h[lmask]).argmax(-1)) == target_l[lmask].argmax(-1)).float().mean()
         stats.update({f"ce{j}": float(ce.detach()), f"feat{j}": float(fl.detach()), f"acc{j}": float(acc)})
+        if head.accept is not None:
+            bce, calib = acceptance_loss(head, h[lmask].detach(), target_l[lmask], cfg)
+            total = total + cfg.w_accept * bce / cfg.ttt_steps
+            stats.update({f"accept_bce{j}": float(bce.detach()), f"accept_rate{j}": calib})
         prev = h
     return total, stats
 
@@ -349,6 +367,33 @@ def accepted_length(
     return out
 
 
+STOP_GRID = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5)
+
+
+def choose_stop_threshold(target: Target, drafter: EagleDrafter, prompts: list[Conversation], cost: CostModel,
+                          grid: tuple[float, ...] = STOP_GRID, max_new_tokens: int = 96) -> tuple[float, list[dict[str, float]]]:
+    """SpecDec++'s threshold, chosen on validation prompts: greedy generations at the drafter's
+    full depth under each threshold of `grid`, scored by modelled goodput = emitted tokens /
+    the `cost` model's seconds for the levels each step grew (counted, so the choice does not ride
+    on this machine's timing noise). Returns (best threshold, one row per threshold); ties go to
+    the lower threshold."""
+    rows = []
+    for thr in grid:
+        engine = SpecEngine(target, EagleDrafter(drafter.head, drafter.tree, thr))
+        total = SpecStats()
+        for i, c in enumerate(prompts):
+            cfg = GenerationConfig(max_new_tokens=max_new_tokens, seed=i, policy=FixedPolicy())
+            total += engine.generate(encode_prompt(target, c.prompt, c.images), cfg).stats
+        levels = sum(total.reached_per_pos)
+        drafted_steps = total.reached_per_pos[0] if total.reached_per_pos else 0
+        seconds = total.num_drafts * cost.step_s + drafted_steps * cost.draft_s + levels * cost.per_level_s
+        rows.append({"threshold": thr, "tau": total.mean_accepted_length, "levels_per_step": levels / max(total.num_drafts, 1),
+                     "drafted_per_accepted": total.num_draft_tokens / max(total.num_accepted_tokens, 1),
+                     "modelled_tokens_per_s": total.num_emitted_tokens / seconds})
+    best = max(rows, key=lambda r: (r["modelled_tokens_per_s"], -r["threshold"]))
+    return best["threshold"], rows
+
+
 # ------------------------------------------------------------------------------------ loop
 CKPT = "checkpoint"
 
@@ -385,6 +430,19 @@ def _plot(history: list[dict[str, float]], path: Path) -> None:
     plt.close(fig)
 
 
+def acceptance_loss(head: EagleHead, hidden: torch.Tensor, teacher_logits: torch.Tensor, cfg: DistillConfig) -> tuple[torch.Tensor, float]:
+    """SpecDec++'s loss. hidden [N, H] (detached head outputs), teacher_logits [N, V] -> (weighted
+    BCE of the acceptance head on whether each of the top-k draft children is the teacher's argmax,
+    the fraction of children that are). The head's own weights get no gradient from it."""
+    with torch.no_grad():
+        logp = torch.log_softmax(head.logits(hidden), -1)  # [N, V']
+        top = logp.topk(min(cfg.accept_top_k, logp.shape[-1]), dim=-1)  # [N, k]
+        accepted = (head.target_ids(top.indices) == teacher_logits.argmax(-1, keepdim=True)).float()  # [N, k]
+        weight = torch.where(accepted > 0, 1.0, cfg.accept_rej_weight)
+    logits = head.accept(hidden, top.values, draft_entropy(logp))  # [N, k]
+    return F.binary_cross_entropy_with_logits(logits, accepted, weight=weight), float(accepted.mean())
+
+
 def train_drafter(
     target: Target,
     data: str,
@@ -411,6 +469,7 @@ def train_drafter(
     torch.manual_seed(cfg.seed)
     ecfg = EagleConfig.from_target(target)
     ecfg.draft_vocab_size = cfg.draft_vocab
+    ecfg.acceptance_head = cfg.acceptance_head
     vis = VisualConfig.from_dict(cfg.visual)
     if not vis.is_plain:
         ecfg.extra["visual"] = vis.to_dict()
@@ -468,7 +527,9 @@ def train_drafter(
                 if p.grad is not None:
                     torch.distributed.all_reduce(p.grad)
                     p.grad /= world
-        clipped_step(opt, head.parameters(), cfg.grad_clip)
+        if head.accept is not None:  # its own norm: the acceptance head never changes the drafter's own updates
+            torch.nn.utils.clip_grad_norm_(head.accept.parameters(), cfg.grad_clip)
+        clipped_step(opt, [p for n, p in head.named_parameters() if not n.startswith("accept.")], cfg.grad_clip)
         head.eval()
         state["step"] = step + 1
         state["elapsed_s"] = elapsed0 + time.perf_counter() - t0
@@ -487,6 +548,12 @@ def train_drafter(
             break
     bar.close()
     if rank == 0:
+        if head.accept is not None:  # SpecDec++: the stop threshold, chosen on the validation prompts
+            cost = measure_cost(SpecEngine(target, EagleDrafter(head, tree, 0.0)), encode_prompt(target, COST_PROMPT))
+            head.config.stop_threshold, rows = choose_stop_threshold(target, EagleDrafter(head, tree, 0.0), held_out, cost)
+            state["stop_threshold"] = {"chosen": head.config.stop_threshold, "cost": asdict(cost), "grid": rows}
+            if progress:
+                print(f"stop threshold {head.config.stop_threshold} (of {[r['threshold'] for r in rows]}, modelled goodput on {len(held_out)} validation prompts)")
         _save(out, head, opt, state)
         _plot(state["history"], out / "train_curve.png")
         head.to(target.dtype)

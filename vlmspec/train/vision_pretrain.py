@@ -133,6 +133,23 @@ class SceneProbe(nn.Module):
         return torch.stack(losses).mean(), acc
 
 
+class CellProbe(nn.Module):
+    """A linear probe asking every image token of a g x g map which ToyWorld cell it lies in
+    (training only): its loss writes the token's place into the token, which a CNN tower without a
+    position embedding does not do by itself."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.cell = nn.Linear(hidden, N_CELLS)
+
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """tokens: [B, g*g, H] -> (cross-entropy, accuracy) of each token's cell."""
+        target = token_cells(tokens.shape[1]).expand(tokens.shape[0], -1)  # [B, g*g]
+        logits = self.cell(tokens)  # [B, g*g, 9]
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+        return loss, float((logits.argmax(-1) == target).float().mean())
+
+
 def image_tokens(model: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
     """pixel_values [B, 3, H, W] -> the projected image tokens the decoder reads, [B, n_img, hidden]."""
     return model.model.get_image_features(pixel_values=pixel_values).pooler_output

@@ -1,0 +1,40 @@
+"""Timing the target's own forwards: the verify cost that sizes trees (`vlmspec bench verify-cost`)
+and the cost model of the goodput policy (`factory.measure_cost`) read the same measurement."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from vlmspec.target.model import Target
+from vlmspec.tree import DraftTree
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+@torch.no_grad()
+def time_tree_forward(target: Target, prefix: int, n: int, repeats: int, warmup: int) -> float:
+    """Median ms of one `forward_tree` over a chain of n nodes (n = 1: a one-token decode step) on
+    a prefix of `prefix` random tokens. Trees are chains: the mask pattern does not change the cost
+    of the dense path."""
+    ids = torch.randint(1, target.vocab_size, (1, prefix), device=target.device)
+    state, _ = target.prefill({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    tree = DraftTree.chain(1, [2] * (n - 1))
+    times = []
+    for i in range(warmup + repeats):
+        _sync(target.device)
+        t0 = time.perf_counter()
+        target.forward_tree(state, tree)
+        _sync(target.device)
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+        state.cache.crop(prefix)  # drop the tree entries again
+    return statistics.median(times)
+
+
+__all__ = ["time_tree_forward"]
