@@ -229,3 +229,12 @@ def test_bench_stop_head_times_the_five_ways_and_counts_what_the_rule_saves():
     assert by["fixed+stop"]["levels_per_step"] <= 1.0 < by["fixed"]["levels_per_step"]
     assert by["plain"]["vs_plain"] == 1.0 and all(s["tok_s"] > 0 for s in report["summary"])
     assert "fixed+stop" in format_table(report)
+
+
+def test_bench_prompt_sets_name_image_and_text_only_held_out_prompts():
+    from vlmspec.bench.harness import load_prompts
+    from vlmspec.data.heldout import TEXT_PROMPTS
+
+    text = load_prompts("text", 3)
+    assert [c.prompt for c in text] == list(TEXT_PROMPTS[:3]) and all(not c.images for c in text)
+    assert all(c.images for c in load_prompts("test", 3))  # the ToyWorld set carries its images

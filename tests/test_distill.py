@@ -131,3 +131,53 @@ def test_the_acceptance_head_learns_beside_the_drafter_without_changing_it(tmp_p
     assert next(r for r in state["stop_threshold"]["grid"] if r["threshold"] == chosen)["modelled_tokens_per_s"] == best
     drafter = EagleDrafter.load(with_head / "drafter", target)
     assert drafter.head.accept is not None and drafter.stop_threshold == chosen
+
+
+def test_magpie_pairs_take_their_share_of_each_batch_in_turn_and_resume_in_place():
+    from vlmspec.train.distill import conversations
+
+    pairs = [(f"question {i}", f"answer {i}", i % 2 == 0) for i in range(5)]
+    cfg = _cfg(batch_size=8, text_pairs=5, text_share=0.25)
+    stream = conversations("toyworld", cfg, 0, 0, pairs)
+    batches = [next(stream) for _ in range(3)]
+    for b in batches:
+        assert len(b) == 8 and [c.task for c in b[6:]] == ["magpie", "magpie"] and all(c.task != "magpie" for c in b[:6])
+    assert [c.prompt for b in batches for c in b[6:]] == [f"question {i % 5}" for i in range(6)]  # in turn, cycling
+    assert [c.open_end for c in batches[0][6:]] == [False, True]  # a cut answer trains without an end of turn
+    resumed = next(conversations("toyworld", cfg, 0, 2, pairs))
+    assert [(c.prompt, c.answer) for c in resumed] == [(c.prompt, c.answer) for c in batches[2]]
+    # negative control: without pairs the batch is ToyWorld's alone
+    assert all(c.task != "magpie" for c in next(conversations("toyworld", _cfg(batch_size=8), 0, 0)))
+
+
+def test_a_drafter_trains_on_the_targets_own_text_pairs(tmp_path):
+    from dataclasses import asdict
+
+    from vlmspec.train.magpie import MagpieConfig
+
+    target = tiny_target("llava")
+    cfg = _cfg(steps=2, text_pairs=2, text_share=0.5)
+    pairs = [["name a colour", "blue", True], ["say hello", "hello there", False]]  # as the target would have cached them
+    mcfg = MagpieConfig(n=2, seed=0, answer_tokens=cfg.text_answer_tokens)
+    (tmp_path / "magpie.json").write_text(json.dumps({"config": asdict(mcfg), "pairs": pairs}))
+    train_drafter(target, "toyworld", tmp_path, cfg, progress=False)
+    state = json.loads((tmp_path / "checkpoint" / "trainer_state.json").read_text())
+    assert state["magpie_pairs"] == 2 and state["config"]["text_pairs"] == 2
+    assert len([h for h in state["history"] if "loss" in h]) == 2
+
+
+def test_a_bf16_target_trains_a_float32_head_under_autocast_and_ships_it_in_bf16(tmp_path):
+    import copy
+
+    from vlmspec.target import Target
+    from vlmspec.testing.tiny import build_tiny
+
+    model, processor = build_tiny("llava", seed=0)
+    target = Target(copy.deepcopy(model).to(torch.bfloat16), processor, name="tiny-llava-bf16")
+    train_drafter(target, "toyworld", tmp_path, _cfg(steps=3, eval_every=3, acceptance_head=False), progress=False)
+    saved = load_file(str(tmp_path / "checkpoint" / "head.safetensors"))
+    assert all(t.dtype == torch.float32 for t in saved.values())  # the trained weights stay float32
+    history = _history(tmp_path)
+    assert [h["step"] for h in history if "loss" in h] == [0, 1, 2] and any("tau" in h for h in history)
+    drafter = EagleDrafter.load(tmp_path / "drafter", target)
+    assert next(drafter.head.parameters()).dtype == torch.bfloat16  # inference runs in the target's dtype

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from vlmspec import factory
-from vlmspec.data.heldout import Conversation, heldout
+from vlmspec.data.heldout import Conversation, adversarial, heldout
 from vlmspec.draft import NgramDrafter, NoDrafter
 from vlmspec.draft.base import Drafter
 from vlmspec.engine import GenerationConfig, SpecEngine
@@ -133,10 +133,13 @@ def _peak_mb(device: torch.device) -> float:
 
 
 def load_prompts(spec: str, n: int) -> list[Conversation]:
-    """'test' / 'val': held-out ToyWorld items (mixed tasks, the "bench" set); else a LLaVA-style
-    JSONL file (DataError when it cannot be used)."""
+    """'test' / 'val': held-out ToyWorld items (mixed tasks, the "bench" set); 'text': the held-out
+    text-only instructions (`heldout.TEXT_PROMPTS`, in turn); else a LLaVA-style JSONL file
+    (DataError when it cannot be used)."""
     if spec in ("test", "val"):
         return heldout("bench", n, split=spec)
+    if spec == "text":
+        return adversarial("unseen_text", n)
     convs, _ = load_jsonl(spec)
     return convs[:n]
 
@@ -387,7 +390,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 class RunOptions:
     """What `vlmspec bench run` measures (the engine side is an `EngineSpec`)."""
 
-    prompts: str = "test"  # 'test' / 'val' (held-out ToyWorld) or a LLaVA-style JSONL file
+    prompts: str = "test"  # 'test' / 'val' (held-out ToyWorld), 'text' (held-out text-only) or a LLaVA-style JSONL file
     n: int = 12
     temperature: float = 0.0
     max_new_tokens: int = 96

@@ -61,6 +61,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="trim the head's vocabulary to the K tokens the target writes most often in the training answers (0: all)")
     d.add_argument("--acceptance-head", action="store_true",
                    help="SpecDec++: train an acceptance-prediction head alongside; its stop threshold is chosen on validation prompts at the end")
+    d.add_argument("--text-pairs", type=non_negative_int("--text-pairs"), default=0, metavar="N",
+                   help="add N text-only instructions and answers the target writes itself (Magpie; cached in OUT/magpie.json)")
+    d.add_argument("--text-share", type=float_in("--text-share", 0.0, 1.0), default=0.25,
+                   help="share of each batch taken by the --text-pairs (default 0.25)")
     d.add_argument("--eval-every", type=positive_int("--eval-every"), default=200, help='evaluate the acceptance on held-out prompts every this many steps')
     d.add_argument("--minutes", type=float_in("--minutes", 0.0, 1e6, low_open=True), default=None, help='wall-clock budget of this run (checkpointed when spent; --resume continues)')
     d.add_argument("--seed", type=int, default=0, help='seed of the initialisation and of the data order')
@@ -138,7 +142,7 @@ def run_train(args: argparse.Namespace) -> int:
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, w_ce=args.w_ce, w_feat=args.w_feat,
         ttt_steps=args.ttt_steps, curriculum_steps=args.curriculum_steps, eval_every=args.eval_every,
         minutes=args.minutes, seed=args.seed, regenerate=args.regenerate, draft_vocab=args.draft_vocab,
-        acceptance_head=args.acceptance_head,
+        acceptance_head=args.acceptance_head, text_pairs=args.text_pairs, text_share=args.text_share,
     )
     vis = VisualConfig(args.visual, args.ratio, args.decouple, args.global_feature, gate_cost=args.gate_cost if args.visual == "gate" else 0.0)
     cfg.visual = {} if vis.is_plain else vis.to_dict()

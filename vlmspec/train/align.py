@@ -55,7 +55,7 @@ from vlmspec.train.common import clipped_step, save_checkpoint_dir, warmup_cosin
 from vlmspec.train.data import encode_conversations
 from vlmspec.train.lora import LoraAdapters, add_lora
 from vlmspec.train.target_sft import answer_loss, batch_seeds, eval_loss, plot_curve, sample_for
-from vlmspec.train.magpie import MagpieConfig, Pair, cached_pairs
+from vlmspec.train.magpie import MagpieConfig, Pair, as_conversation, cached_pairs
 from vlmspec.train.vision_pretrain import CellProbe, SceneProbe, SceneLabels, pool_cells, pretrain_batch, scene_labels
 
 # the grounded questions the target must answer, weighted toward the short ones; no toy text-only
@@ -304,9 +304,7 @@ def align_batches(start_step: int, cfg: AlignConfig, processor: Any, text_pairs:
             chosen = [convs[i] for i in order[part * cfg.batch_size : (part + 1) * cfg.batch_size]]
             if text_pairs and cfg.text_per_step > 0:
                 first = step * cfg.text_per_step
-                for j in range(cfg.text_per_step):
-                    prompt, answer, ended = text_pairs[(first + j) % len(text_pairs)]
-                    chosen.append(Conversation(prompt, answer, task="magpie", open_end=not ended))
+                chosen += [as_conversation(text_pairs[(first + j) % len(text_pairs)]) for j in range(cfg.text_per_step)]
             yield step, encode_conversations(processor, chosen), [c.sample.meta["scene"] for c in chosen if c.images]
             step += 1
             part += 1

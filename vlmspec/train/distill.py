@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import time
 from contextlib import nullcontext
@@ -49,7 +50,8 @@ from vlmspec.stats import SpecStats
 from vlmspec.target import Target
 from vlmspec.text import generate_text
 from vlmspec.train.common import clipped_step, save_checkpoint_dir, warmup_cosine
-from vlmspec.train.data import encode_conversations, load_jsonl, toyworld_stream
+from vlmspec.train.magpie import MagpieConfig, Pair, as_conversation, cached_pairs
+from vlmspec.train.data import DataError, encode_conversations, load_jsonl, toyworld_stream
 from vlmspec.vision_compress import VisualConfig
 from vlmspec.vision_compress.capture import capture, image_token_id, last_layer_attention
 
@@ -86,6 +88,20 @@ class DistillConfig:
     accept_top_k: int = 4  # children per position it learns about (the tree's top_k)
     w_accept: float = 0.1
     accept_rej_weight: float = 1.0  # weight of the rejected class in the BCE (the paper's w_rej / w_acc)
+    # text-only prompts for a target with a chat template (Magpie): `text_pairs` instructions and
+    # greedy answers the target writes itself, cached in OUT/magpie.json, `text_share` of each batch
+    text_pairs: int = 0
+    text_share: float = 0.25
+    text_answer_tokens: int = 96
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.text_share <= 1.0 or self.text_pairs < 0:
+            raise ValueError(f"text_pairs must be >= 0 and text_share in [0, 1], got {self.text_pairs}, {self.text_share}")
+
+    @property
+    def text_per_batch(self) -> int:
+        """Magpie pairs in each batch (0 without pairs)."""
+        return round(self.text_share * self.batch_size) if self.text_pairs else 0
 
 
 # ------------------------------------------------------------------------------------ losses
@@ -283,8 +299,22 @@ def answer_token_counts(target: Target, batches: Iterator[list[Conversation]], n
     return counts
 
 
-def conversations(data: str, cfg: DistillConfig, rank: int, start_step: int) -> Iterator[list[Conversation]]:
-    """Batches of conversations; a pure function of (data, seed, rank, step) for exact resume."""
+def conversations(data: str, cfg: DistillConfig, rank: int, start_step: int, text_pairs: list[Pair] = ()) -> Iterator[list[Conversation]]:
+    """Batches of conversations; a pure function of (data, seed, rank, step, text_pairs) for exact
+    resume. With `text_pairs`, the last `cfg.text_per_batch` of each batch are those pairs, in turn."""
+    m = cfg.text_per_batch if text_pairs else 0
+    step = start_step
+    for batch in _data_batches(data, cfg, rank, start_step):
+        first = (step * max(world_size(), 1) + rank) * m
+        yield batch[: len(batch) - m] + [as_conversation(text_pairs[(first + j) % len(text_pairs)]) for j in range(m)]
+        step += 1
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _data_batches(data: str, cfg: DistillConfig, rank: int, start_step: int) -> Iterator[list[Conversation]]:
     if data == "toyworld":
         first = toyworld.SPLITS["train"][0] + 5 * 10**8 + cfg.seed * 10**7 + rank * 10**6 + start_step * cfg.batch_size
         ramp = cfg.curriculum_steps * cfg.batch_size
@@ -443,6 +473,39 @@ def acceptance_loss(head: EagleHead, hidden: torch.Tensor, teacher_logits: torch
     return F.binary_cross_entropy_with_logits(logits, accepted, weight=weight), float(accepted.mean())
 
 
+def mixed_precision(target: Target):
+    """The head keeps float32 weights; with a bf16 / fp16 target it computes in the target's dtype
+    (autocast), as it will at inference."""
+    if target.dtype in (torch.bfloat16, torch.float16):
+        return torch.autocast(target.device.type, dtype=target.dtype)
+    return nullcontext()
+
+
+def inference_copy(head: EagleHead, target: Target) -> EagleHead:
+    """`head` as inference runs it: itself for a float32 target, else a copy in the target's dtype
+    (evaluation during training must not round the float32 weights it trains)."""
+    if target.dtype == torch.float32:
+        return head
+    twin = EagleHead(head.config, target.input_embeddings(), target.output_embeddings(), target.attention)
+    twin.load_state_dict(head.state_dict(), strict=True)
+    return twin.to(device=target.device, dtype=target.dtype).eval()
+
+
+def magpie_for(target: Target, out: Path, cfg: DistillConfig, progress: bool) -> list[Pair]:
+    """The target's own text-only pairs (cached in out/magpie.json), or [] when cfg asks for none."""
+    if cfg.text_pairs == 0:
+        return []
+    tokenizer = getattr(target.processor, "tokenizer", target.processor)
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError("--text-pairs needs a target whose tokenizer has a chat template (Magpie samples its user turn)")
+    rounds = max(MagpieConfig.max_rounds, 3 * math.ceil(cfg.text_pairs / MagpieConfig.batch))  # room for unusable rounds
+    mcfg = MagpieConfig(n=cfg.text_pairs, seed=cfg.seed, answer_tokens=cfg.text_answer_tokens, max_rounds=rounds)
+    pairs = cached_pairs(out / "magpie.json", target.model, tokenizer, mcfg, progress)
+    if not pairs:
+        raise DataError(f"the target wrote no usable Magpie instruction in {mcfg.max_rounds} rounds; train without --text-pairs")
+    return pairs
+
+
 def train_drafter(
     target: Target,
     data: str,
@@ -459,7 +522,7 @@ def train_drafter(
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size()
     rank = int(os.environ.get("RANK", "0"))
     if world > 1 and not torch.distributed.is_initialized():
         torch.distributed.init_process_group("nccl" if target.device.type == "cuda" else "gloo")
@@ -489,38 +552,44 @@ def train_drafter(
         state = json.loads((ck / "trainer_state.json").read_text())
     state["config"] = asdict(cfg)
     regen = AnswerCache(out / f"answers_rank{rank}.jsonl", target, cfg.regen_max_tokens) if cfg.regenerate else None
+    text_pairs = magpie_for(target, out, cfg, progress and rank == 0)
+    if text_pairs:
+        state["magpie_pairs"] = len(text_pairs)
     if head.trimmed and not resume:
-        counts = answer_token_counts(target, conversations(data, cfg, rank, 0), cfg.draft_vocab_samples, regen)
+        counts = answer_token_counts(target, conversations(data, cfg, rank, 0, text_pairs), cfg.draft_vocab_samples, regen)
         d2t = draft_vocabulary(counts, cfg.draft_vocab, always=tuple(sorted(target.eos_token_ids)))
         head.set_draft_vocab(d2t.to(head.d2t.device))
+        ranked = counts.sort(descending=True).values.cumsum(0) / counts.sum().clamp(min=1)  # [V] coverage of the top K
         state["draft_vocab"] = {"size": cfg.draft_vocab, "coverage": float(counts[d2t].sum() / counts.sum().clamp(min=1)),
-                                "samples": cfg.draft_vocab_samples, "answer_tokens": int(counts.sum())}
+                                "samples": cfg.draft_vocab_samples, "answer_tokens": int(counts.sum()),
+                                "coverage_by_k": {k: float(ranked[k - 1]) for k in (256, 1024, 2048, 4096, 8192, 16384) if k <= len(ranked)}}
     drafter = EagleDrafter(head, tree)
     held_out = heldout("distill-eval", cfg.eval_n)
     bar = tqdm(total=cfg.steps, initial=state["step"], disable=not progress or rank != 0, desc="train", dynamic_ncols=True)
     t0, elapsed0 = time.perf_counter(), state["elapsed_s"]
     tau_text = "-"
-    for convs in conversations(data, cfg, rank, state["step"]):
+    for convs in conversations(data, cfg, rank, state["step"], text_pairs):
         step = state["step"]
         if step >= cfg.steps or (stop_at is not None and step >= stop_at):
             break
-        if regen is not None:
-            convs = [regen(c) for c in convs]
+        if regen is not None:  # Magpie pairs already carry the target's own answers
+            convs = [c if c.task == "magpie" else regen(c) for c in convs]
         batch = {k: v.to(target.device) if isinstance(v, torch.Tensor) else v for k, v in encode_conversations(target.processor, convs).items()}
         feats, logits, captured = teacher(target, batch, visual=head.visual is not None)
         head.train()
         for g in opt.param_groups:
             g["lr"] = _lr(step, cfg)
         feats = feats.float()
-        if head.visual is None:
-            loss, stats = distill_losses(head, plain_rows(batch["input_ids"], feats), feats, logits, batch["labels"], cfg)
-        else:
-            captured["inputs_embeds"] = captured["inputs_embeds"].float()
-            if head.visual.gate is not None:
-                loss, stats = gated_losses(head, batch["input_ids"], feats, captured, logits, batch["labels"], cfg, vis.gate_cost)
+        with mixed_precision(target):
+            if head.visual is None:
+                loss, stats = distill_losses(head, plain_rows(batch["input_ids"], feats), feats, logits, batch["labels"], cfg)
             else:
-                rows = visual_rows(head, batch["input_ids"], feats, captured)
-                loss, stats = distill_losses(head, rows, feats, logits, batch["labels"], cfg)
+                captured["inputs_embeds"] = captured["inputs_embeds"].float()
+                if head.visual.gate is not None:
+                    loss, stats = gated_losses(head, batch["input_ids"], feats, captured, logits, batch["labels"], cfg, vis.gate_cost)
+                else:
+                    rows = visual_rows(head, batch["input_ids"], feats, captured)
+                    loss, stats = distill_losses(head, rows, feats, logits, batch["labels"], cfg)
         loss.backward()
         if world > 1:  # data parallel: average the head's gradients over the ranks
             for p in head.parameters():
@@ -535,7 +604,7 @@ def train_drafter(
         state["elapsed_s"] = elapsed0 + time.perf_counter() - t0
         state["history"].append({"step": step, "loss": float(loss.detach()), **stats})
         if rank == 0 and (state["step"] % cfg.eval_every == 0 or state["step"] == cfg.steps):
-            tau = accepted_length(target, drafter, held_out)["all"]
+            tau = accepted_length(target, EagleDrafter(inference_copy(head, target), tree), held_out)["all"]
             state["history"].append({"step": step, "tau": tau})
             tau_text = f"{tau:.2f}"
         bar.update(1)
@@ -549,8 +618,9 @@ def train_drafter(
     bar.close()
     if rank == 0:
         if head.accept is not None:  # SpecDec++: the stop threshold, chosen on the validation prompts
-            cost = measure_cost(SpecEngine(target, EagleDrafter(head, tree, 0.0)), encode_prompt(target, COST_PROMPT))
-            head.config.stop_threshold, rows = choose_stop_threshold(target, EagleDrafter(head, tree, 0.0), held_out, cost)
+            unstopped = EagleDrafter(inference_copy(head, target), tree, 0.0)
+            cost = measure_cost(SpecEngine(target, unstopped), encode_prompt(target, COST_PROMPT))
+            head.config.stop_threshold, rows = choose_stop_threshold(target, unstopped, held_out, cost)
             state["stop_threshold"] = {"chosen": head.config.stop_threshold, "cost": asdict(cost), "grid": rows}
             if progress:
                 print(f"stop threshold {head.config.stop_threshold} (of {[r['threshold'] for r in rows]}, modelled goodput on {len(held_out)} validation prompts)")

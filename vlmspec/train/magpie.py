@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from vlmspec.data.heldout import TEXT_PROMPTS
+from vlmspec.data.heldout import TEXT_PROMPTS, Conversation
 
 _MARK = "\x00MAGPIE\x00"
 
@@ -125,4 +125,10 @@ def cached_pairs(path: Path, model: Any, tokenizer: Any, cfg: MagpieConfig, prog
     return pairs
 
 
-__all__ = ["MagpieConfig", "Pair", "cached_pairs", "magpie_pairs", "user_turn_opening"]
+def as_conversation(pair: Pair) -> Conversation:
+    """A pair as a text-only training conversation (a cut answer trains without an end of turn)."""
+    prompt, answer, ended = pair
+    return Conversation(prompt, answer, task="magpie", open_end=not ended)
+
+
+__all__ = ["MagpieConfig", "Pair", "as_conversation", "cached_pairs", "magpie_pairs", "user_turn_opening"]
