@@ -34,6 +34,10 @@ def test_bench_end_to_end_tiny(tmp_path, capsys):
     for name in ("vlmspec_none", "vlmspec_ngram", "vlmspec_eagle"):
         assert report["methods"][name]["matches_reference"] is True, name
     assert report["methods"]["hf_generate"]["speedup_vs_hf_generate"] == 1.0
+    # per verify forward: the plain step is the unit a drafter's per-tree cost is read in
+    none, eagle = report["methods"]["vlmspec_none"], report["methods"]["vlmspec_eagle"]
+    assert report["methods"]["hf_generate"]["per_step_ms"] is None and none["per_step_ms"]["verify"] > 0
+    assert eagle["draft_per_step_vs_target_step"] == eagle["per_step_ms"]["draft"] / none["per_step_ms"]["verify"] > 0
     for key in ("device", "dtype", "threads", "torch", "transformers"):
         assert key in report["env"]
     table = (out / "results.md").read_text()
@@ -238,3 +242,50 @@ def test_bench_prompt_sets_name_image_and_text_only_held_out_prompts():
     text = load_prompts("text", 3)
     assert [c.prompt for c in text] == list(TEXT_PROMPTS[:3]) and all(not c.images for c in text)
     assert all(c.images for c in load_prompts("test", 3))  # the ToyWorld set carries its images
+
+
+def test_bench_trees_times_each_shape_against_plain_on_the_same_answers():
+    import torch
+
+    from conftest import tiny_target
+    from vlmspec.bench.trees import format_table, measure, parse_shape
+    from vlmspec.data.heldout import heldout
+    from vlmspec.draft.base import TreeConfig
+    from vlmspec.draft.eagle import EagleDrafter
+    from vlmspec.engine import SpecEngine
+
+    target = tiny_target("llava")
+    torch.manual_seed(0)
+    engine = SpecEngine(target, EagleDrafter.random_init(target, TreeConfig(5, 4, 16)))
+    shapes = (parse_shape("2,1,2"), parse_shape("3,2,5"))
+    report = measure(engine, heldout("bench", 2), shapes, max_new_tokens=10, progress=False)
+    assert [r["shape"] for r in report["rows"][:3]] == ["plain", "d2 k1 n2", "d3 k2 n5"]  # prompt 0: no rotation
+    assert report["rows"][3]["shape"] == "d2 k1 n2"  # prompt 1 starts one later
+    for i in range(2):  # T=0: every shape writes plain decoding's answer, so the times compare
+        assert len({r["tokens"] for r in report["rows"] if r["prompt"] == i}) == 1
+    by = {s["shape"]: s for s in report["summary"]}
+    assert by["plain"]["tau"] == 1.0 and by["plain"]["vs_plain"] == 1.0
+    assert all(1.0 <= by[n]["tau"] <= 1 + t.depth for n, t in zip(("d2 k1 n2", "d3 k2 n5"), shapes))
+    assert "d3 k2 n5" in format_table(report)
+
+
+def test_bench_trees_refuses_a_malformed_shape():
+    import pytest
+
+    from vlmspec.bench.trees import parse_shape
+
+    for bad in ("5,4", "a,b,c", "5,0,16"):
+        with pytest.raises(ValueError):
+            parse_shape(bad)
+
+
+def test_verify_cost_times_trees_and_the_lm_head_cut_to_each_draft_vocabulary():
+    from vlmspec.bench.verify_cost import VerifyCostOptions, format_table, measure
+
+    report = measure(VerifyCostOptions(shape="bundled", layers=1, device="cpu", prefix=8, sizes=(1, 4), repeats=2, warmup=0,
+                                       draft_vocab=(64, 10**6)))
+    assert [r["tree_tokens"] for r in report["rows"]] == [1, 4] and report["rows"][0]["ratio_vs_first"] == 1.0
+    # K beyond the vocabulary is the full head (the bundled shape's 1,015 tokens), at 1 and 4 rows each
+    assert [(h["draft_vocab"], h["rows"]) for h in report["lm_head"]] == [(64, 1), (64, 4), (1015, 1), (1015, 4)]
+    assert all(h["ms"] > 0 and h["x_step"] == h["ms"] / report["rows"][0]["ms"] for h in report["lm_head"])
+    assert "| 1015 | 4 |" in format_table(report)

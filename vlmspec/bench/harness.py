@@ -84,6 +84,8 @@ class MethodStats:
             "mean_accepted_length": self.spec.mean_accepted_length if self.spec.num_drafts else None,  # None: HF methods
             "acceptance_by_position": self.spec.acceptance_by_position,
             "time_breakdown_s": self.breakdown,
+            # per verify forward (engine methods): the drafting (the head's read of the prompt included) and the verify
+            "per_step_ms": {k: 1e3 * self.breakdown[k] / self.spec.num_drafts for k in ("draft", "verify")} if self.spec.num_drafts else None,
             "peak_memory_mb": self.peak_mem_mb,
             "matches_reference": not self.mismatches,
             "mismatched_prompts": self.mismatches,
@@ -244,6 +246,9 @@ def run_bench(
                 s[k] = None
     base_a = out["hf_generate"]["tokens_per_s"]
     base_c = out.get("vlmspec_none", {}).get("tokens_per_s")
+    plain_step = (out.get("vlmspec_none", {}).get("per_step_ms") or {}).get("verify")  # one-token target step, ms
+    for s in out.values():  # a drafter's cost per tree in target steps (#20: a trimmed head's goal is <= 0.25)
+        s["draft_per_step_vs_target_step"] = s["per_step_ms"]["draft"] / plain_step if plain_step and s["per_step_ms"] else None
     for s in out.values():
         s["speedup_vs_hf_generate"] = s["tokens_per_s"] / base_a if base_a and s["tokens_per_s"] is not None else None
         s["speedup_vs_vlmspec_none"] = s["tokens_per_s"] / base_c if base_c and s["tokens_per_s"] is not None else None
@@ -331,12 +336,12 @@ def markdown_table(report: dict[str, Any]) -> str:
         "",
         "| method | tok/s (e2e) | tok/s (decode) | vs hf_generate | vs vlmspec_none | tau | accept@1..3 | "
         + " | ".join(f"{k} s" for k in BREAKDOWN)
-        + " | peak MB | matches |",
-        "|---|---:|---:|---:|---:|---:|---|" + "---:|" * len(BREAKDOWN) + "---:|---|",
+        + " | draft / target step | peak MB | matches |",
+        "|---|---:|---:|---:|---:|---:|---|" + "---:|" * len(BREAKDOWN) + "---:|---:|---|",
     ]
     for m, s in report["methods"].items():
         if s.get("error"):
-            lines.append(f"| {m} | n/a: {s['error']} |" + " |" * (7 + len(BREAKDOWN)))
+            lines.append(f"| {m} | n/a: {s['error']} |" + " |" * (8 + len(BREAKDOWN)))
             continue
         fmt = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
         acc = ", ".join(f"{a:.2f}" for a in s["acceptance_by_position"][:3]) or "-"
@@ -346,7 +351,7 @@ def markdown_table(report: dict[str, Any]) -> str:
             f"| {m} | {fmt(s['tokens_per_s'], 1)} | {fmt(s['decode_tokens_per_s'], 1)} | {fmt(s['speedup_vs_hf_generate'])}x | "
             f"{fmt(s['speedup_vs_vlmspec_none'])}x | {fmt(s['mean_accepted_length'])} | {acc} | "
             + " | ".join(f"{s['time_breakdown_s'][k]:.2f}" for k in BREAKDOWN)
-            + f" | {s['peak_memory_mb']:.0f} | {match} |"
+            + f" | {fmt(s.get('draft_per_step_vs_target_step'))} | {s['peak_memory_mb']:.0f} | {match} |"
         )
     measured = env["prompts"] * env["repeats"]
     if measured < MIN_MEASURED:

@@ -1,10 +1,12 @@
 """Verify cost: ms per target forward over a tree of N nodes vs a one-token decode step.
 
     vlmspec bench verify-cost [--model DIR | --shape bundled|llava-7b] [--prefix 256] [--sizes 1,2,4,8,16,32,64]
+                              [--draft-vocab 2048,4096,8192]
 
 Random weights are fine for costs (the arithmetic does not depend on the values). Trees are
 chains (the mask pattern does not change the cost of the dense path). The ratio
-tree forward / one-token forward is what sizes the draft tree per device.
+tree forward / one-token forward is what sizes the draft tree per device; with --draft-vocab, the
+LM head cut to K rows (what a trimmed EAGLE head calls once per level) is timed too.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from vlmspec import factory
 from vlmspec.factory import EngineSpec
 from vlmspec.target import Target
-from vlmspec.target.timing import time_tree_forward
+from vlmspec.target.timing import time_lm_head_rows, time_tree_forward
 
 SHAPES: dict[str, dict[str, int]] = {
     # the bundled target's text decoder (v4, assets/toyworld-vlm)
@@ -65,6 +67,8 @@ class VerifyCostOptions:
     sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     repeats: int = 10
     warmup: int = 3
+    draft_vocab: tuple[int, ...] = ()  # also time the LM head cut to these K rows (a trimmed drafter's head)
+    head_rows: tuple[int, ...] = (1, 4)  # hidden states per head call: a level's frontier
 
 
 def measure(opts: VerifyCostOptions) -> dict[str, Any]:
@@ -78,9 +82,15 @@ def measure(opts: VerifyCostOptions) -> dict[str, Any]:
         target = synthetic_target(opts.shape, device, dtype, opts.layers)
     with torch.no_grad():
         rows = run(target, opts.prefix, list(opts.sizes), opts.repeats, opts.warmup)
+    step = next((r["ms"] for r in rows if r["tree_tokens"] == 1), None)
+    head = []
+    for k in sorted({min(k, target.vocab_size) for k in opts.draft_vocab}):
+        for n in opts.head_rows:
+            ms = time_lm_head_rows(target, k, n, 5 * opts.repeats, opts.warmup)
+            head.append({"draft_vocab": k, "rows": n, "ms": ms, "x_step": ms / step if step else None})
     env = {"device": device, "dtype": str(dtype), "threads": torch.get_num_threads(), "torch": torch.__version__,
            "target": target.name, "prefix": opts.prefix}
-    return {"env": env, "rows": rows}
+    return {"env": env, "rows": rows, "lm_head": head}
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -88,4 +98,9 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [f"verify cost on {env['target']} ({env['device']}, {env['dtype']}, {env['threads']} threads), prefix {env['prefix']}",
              "| tree tokens | ms / forward | x one-token step |", "|---:|---:|---:|"]
     lines += [f"| {r['tree_tokens']} | {r['ms']:.2f} | {r['ratio_vs_first']:.2f} |" for r in report["rows"]]
+    if report.get("lm_head"):
+        lines += ["", "LM head cut to a draft vocabulary of K tokens (one call; x one-token step)",
+                  "| K | rows | ms / call | x one-token step |", "|---:|---:|---:|---:|"]
+        lines += [f"| {h['draft_vocab']} | {h['rows']} | {h['ms']:.2f} | " + (f"{h['x_step']:.3f} |" if h["x_step"] else "- |")
+                  for h in report["lm_head"]]
     return "\n".join(lines)

@@ -21,14 +21,14 @@ from vlmspec.cli.options import (
     positive_int,
 )
 
-BENCHES = ("run", "verify-cost", "kernel", "ablate", "server", "adaptive", "stop-head")
+BENCHES = ("run", "verify-cost", "kernel", "ablate", "server", "adaptive", "stop-head", "trees")
 DEFAULT = "run"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser(
         "bench",
-        help="speed of every method side by side (default: run), or verify-cost, kernel, ablate, server, adaptive, stop-head",
+        help="speed of every method side by side (default: run), or verify-cost, kernel, ablate, server, adaptive, stop-head, trees",
         description="Benchmarks. `vlmspec bench WHICH --help` for the options of each; without WHICH, `run`.",
     )
     which = b.add_subparsers(dest="bench", metavar="{" + ",".join(BENCHES) + "}", required=True)
@@ -70,6 +70,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_ways_args(sh, n=8, n_help="held-out ToyWorld prompts (the bench set)", temperatures="0 and 1")
     sh.set_defaults(func=run_stop_head_bench)
 
+    tr = which.add_parser("trees", help="draft-tree shapes against plain decoding through one engine, interleaved, answers "
+                                        "ending at the end of turn: which shape pays on this device, dtype and drafter")
+    add_engine_args(tr)
+    tr.add_argument("--prompts", default="test", help="'test' / 'val' (held-out ToyWorld), 'text' (held-out text-only instructions) or a LLaVA-style JSONL")
+    tr.add_argument("-n", type=positive_int("-n"), default=8, help="number of prompts")
+    tr.add_argument("--shape", action="append", type=tree_shape, default=[], metavar="D,K,N",
+                    help="a tree shape: depth, children per node, drafted nodes (repeatable; default: chains of 4-6, 5,2,8, 6,2,10, 5,4,16)")
+    tr.add_argument("--temperature", type=float_in("--temperature", 0.0, 100.0), default=0.0, help="sampling temperature")
+    tr.add_argument("--repeats", type=positive_int("--repeats"), default=1, help="measured runs per prompt and shape")
+    tr.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=96, help="new tokens per prompt at most")
+    tr.add_argument("--json", dest="json_path", help="write the per-run rows and the summary here")
+    tr.set_defaults(func=run_trees_bench)
+
     v = which.add_parser("verify-cost", help="ms per target forward over a tree of N nodes vs a one-token step")
     v.add_argument("--model", help="a model folder (default: a synthetic --shape with random weights)")
     v.add_argument("--shape", default="bundled", choices=["bundled", "bundled-v2", "llava-7b"], help="decoder shape to time: the toy (bundled), the wider v2 toy, or LLaVA-7B's text decoder")
@@ -79,6 +92,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--sizes", type=int_list("--sizes"), default=(1, 2, 4, 8, 16, 32, 64), help="tree sizes, e.g. 1,2,4,8")
     v.add_argument("--repeats", type=positive_int("--repeats"), default=10, help='timed repetitions per size')
     v.add_argument("--warmup", type=non_negative_int("--warmup"), default=3, help='untimed warm-up repetitions per size')
+    v.add_argument("--draft-vocab", type=int_list("--draft-vocab"), default=(), metavar="K,K,...",
+                   help="also time the LM head cut to K rows at 1 and 4 rows per call (a trimmed drafter's head), e.g. 2048,4096,8192")
     v.add_argument("--json", dest="json_path", help="write the results JSON here")
     v.set_defaults(func=run_verify_cost)
 
@@ -214,11 +229,34 @@ def run_stop_head_bench(args: argparse.Namespace) -> int:
     return _report(report, format_table(report), args)
 
 
+def tree_shape(text: str):
+    from vlmspec.bench.trees import parse_shape
+
+    try:
+        return parse_shape(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def run_trees_bench(args: argparse.Namespace) -> int:
+    from vlmspec import factory
+    from vlmspec.bench.harness import load_prompts
+    from vlmspec.bench.trees import SHAPES, format_table, measure
+
+    engine = factory.build_engine(engine_spec(args))
+    if engine.drafter.tree is None:
+        raise UsageError("bench trees compares draft-tree shapes: give a drafter that drafts (--drafter eagle, ngram or a folder)")
+    report = measure(engine, load_prompts(args.prompts, args.n), tuple(args.shape) or SHAPES, args.temperature,
+                     args.max_new_tokens, args.repeats)
+    return _report(report, format_table(report), args)
+
+
 def run_verify_cost(args: argparse.Namespace) -> int:
     from vlmspec.bench.verify_cost import VerifyCostOptions, format_table, measure
 
     opts = VerifyCostOptions(model=args.model, shape=args.shape, layers=args.layers, device=args.device, dtype=args.dtype,
-                             prefix=args.prefix, sizes=tuple(args.sizes), repeats=args.repeats, warmup=args.warmup)
+                             prefix=args.prefix, sizes=tuple(args.sizes), repeats=args.repeats, warmup=args.warmup,
+                             draft_vocab=tuple(args.draft_vocab))
     report = measure(opts)
     print(format_table(report))
     if args.json_path:

@@ -1,5 +1,6 @@
 """Timing the target's own forwards: the verify cost that sizes trees (`vlmspec bench verify-cost`)
-and the cost model of the goodput policy (`factory.measure_cost`) read the same measurement."""
+and the cost model of the goodput policy (`factory.measure_cost`) read the same measurement; the
+LM head's cost by draft vocabulary size is what sizes a trimmed drafter's vocabulary."""
 
 from __future__ import annotations
 
@@ -37,4 +38,21 @@ def time_tree_forward(target: Target, prefix: int, n: int, repeats: int, warmup:
     return statistics.median(times)
 
 
-__all__ = ["time_tree_forward"]
+@torch.no_grad()
+def time_lm_head_rows(target: Target, k: int, rows: int, repeats: int, warmup: int) -> float:
+    """Median ms of the target's LM head restricted to k output rows (a draft vocabulary of k
+    tokens, as a trimmed EAGLE head applies it) over `rows` hidden states."""
+    weight = target.output_embeddings().weight.detach()[:k].contiguous()  # [k, H]
+    hidden = torch.randn(rows, weight.shape[1], device=weight.device, dtype=weight.dtype)  # [rows, H]
+    times = []
+    for i in range(warmup + repeats):
+        _sync(target.device)
+        t0 = time.perf_counter()
+        torch.nn.functional.linear(hidden, weight)
+        _sync(target.device)
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+__all__ = ["time_lm_head_rows", "time_tree_forward"]
