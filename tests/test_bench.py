@@ -232,6 +232,8 @@ def test_bench_stop_head_times_the_five_ways_and_counts_what_the_rule_saves():
     # at most one level per step (a step near the token limit may draft none), the full tree deeper
     assert by["fixed+stop"]["levels_per_step"] <= 1.0 < by["fixed"]["levels_per_step"]
     assert by["plain"]["vs_plain"] == 1.0 and all(s["tok_s"] > 0 for s in report["summary"])
+    assert by["plain"]["drafted_per_accepted"] is None  # nothing drafted: no ratio (and valid JSON, no NaN)
+    json.dumps(report, allow_nan=False)
     assert "fixed+stop" in format_table(report)
 
 

@@ -82,6 +82,50 @@ def test_after_a_collapse_the_estimates_drift_back_and_drafting_is_tried_again()
     assert tried is not None and tried > 0
 
 
+def test_a_dearer_retry_comes_less_often():
+    # the same collapse; a drafted depth-4 step costs 0.6 plain steps extra under MID (price 1: the
+    # plain drift) and 2.1 under DEAR, whose evidence then fades 2.1 times slower per plain step
+    cheap, dear = _history(GoodputPolicy(MID), [(4, 0)] * 6), _history(GoodputPolicy(DEAR), [(4, 0)] * 6)
+    assert cheap.retry_price() == 1.0 and dear.retry_price() == pytest.approx(2.1)
+    before = cheap.reached[0]
+    assert dear.reached[0] == before
+    for _ in range(10):
+        cheap.observe(0, 0)
+        dear.observe(0, 0)
+    assert cheap.reached[0] == pytest.approx(before * 0.97 ** 10)
+    assert dear.reached[0] == pytest.approx(before * 0.97 ** (10 / 2.1))
+
+
+def test_measured_step_times_correct_the_cost_model_per_request():
+    # acceptance that pays under the model (MID: a depth-3 step costs 1.5 plain steps) ...
+    steps = [(3, 1), (3, 2), (3, 1), (3, 1)] * 3
+    assert _history(GoodputPolicy(MID, prior_accept=0.5), steps).choose(3) > 0
+    # ... but not once the request measures its drafted steps at twice the model's seconds
+    dear = GoodputPolicy(MID, prior_accept=0.5).start()
+    for depth, accepted in steps:
+        dear.observe(depth, accepted, 2.0 * MID.seconds(depth))
+    assert dear.draft_scale == pytest.approx(2.0, rel=0.05) and dear.plain_scale == 1.0
+    assert dear.choose(3) == 0
+    # negative control: timings equal to the model change nothing
+    exact = GoodputPolicy(MID, prior_accept=0.5).start()
+    for depth, accepted in steps:
+        exact.observe(depth, accepted, MID.seconds(depth))
+    assert exact.draft_scale == pytest.approx(1.0) and exact.choose(3) == _history(GoodputPolicy(MID, prior_accept=0.5), steps).choose(3)
+    # plain steps found slower than modelled make drafting relatively cheaper again
+    slow_plain = GoodputPolicy(MID, prior_accept=0.5).start()
+    for depth, accepted in steps:
+        slow_plain.observe(depth, accepted, 2.0 * MID.seconds(depth))
+    for _ in range(12):
+        slow_plain.observe(0, 0, 2.0 * MID.seconds(0))
+    assert slow_plain.plain_scale == pytest.approx(2.0, rel=0.05) and slow_plain.seconds(3) / slow_plain.seconds(0) == pytest.approx(1.5, rel=0.05)
+    # time_weight 0: the model as given
+    fixed_model = GoodputPolicy(MID, prior_accept=0.5, time_weight=0.0).start()
+    fixed_model.observe(3, 1, 10.0)
+    assert fixed_model.seconds(3) == MID.seconds(3)
+    with pytest.raises(ValueError):
+        GoodputPolicy(MID, time_weight=1.5)
+
+
 def test_policies_validate_and_fixed_is_the_full_depth():
     assert FixedPolicy().start().choose(7) == 7 and FixedPolicy(2).start().choose(7) == 2 and FixedPolicy(2).start().choose(1) == 1
     with pytest.raises(ValueError):
@@ -107,7 +151,7 @@ class CyclingPolicy:
         self.n += 1
         return min(self.n % 6, max_depth)
 
-    def observe(self, depth: int, num_accepted: int) -> None:
+    def observe(self, depth: int, num_accepted: int, seconds: float | None = None) -> None:
         self.seen.append((depth, num_accepted))
 
 

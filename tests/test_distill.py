@@ -33,6 +33,8 @@ def test_loss_falls_on_tiny_target(tmp_path):
     drafter = EagleDrafter.load(tmp_path / "drafter", target)
     assert drafter.head.config.hidden_size == target.hidden_size
     assert (tmp_path / "train_curve.png").stat().st_size > 0
+    summary = json.loads((tmp_path / "train_summary.json").read_text())
+    assert summary["step"] == 24 and 0 < summary["elapsed_s"] <= summary["run_wall_s"]  # steps alone vs the whole run
 
 
 def test_a_trimmed_head_trains_on_the_targets_most_frequent_answer_tokens(tmp_path):

@@ -5,7 +5,7 @@ the policy itself is shared and stateless, the acceptance history is the request
 
     ctl = policy.start()                      # one per request
     depth = ctl.choose(max_depth)             # 0: no draft this step (a plain decoding step)
-    ctl.observe(depth, num_accepted)          # after verification
+    ctl.observe(depth, num_accepted, secs)    # after verification, with the step's measured seconds
 
 `FixedPolicy` always drafts the drafter's full depth (what the engine did before). `GoodputPolicy`
 maximises the expected goodput of the step, emitted tokens per second:
@@ -16,9 +16,15 @@ maximises the expected goodput of the step, emitted tokens per second:
 
 a_d is estimated per request from decayed counts under a Beta prior (for a_1 `prior_accept`, for
 each deeper a_d the estimate of a_(d-1)): a collapse of acceptance shows within a few steps, and while nothing is drafted the estimates drift back to the prior, so
-the policy tries drafting again now and then (slowly: `idle_decay` per plain step, so a drafter that
-keeps failing costs a retry every few dozen steps, not every few). The cost model is measured at start-up through the
-engine itself (`vlmspec.factory.measure_cost`) or given; only ratios of its times matter.
+the policy tries drafting again now and then (slowly: `idle_decay` per plain step, raised to
+1 / the price of a drafted step in plain steps when that is over 1, so a drafter that keeps failing
+costs a retry every few dozen steps, not every few, and a dearer retry comes less often). The cost model is measured at start-up through the
+engine itself (`vlmspec.factory.measure_cost`) or given; only ratios of its times matter. It is
+measured on a short text prompt, so each request corrects it with its own step times (the engine
+passes them to `observe`): a drafted step's cost is scaled by the ratio of the drafted steps'
+measured seconds to the model's (decayed mean), a plain step's by the plain steps' own ratio.
+Until a plain step has been timed it keeps the model's seconds, so a drafted step found dearer
+than modelled (a long image prompt makes a tree's attention dearer) counts wholly against drafting.
 
 Batched serving will pass the batch's size to `choose` and a cost model per batch size (SmartSpec's
 goodput is defined over the batch); today a step serves one request.
@@ -69,8 +75,9 @@ class Controller(Protocol):
         """Levels to draft this step, 0..max_depth."""
         ...
 
-    def observe(self, depth: int, num_accepted: int) -> None:
-        """The step drafted `depth` levels and `num_accepted` tokens of its path were accepted."""
+    def observe(self, depth: int, num_accepted: int, seconds: float | None = None) -> None:
+        """The step drafted `depth` levels, `num_accepted` tokens of its path were accepted, and it
+        took `seconds` (None: not timed)."""
         ...
 
 
@@ -100,7 +107,7 @@ class _Fixed:
     def choose(self, max_depth: int) -> int:
         return max_depth if self.depth is None else min(self.depth, max_depth)
 
-    def observe(self, depth: int, num_accepted: int) -> None:
+    def observe(self, depth: int, num_accepted: int, seconds: float | None = None) -> None:
         return None
 
 
@@ -113,11 +120,13 @@ class GoodputPolicy:
     prior_weight: float = 2.0  # its strength in pseudo-observations
     decay: float = 0.8  # per drafted step: older observations count this much less (memory of about 5 steps)
     idle_decay: float = 0.97  # per step without a draft: the drift back to the prior (a retry after ~10-50 steps)
+    time_weight: float = 0.3  # weight of each timed step in the request's cost correction (0: the model as given)
     name: str = "goodput"
 
     def __post_init__(self) -> None:
-        if not (0 < self.prior_accept < 1 and self.prior_weight > 0 and 0 < self.decay <= 1 and 0 < self.idle_decay <= 1):
-            raise ValueError(f"goodput policy: prior in (0, 1), weight > 0, decays in (0, 1], got {self}")
+        if not (0 < self.prior_accept < 1 and self.prior_weight > 0 and 0 < self.decay <= 1 and 0 < self.idle_decay <= 1
+                and 0 <= self.time_weight <= 1):
+            raise ValueError(f"goodput policy: prior in (0, 1), weight > 0, decays in (0, 1], time weight in [0, 1], got {self}")
 
     def start(self) -> Controller:
         return AcceptanceTracker(self)
@@ -131,6 +140,8 @@ class AcceptanceTracker:
     reached: list[float] = field(default_factory=list)  # [d]: decayed steps that drafted depth d+1
     accepted: list[float] = field(default_factory=list)  # [d]: of those, decayed accepts at depth d+1
     chosen: list[int] = field(default_factory=list)  # the depth of every step, in order
+    plain_scale: float = 1.0  # measured / modelled seconds of this request's plain steps (decayed mean)
+    draft_scale: float = 1.0  # the same for its drafted steps
 
     def accept_rates(self, depth: int) -> list[float]:
         """Posterior means of a_1..a_depth. a_1's prior mean is `prior_accept`; each deeper a_d's
@@ -153,17 +164,34 @@ class AcceptanceTracker:
             total += run
         return total
 
+    def seconds(self, depth: int) -> float:
+        """The cost model's seconds for a step of `depth` levels, corrected by this request's timings."""
+        return self.policy.cost.seconds(depth) * (self.draft_scale if depth > 0 else self.plain_scale)
+
     def goodput(self, depth: int) -> float:
-        return self.expected_tokens(depth) / self.policy.cost.seconds(depth)
+        return self.expected_tokens(depth) / self.seconds(depth)
+
+    def retry_price(self) -> float:
+        """What a drafted step at the deepest depth seen costs over a plain one, in plain steps
+        (at least 1): the drift back to the prior slows by this factor, so a retry that costs
+        three steps comes three times less often than one that costs one."""
+        deepest = max(len(self.reached), 1)
+        return max(1.0, (self.seconds(deepest) - self.seconds(0)) / self.seconds(0))
 
     def choose(self, max_depth: int) -> int:
         best = max(range(max(max_depth, 0) + 1), key=lambda d: (self.goodput(d), -d))
         self.chosen.append(best)
         return best
 
-    def observe(self, depth: int, num_accepted: int) -> None:
+    def observe(self, depth: int, num_accepted: int, seconds: float | None = None) -> None:
         assert 0 <= num_accepted <= depth, (depth, num_accepted)
-        k = self.policy.decay if depth > 0 else self.policy.idle_decay
+        if seconds is not None and seconds > 0 and self.policy.time_weight > 0:
+            w, ratio = self.policy.time_weight, seconds / self.policy.cost.seconds(depth)
+            if depth > 0:
+                self.draft_scale += w * (ratio - self.draft_scale)
+            else:
+                self.plain_scale += w * (ratio - self.plain_scale)
+        k = self.policy.decay if depth > 0 else self.policy.idle_decay ** (1.0 / self.retry_price())
         self.reached = [x * k for x in self.reached]
         self.accepted = [x * k for x in self.accepted]
         while len(self.reached) < depth:

@@ -6,7 +6,7 @@
            out     = target.forward_tree(state, tree)   # ONE target forward over all N nodes
            verdict = verify(tree, out.logits)           # accepted path + recovered/bonus token
            target.commit(state, path); session.commit(...)  # keep the accepted KV entries
-           control.observe(tree depth, accepted)       # the request's acceptance history
+           control.observe(tree depth, accepted, s)    # the request's acceptance history and step time
            emit accepted tokens + next token; root = next token
 
 With the `none` drafter every tree is the root alone and this is plain autoregressive decoding,
@@ -226,6 +226,7 @@ class SpecEngine:
     def _step(self, req: _Request) -> StepEvent | None:
         """One draft -> verify -> commit round. None when the context is full."""
         target, clock, state = self.target, req.clock, req.state
+        t_step = time.perf_counter()
         room = target.max_positions - state.seq_len - 1  # the deepest node's position must stay in context
         if room < 0:
             return None
@@ -248,7 +249,7 @@ class SpecEngine:
         clock.lap("draft")
         drafted_depth = int(tree.depth.max())
         req.stats.observe(tree.size - 1, verdict.num_accepted, drafted_depth)
-        req.control.observe(drafted_depth, verdict.num_accepted)
+        req.control.observe(drafted_depth, verdict.num_accepted, time.perf_counter() - t_step)  # the step's own time
         req.root = verdict.next_token
         event = self._emit(req, tree.tokens[path[1:]].tolist() + [verdict.next_token], tree.size - 1, verdict.num_accepted, depth)
         if not req.done and state.seq_len >= target.max_positions:

@@ -87,7 +87,7 @@ def summarise(rows: list[dict[str, Any]], max_new_tokens: int) -> list[dict[str,
                         "tok_s": max_new_tokens * len(sel) / sum(r["seconds"] for r in sel),
                         "vs_plain": geomean(ratios), "vs_plain_worst": min(ratios),
                         "tau": stats.mean_accepted_length if way != "plain" else 1.0,
-                        "drafted_per_accepted": stats.num_draft_tokens / stats.num_accepted_tokens if stats.num_accepted_tokens else float("nan"),
+                        "drafted_per_accepted": stats.num_draft_tokens / stats.num_accepted_tokens if stats.num_accepted_tokens else None,
                         "levels_per_step": sum(r["levels"] for r in sel) / max(stats.num_drafts, 1)})
     return out
 
@@ -98,7 +98,7 @@ def format_table(report: dict[str, Any]) -> str:
              "|---:|---|---:|---:|---:|---:|---:|"]
     for s in report["summary"]:
         lines.append(f"| {s['temperature']:g} | {s['way']} | {s['tok_s']:.1f} | {s['vs_plain']:.2f}x ({s['vs_plain_worst']:.2f}x) | "
-                     f"{s['tau']:.2f} | {s['drafted_per_accepted']:.2f} | {s['levels_per_step']:.2f} |")
+                     f"{s['tau']:.2f} | {'-' if s['drafted_per_accepted'] is None else format(s['drafted_per_accepted'], '.2f')} | {s['levels_per_step']:.2f} |")
     return "\n".join(lines)
 
 

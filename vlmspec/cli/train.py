@@ -151,7 +151,8 @@ def run_train(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
     else:
-        print(f"train: {summary['step']} steps in {summary['elapsed_s'] / 60:.1f} min; drafter in {args.out}/drafter")
+        print(f"train: {summary['step']} steps, {summary['elapsed_s'] / 60:.1f} min of training steps "
+              f"({summary['run_wall_s'] / 60:.1f} min this run with data, evals and the stop threshold); drafter in {args.out}/drafter")
     return 0
 
 

@@ -520,6 +520,7 @@ def train_drafter(
     stop_at: end this run after that step (the schedule still spans cfg.steps; resume later)."""
     from tqdm import tqdm
 
+    wall0 = time.perf_counter()  # this run's wall time: the Magpie pairs, evals and threshold choice included
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     world = world_size()
@@ -628,5 +629,6 @@ def train_drafter(
         _plot(state["history"], out / "train_curve.png")
         head.to(target.dtype)
         drafter.save(out / "drafter")
-        (out / "train_summary.json").write_text(json.dumps({"step": state["step"], "elapsed_s": state["elapsed_s"], "config": state["config"]}, indent=2))
+        (out / "train_summary.json").write_text(json.dumps({"step": state["step"], "elapsed_s": state["elapsed_s"],
+                                                                "run_wall_s": time.perf_counter() - wall0, "config": state["config"]}, indent=2))
     return drafter
