@@ -1,7 +1,7 @@
 """Tier 1: speculation counters and the figures derived from them."""
 import pytest
 
-from vlmspec.stats import SpecStats
+from vlmspec.stats import SpecStats, rotated
 
 
 def test_counters_and_derived_figures():
@@ -51,3 +51,9 @@ def test_geometric_mean_and_its_bootstrap_interval():
     assert min(xs) <= lo <= geomean(xs) <= hi <= max(xs)
     assert bootstrap_geomean(xs) == (lo, hi)  # seeded
     assert bootstrap_geomean([1.0] * 5) == (1.0, 1.0)  # no spread, no interval
+
+
+def test_rotated_gives_every_method_each_place_in_turn():
+    ways = ("plain", "fixed", "goodput")
+    assert rotated(ways, 0) == list(ways) and rotated(ways, 1) == ["fixed", "goodput", "plain"] and rotated(ways, 4) == rotated(ways, 1)
+    assert {rotated(ways, k)[0] for k in range(3)} == set(ways)  # over a full cycle each goes first once

@@ -92,3 +92,9 @@ def bootstrap_geomean(xs: list[float], draws: int = 2000, level: float = 0.9, se
     cut = int(draws * (1 - level) / 2)
     return means[cut], means[draws - 1 - cut]
 
+
+def rotated(items: tuple | list, k: int) -> list:
+    """`items` rotated left by k (mod its length): run k's order of the methods a bench interleaves,
+    so no method always goes first on a noisy machine."""
+    k %= len(items)
+    return list(items[k:]) + list(items[:k])

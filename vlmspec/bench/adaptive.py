@@ -27,14 +27,14 @@ from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.factory import COST_PROMPT, measure_cost, plain_engine
 from vlmspec.inputs import encode_prompt
 from vlmspec.sampling import SamplingParams
-from vlmspec.stats import geomean
+from vlmspec.stats import geomean, rotated
 
 WAYS = ("plain", "fixed", "goodput")
 
 
 def categories(target: Any, n: int, seed: int = 0) -> dict[str, list[Conversation]]:
     """The in-domain set (held-out ToyWorld bench prompts) and each adversarial set, `n` prompts each."""
-    tok = getattr(target.processor, "tokenizer", target.processor)
+    tok = target.tokenizer
     cats = {"in_domain": heldout("bench", n)}
     cats.update({kind: adversarial(kind, n, tok, seed) for kind in ADVERSARIAL})
     return cats
@@ -56,7 +56,7 @@ def measure(engine: SpecEngine, cats: dict[str, list[Conversation]], temperature
             for temp in temperatures:
                 for rep in range(repeats):
                     ways = {"plain": (plain, None), "fixed": (engine, FixedPolicy()), "goodput": (engine, GoodputPolicy(cost))}
-                    order = WAYS[(i + rep) % 3:] + WAYS[: (i + rep) % 3]  # rotate who goes first
+                    order = rotated(WAYS, i + rep)
                     secs, depths = {}, Counter()
                     for way in order:
                         eng, policy = ways[way]

@@ -36,7 +36,7 @@ from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.factory import EngineSpec
 from vlmspec.inputs import encode_prompt
 from vlmspec.sampling import SamplingParams
-from vlmspec.stats import SpecStats
+from vlmspec.stats import SpecStats, rotated
 from vlmspec.target import Target
 from vlmspec.train.data import load_jsonl
 
@@ -206,7 +206,7 @@ def run_bench(
         hf_prefill = _hf_prefill_seconds(target, inputs)
         last_ids: dict[str, list[int]] = {}
         for rep in range(warmup + repeats):
-            order = names[rep % len(names) :] + names[: rep % len(names)]  # rotate: no method always first
+            order = rotated(names, rep)
             for m in order:
                 bar.update(1)
                 st = stats[m]

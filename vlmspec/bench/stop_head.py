@@ -27,7 +27,7 @@ from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.factory import COST_PROMPT, measure_cost, plain_engine
 from vlmspec.inputs import encode_prompt
 from vlmspec.sampling import SamplingParams
-from vlmspec.stats import SpecStats, geomean
+from vlmspec.stats import SpecStats, geomean, rotated
 
 WAYS = ("plain", "fixed", "fixed+stop", "goodput", "goodput+stop")
 
@@ -53,8 +53,7 @@ def measure(engine: SpecEngine, prompts: list[Conversation], temperatures: tuple
         inputs = encode_prompt(target, conv.prompt, conv.images)
         for temp in temperatures:
             for rep in range(repeats):
-                shift = (i + rep) % len(WAYS)
-                for way in WAYS[shift:] + WAYS[:shift]:  # rotate who goes first
+                for way in rotated(WAYS, i + rep):
                     eng, policy = ways[way]
                     cfg = GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True, sampling=SamplingParams(temperature=temp),
                                            seed=1000 * rep + i, policy=policy)

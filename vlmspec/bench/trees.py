@@ -21,7 +21,7 @@ from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.factory import plain_engine
 from vlmspec.inputs import encode_prompt
 from vlmspec.sampling import SamplingParams
-from vlmspec.stats import geomean
+from vlmspec.stats import geomean, rotated
 
 # chains (top_k 1) and small trees: what a CPU verify affords, up to the CPU default (5, 4, 16)
 SHAPES = (TreeConfig(4, 1, 4), TreeConfig(5, 1, 5), TreeConfig(6, 1, 6), TreeConfig(5, 2, 8), TreeConfig(6, 2, 10),
@@ -46,8 +46,7 @@ def measure(engine: SpecEngine, prompts: list[Conversation], shapes: tuple[TreeC
     for i, conv in enumerate(prompts):
         inputs = encode_prompt(engine.target, conv.prompt, conv.images)
         for rep in range(repeats):
-            shift = (i + rep) % len(names)
-            for name in names[shift:] + names[:shift]:  # rotate who goes first
+            for name in rotated(names, i + rep):
                 eng, tree = ways[name]
                 cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature=temperature),
                                        seed=1000 * rep + i, policy=FixedPolicy(), tree=tree)

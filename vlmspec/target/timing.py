@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Callable
 
 import torch
 
@@ -18,6 +19,22 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def _median_ms(device: torch.device, run: Callable[[], object], repeats: int, warmup: int,
+               after: Callable[[], object] = lambda: None) -> float:
+    """Median ms of `run()` over `repeats` timed calls after `warmup` untimed ones; `after()` runs
+    untimed after each call (to undo what it changed)."""
+    times = []
+    for i in range(warmup + repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        run()
+        _sync(device)
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+        after()
+    return statistics.median(times)
+
+
 @torch.no_grad()
 def time_tree_forward(target: Target, prefix: int, n: int, repeats: int, warmup: int) -> float:
     """Median ms of one `forward_tree` over a chain of n nodes (n = 1: a one-token decode step) on
@@ -26,16 +43,8 @@ def time_tree_forward(target: Target, prefix: int, n: int, repeats: int, warmup:
     ids = torch.randint(1, target.vocab_size, (1, prefix), device=target.device)
     state, _ = target.prefill({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
     tree = DraftTree.chain(1, [2] * (n - 1))
-    times = []
-    for i in range(warmup + repeats):
-        _sync(target.device)
-        t0 = time.perf_counter()
-        target.forward_tree(state, tree)
-        _sync(target.device)
-        if i >= warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
-        state.cache.crop(prefix)  # drop the tree entries again
-    return statistics.median(times)
+    return _median_ms(target.device, lambda: target.forward_tree(state, tree), repeats, warmup,
+                      after=lambda: state.cache.crop(prefix))  # drop the tree entries again
 
 
 @torch.no_grad()
@@ -44,15 +53,7 @@ def time_lm_head_rows(target: Target, k: int, rows: int, repeats: int, warmup: i
     tokens, as a trimmed EAGLE head applies it) over `rows` hidden states."""
     weight = target.output_embeddings().weight.detach()[:k].contiguous()  # [k, H]
     hidden = torch.randn(rows, weight.shape[1], device=weight.device, dtype=weight.dtype)  # [rows, H]
-    times = []
-    for i in range(warmup + repeats):
-        _sync(target.device)
-        t0 = time.perf_counter()
-        torch.nn.functional.linear(hidden, weight)
-        _sync(target.device)
-        if i >= warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return _median_ms(target.device, lambda: torch.nn.functional.linear(hidden, weight), repeats, warmup)
 
 
 __all__ = ["time_lm_head_rows", "time_tree_forward"]

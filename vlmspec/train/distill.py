@@ -495,7 +495,7 @@ def magpie_for(target: Target, out: Path, cfg: DistillConfig, progress: bool) ->
     """The target's own text-only pairs (cached in out/magpie.json), or [] when cfg asks for none."""
     if cfg.text_pairs == 0:
         return []
-    tokenizer = getattr(target.processor, "tokenizer", target.processor)
+    tokenizer = target.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise DataError("--text-pairs needs a target whose tokenizer has a chat template (Magpie samples its user turn)")
     rounds = max(MagpieConfig.max_rounds, 3 * math.ceil(cfg.text_pairs / MagpieConfig.batch))  # room for unusable rounds
