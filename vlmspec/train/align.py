@@ -6,7 +6,9 @@ layers; with `tower_tail` (attempt 6) also the vision tower's last block stages 
 Frozen: the rest of the tower (all its BatchNorm statistics: eval mode) and every base weight.
 Attempt 6 (tower tail 2 + the cell probe + more spatial questions) wrote each token's cell into it
 (probe 1.00) but read images worse than attempt 5 (signs 0.05 against 1.00), so the defaults
-are attempt 5's.
+are attempt 5's. Attempt 7 asks the tokens for their place and content in the language model's
+own word embeddings (`word_weight`, `vision_pretrain.WordProbe`: "top" / "left", "red" / "star"),
+the tower tail trained in stage 0 only (`tower_in_sft=False`).
 
   stage 0  the projector alone, through linear probes (`vision_pretrain.SceneProbe`) on its
            tokens average-pooled to ToyWorld's 3x3 cells: each cell's object and size, the sign's
@@ -56,7 +58,7 @@ from vlmspec.train.data import encode_conversations
 from vlmspec.train.lora import LoraAdapters, add_lora
 from vlmspec.train.target_sft import answer_loss, batch_seeds, eval_loss, plot_curve, sample_for
 from vlmspec.train.magpie import MagpieConfig, Pair, as_conversation, cached_pairs
-from vlmspec.train.vision_pretrain import CellProbe, SceneProbe, SceneLabels, pool_cells, pretrain_batch, scene_labels
+from vlmspec.train.vision_pretrain import WORD_GROUPS, CellProbe, SceneProbe, SceneLabels, WordProbe, pool_cells, pretrain_batch, scene_labels, word_vectors
 
 # the grounded questions the target must answer, weighted toward the short ones; no toy text-only
 # answers (text-only behaviour is SmolLM2-Instruct's own)
@@ -87,7 +89,9 @@ class AlignConfig:
     answer_style: str = "listed"  # toyworld.ANSWER_STYLES: "listed" (attempt 5) or "short" (attempts 1-4)
     tower_tail: int = 0  # the tower's last block stages trained (with conv_head, bn2's affine); 0: frozen (attempts 1-5; attempt 6: 2, worse)
     tower_lr: float = 3e-4
+    tower_in_sft: bool = True  # False (attempt 7): the tower tail trains in stage 0 only, frozen through SFT
     position_weight: float = 0.0  # the per-token cell probe's weight in the probe loss (0: none; attempt 6: 1.0)
+    word_weight: float = 0.0  # the word probe's weight (`vision_pretrain.WordProbe`; 0: none; attempt 7: 1.0)
     probe_steps: int = 240  # stage 0 (attempts 1-4: 80, where the probes were still improving)
     probe_batch: int = 16
     probe_lr: float = 3e-3
@@ -104,7 +108,7 @@ def prepare(model: torch.nn.Module, cfg: AlignConfig) -> tuple[LoraAdapters, lis
         p.requires_grad_(False)
     adapters = add_lora(model.model.language_model, cfg.lora_rank, cfg.lora_alpha, seed=cfg.seed)
     projector = list(model.model.multi_modal_projector.parameters())
-    tower = [p for m in tower_tail(model, cfg.tower_tail) for p in m.parameters()]
+    tower = [p for m in tower_tail(model, cfg.tower_tail) for p in m.parameters()] if cfg.tower_in_sft else []
     for p in projector + tower:
         p.requires_grad_(True)
     groups = [{"params": projector, "part": "projector", "weight_decay": 0.0},
@@ -124,24 +128,26 @@ def tower_tail(model: torch.nn.Module, stages: int) -> list[torch.nn.Module]:
     return [*timm_model.blocks[-stages:], timm_model.conv_head, timm_model.bn2]
 
 
-def _trainable_names(model: torch.nn.Module) -> set[str]:
-    return {n for n, p in model.named_parameters() if p.requires_grad}
+def tail_names(model: torch.nn.Module, stages: int) -> set[str]:
+    """State-dict names of the parameters of `tower_tail(model, stages)`."""
+    tail = {id(p) for m in tower_tail(model, stages) for p in m.parameters()}
+    return {n for n, p in model.named_parameters() if id(p) in tail}
 
 
-def trained_tensors(model: torch.nn.Module, adapters: LoraAdapters) -> dict[str, torch.Tensor]:
-    """What ships: the projector's and the trained tower tensors by state-dict name, the LoRA pairs
-    under `lora.`."""
-    tower = {n for n in _trainable_names(model) if n.startswith(TOWER)}
+def trained_tensors(model: torch.nn.Module, adapters: LoraAdapters, tower_stages: int = 0) -> dict[str, torch.Tensor]:
+    """What ships: the projector's and the trained tower tail's tensors (`tower_stages` block
+    stages) by state-dict name, the LoRA pairs under `lora.`."""
+    tower = tail_names(model, tower_stages)
     out = {k: v.detach().float().clone() for k, v in model.state_dict().items() if k.startswith(PROJECTOR) or k in tower}
     out.update({f"lora.{k}": v for k, v in adapters.tensors().items()})
     return out
 
 
-def load_trained(model: torch.nn.Module, adapters: LoraAdapters, tensors: dict[str, torch.Tensor]) -> None:
+def load_trained(model: torch.nn.Module, adapters: LoraAdapters, tensors: dict[str, torch.Tensor], tower_stages: int = 0) -> None:
     proj = {k[len(PROJECTOR):]: v for k, v in tensors.items() if k.startswith(PROJECTOR)}
     model.model.multi_modal_projector.load_state_dict(proj, strict=True)
     tower = {k: v for k, v in tensors.items() if k.startswith(TOWER)}
-    trainable = {n for n in _trainable_names(model) if n.startswith(TOWER)}
+    trainable = tail_names(model, tower_stages)
     assert set(tower) == trainable, f"checkpoint tower tensors {sorted(set(tower) ^ trainable)[:4]} do not match the config's tower_tail"
     with torch.no_grad():
         params = dict(model.named_parameters())
@@ -150,8 +156,8 @@ def load_trained(model: torch.nn.Module, adapters: LoraAdapters, tensors: dict[s
     adapters.load_tensors({k[len("lora."):]: v for k, v in tensors.items() if k.startswith("lora.")})
 
 
-def export(model: torch.nn.Module, adapters: LoraAdapters, path: Path, meta: dict[str, str]) -> None:
-    tensors = trained_tensors(model, adapters)
+def export(model: torch.nn.Module, adapters: LoraAdapters, path: Path, meta: dict[str, str], tower_stages: int = 0) -> None:
+    tensors = trained_tensors(model, adapters, tower_stages)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": TRAINED_FORMAT, **meta})
 
 
@@ -180,14 +186,17 @@ def probe_input(tokens: torch.Tensor, cfg: AlignConfig) -> torch.Tensor:
 
 
 class Probes(torch.nn.Module):
-    """The training-only probes on the projector's tokens: the scene probe (what is in each cell)
-    and, with `cfg.position_weight`, the cell probe (where each token is)."""
+    """The training-only probes on the projector's tokens: the scene probe (what is in each cell),
+    with `cfg.position_weight` the cell probe (where each token is), with `cfg.word_weight` the
+    word probe (both, in the language model's own word directions; `word_vectors` by group)."""
 
-    def __init__(self, hidden: int, cfg: AlignConfig):
+    def __init__(self, hidden: int, cfg: AlignConfig, word_vectors: dict[str, torch.Tensor] | None = None):
         super().__init__()
         self.cfg = cfg
         self.scene = SceneProbe(hidden)
         self.position = CellProbe(hidden) if cfg.position_weight > 0 else None
+        assert (word_vectors is not None) == (cfg.word_weight > 0), "the word probe needs the word vectors, and only it"
+        self.words = WordProbe(word_vectors) if word_vectors is not None else None
 
     def heads(self) -> list[torch.nn.Linear]:
         return [self.scene.obj, self.scene.size, self.scene.word, self.scene.bars] + ([self.position.cell] if self.position else [])
@@ -198,6 +207,10 @@ class Probes(torch.nn.Module):
         if self.position is not None:
             pos_loss, acc["cell"] = self.position(tokens)
             loss = loss + self.cfg.position_weight * pos_loss
+        if self.words is not None:
+            word_loss, word_acc = self.words(tokens, labels)
+            loss = loss + self.cfg.word_weight * word_loss
+            acc.update(word_acc)
         return loss, acc
 
 
@@ -242,6 +255,15 @@ def rescale_projector(model: torch.nn.Module, probe: Probes, factor: float) -> N
     lin.bias.mul_(factor)
     for head in probe.heads():
         head.weight.div_(factor)
+    if probe.words is not None:
+        probe.words.rescale(factor)
+
+
+def lm_word_vectors(model: torch.nn.Module, tokenizer: Any) -> dict[str, torch.Tensor]:
+    """The word probe's class vectors: the language model's input embeddings of ToyWorld's row,
+    column, colour, shape and size words."""
+    emb = model.get_input_embeddings().weight.detach()
+    return {name: word_vectors(emb, tokenizer, words) for name, words, _ in WORD_GROUPS}
 
 
 def pretrain_projector(model, probe, processor, cfg: AlignConfig, state: dict[str, Any], progress: bool) -> None:
@@ -252,6 +274,8 @@ def pretrain_projector(model, probe, processor, cfg: AlignConfig, state: dict[st
         return
     groups = [{"params": list(model.model.multi_modal_projector.parameters()) + list(probe.parameters()), "peak": cfg.probe_lr}]
     tower = [p for m in tower_tail(model, cfg.tower_tail) for p in m.parameters()]
+    for p in tower:  # trained here even where SFT keeps it frozen (`cfg.tower_in_sft`)
+        p.requires_grad_(True)
     if tower:
         groups.append({"params": tower, "peak": cfg.tower_lr})
     opt = torch.optim.AdamW(groups, lr=cfg.probe_lr, weight_decay=0.0)
@@ -268,8 +292,10 @@ def pretrain_projector(model, probe, processor, cfg: AlignConfig, state: dict[st
         state["history"].append({"vision_step": step, "probe_loss": float(loss.detach()), **{f"acc_{k}": v for k, v in acc.items()}})
         bar.update(1)
         bar.set_postfix(loss=f"{float(loss.detach()):.3f}", obj=f"{acc.get('obj', float('nan')):.2f}", word=f"{acc.get('word', float('nan')):.2f}",
-                        cell=f"{acc.get('cell', float('nan')):.2f}")
+                        cell=f"{acc.get('cell', acc.get('w_row', float('nan'))):.2f}")
     bar.close()
+    for p in tower:
+        p.requires_grad_(cfg.tower_in_sft)
     pixels, _ = pretrain_batch(cfg.probe_steps, cfg.probe_batch, cfg.seed, processor)
     before, want = image_token_rms(model, pixels), text_rms(model)
     rescale_projector(model, probe, want / before)
@@ -335,13 +361,13 @@ def train_align(base: str | Path, out: str | Path, cfg: AlignConfig, resume: boo
         text_pairs = cached_pairs(out / "magpie.json", model, processor.tokenizer, MagpieConfig(n=cfg.text_pairs, seed=cfg.seed), progress)
         state["magpie_pairs"] = len(text_pairs)
     adapters, groups = prepare(model, cfg)
-    probe = Probes(model.config.text_config.hidden_size, cfg)
+    probe = Probes(model.config.text_config.hidden_size, cfg, lm_word_vectors(model, processor.tokenizer) if cfg.word_weight > 0 else None)
     groups.append({"params": list(probe.parameters()), "part": "probe", "weight_decay": 0.0})
     opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.98))
     if resume:
         tensors = load_file(str(ckpt / "trained.safetensors"))
         probe.load_state_dict({k[len("probe."):]: tensors.pop(k) for k in list(tensors) if k.startswith("probe.")}, strict=True)
-        load_trained(model, adapters, tensors)
+        load_trained(model, adapters, tensors, cfg.tower_tail)
         opt.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
     state["config"] = asdict(cfg)
     state["base"] = str(base)
@@ -349,7 +375,7 @@ def train_align(base: str | Path, out: str | Path, cfg: AlignConfig, resume: boo
     _set_train_mode(model)
 
     def save() -> None:
-        weights = {**trained_tensors(model, adapters), **{f"probe.{k}": v for k, v in probe.state_dict().items()}}
+        weights = {**trained_tensors(model, adapters, cfg.tower_tail), **{f"probe.{k}": v for k, v in probe.state_dict().items()}}
         save_checkpoint_dir(ckpt, weights, "trained.safetensors", opt, state)
         plot_curve(state["history"], out / "loss.png")
 
@@ -396,12 +422,12 @@ def train_align(base: str | Path, out: str | Path, cfg: AlignConfig, resume: boo
     tap.remove()
     save()
     result = out / "trained.safetensors"
-    export(model, adapters, result, {"image_size": image_size, "steps": str(state["step"]), "lora_rank": str(cfg.lora_rank)})
+    export(model, adapters, result, {"image_size": image_size, "steps": str(state["step"]), "lora_rank": str(cfg.lora_rank)}, cfg.tower_tail)
     (out / "train_summary.json").write_text(json.dumps(
         {"step": state["step"], "elapsed_s": state["elapsed_s"], "stopped_by": stop, "config": state["config"]}, indent=2))
     print(f"train-align: step {state['step']}/{cfg.steps} ({stop}), {state['elapsed_s'] / 60:.1f} min; trained parts in {result}")
     return result
 
 
-__all__ = ["ALIGN_MIX", "AlignConfig", "Probes", "ProjectorTap", "align_batches", "cell_tokens", "pool_cells", "probe_input", "projected_tokens", "dialogue", "export", "load_trained", "prepare",
+__all__ = ["ALIGN_MIX", "AlignConfig", "Probes", "ProjectorTap", "align_batches", "cell_tokens", "pool_cells", "probe_input", "projected_tokens", "dialogue", "export", "lm_word_vectors", "load_trained", "prepare",
            "pretrain_projector", "rescale_projector", "text_rms", "tower_tail", "train_align", "trained_tensors"]

@@ -312,10 +312,11 @@ def plot_curve(history: list[dict[str, float]], path: Path) -> None:
         ax.set_ylabel("cross-entropy")
         ax.set_title("stage 0: scene probes on the image tokens")
         acc_ax = ax.twinx()
-        for key in ("acc_obj", "acc_word", "acc_bar_value"):
+        names = {"acc_obj": "obj", "acc_word": "word", "acc_bar_value": "bar_value", "acc_cell": "cell", "acc_w_row": "row word", "acc_w_col": "column word"}
+        for key, name in names.items():
             pts = [(h["vision_step"], h[key]) for h in vis if key in h]
             if pts:
-                acc_ax.plot(*zip(*pts), lw=0.6, alpha=0.7, label=key[4:] + " acc")
+                acc_ax.plot(*zip(*pts), lw=0.6, alpha=0.7, label=name + " acc")
         acc_ax.set_ylim(0, 1)
         acc_ax.set_ylabel("probe accuracy")
         ax.legend(loc="center left")

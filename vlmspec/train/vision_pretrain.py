@@ -150,6 +150,85 @@ class CellProbe(nn.Module):
         return loss, float((logits.argmax(-1) == target).float().mean())
 
 
+# the word groups of `WordProbe`: (name, words, read per token (True) or per cell pooled (False))
+WORD_GROUPS = (
+    ("row", toyworld.ROWS, True),
+    ("col", toyworld.COLS, True),
+    ("color", toyworld.COLOR_NAMES, False),
+    ("shape", toyworld.SHAPES, False),
+    ("size", toyworld.SIZES, False),
+)
+
+
+def word_vectors(embeddings: torch.Tensor, tokenizer, words: tuple[str, ...]) -> torch.Tensor:
+    """The language model's input embedding of each word as it appears inside a sentence (with its
+    leading space; a word of several pieces averaged), [len(words), H]."""
+    rows = []
+    for w in words:
+        ids = tokenizer(" " + w, add_special_tokens=False)["input_ids"]
+        assert ids, f"the tokenizer gives no tokens for {w!r}"
+        rows.append(embeddings[ids].float().mean(0))
+    return torch.stack(rows)
+
+
+class WordProbe(nn.Module):
+    """Probes whose class vectors are the language model's own (frozen) word embeddings (training
+    only). Every image token is asked for its row word (top / middle / bottom) and column word
+    (left / center / right); every cell (its tokens pooled) for its object's colour, shape and size
+    word, or none (a learned vector). Logits are ``scale * x . E[word] + bias``: the only way to win
+    is to move the tokens along the directions in which the language model already tells "red"
+    from "blue" and "top" from "bottom", so it reads the image tokens partly as the words it knows
+    (a learned linear head can be satisfied by any direction)."""
+
+    def __init__(self, vectors: dict[str, torch.Tensor]):
+        """vectors: group name -> [C, H] word embeddings, for each group of `WORD_GROUPS`."""
+        super().__init__()
+        hidden = next(iter(vectors.values())).shape[1]
+        for name, words, per_token in WORD_GROUPS:
+            assert vectors[name].shape == (len(words), hidden), f"{name}: {tuple(vectors[name].shape)}"
+            self.register_buffer(f"w_{name}", vectors[name].float().clone(), persistent=False)
+            self.register_parameter(f"b_{name}", nn.Parameter(torch.zeros(len(words) + (0 if per_token else 1))))
+        self.none = nn.Parameter(torch.zeros(3, hidden))  # the "no object" class of colour, shape, size
+        rms = float(torch.cat(list(vectors.values())).pow(2).mean().sqrt())
+        self.scale = nn.Parameter(torch.tensor(1.0 / (rms * rms * hidden) ** 0.5))  # logits of order 1 at the start
+
+    def classes(self, name: str) -> torch.Tensor:
+        """[C, H] (per-token groups) or [1 + C, H] with the none vector first (cell groups)."""
+        w = getattr(self, f"w_{name}")
+        if name in ("row", "col"):
+            return w
+        return torch.cat([self.none[("color", "shape", "size").index(name)][None], w])
+
+    def forward(self, tokens: torch.Tensor, y: SceneLabels) -> tuple[torch.Tensor, dict[str, float]]:
+        """tokens: the projector's [B, g*g, H] (object scenes and charts alike; charts count as
+        empty cells). Returns (mean cross-entropy over the groups, accuracies by group)."""
+        cells = token_cells(tokens.shape[1])  # [g*g]
+        n_col = len(toyworld.COLOR_NAMES)
+        obj = torch.where(y.is_chart[:, None], 0, y.obj)  # [B, 9]
+        targets = {
+            "row": (cells // toyworld.GRID).expand(tokens.shape[0], -1),  # [B, g*g]
+            "col": (cells % toyworld.GRID).expand(tokens.shape[0], -1),
+            "color": torch.where(obj > 0, (obj - 1) % n_col + 1, 0),  # [B, 9], 0 = none
+            "shape": torch.where(obj > 0, (obj - 1) // n_col + 1, 0),
+            "size": torch.where(obj > 0, y.size, 0),
+        }
+        pooled = pool_cells(tokens)  # [B, 9, H]
+        losses, acc = [], {}
+        for name, _, per_token in WORD_GROUPS:
+            x = tokens if per_token else pooled
+            logits = self.scale * (x @ self.classes(name).T) + getattr(self, f"b_{name}")  # [B, N, C]
+            t = targets[name]
+            losses.append(nn.functional.cross_entropy(logits.flatten(0, 1), t.flatten()))
+            acc[f"w_{name}"] = float((logits.argmax(-1) == t).float().mean())
+        return torch.stack(losses).mean(), acc
+
+    @torch.no_grad()
+    def rescale(self, factor: float) -> None:
+        """The tokens were multiplied by `factor`: keep every logit (the none vectors are in the
+        tokens' space, so the one scale covers them)."""
+        self.scale.div_(factor)
+
+
 def image_tokens(model: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
     """pixel_values [B, 3, H, W] -> the projected image tokens the decoder reads, [B, n_img, hidden]."""
     return model.model.get_image_features(pixel_values=pixel_values).pooler_output
