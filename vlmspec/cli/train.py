@@ -91,6 +91,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--text-reference", help="a model folder with the same tokenizer (e.g. the untrained assembly, "
                                             "vlmspec build-target --no-trained): also compare greedy answers to text-only prompts")
     e.add_argument("--json", action="store_true", help='print one JSON object instead of the table')
+    e.add_argument("--answers", help="also write every item's answer, reference and score to this JSON file")
     e.set_defaults(func=run_eval_target)
 
 
@@ -182,10 +183,13 @@ def run_eval_target(args: argparse.Namespace) -> int:
 
     spec = engine_spec(args)
     target = factory.load(spec)
-    result = evaluate(target, n=args.n, seed=args.seed, progress=not args.json)
+    answers: list[dict] | None = [] if args.answers else None
+    result = evaluate(target, n=args.n, seed=args.seed, answers=answers)  # progress on stderr, so --json's stdout stays one object
     if args.text_reference:
         reference = factory.load(engine_spec(args, model=args.text_reference))
-        result["text_only"] = text_agreement(target, reference, progress=not args.json)
+        result["text_only"] = text_agreement(target, reference)
+    if answers is not None:
+        Path(args.answers).write_text(json.dumps(answers, indent=1))
     if args.json:
         print(json.dumps(result))
     else:

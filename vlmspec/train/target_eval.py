@@ -39,7 +39,9 @@ def noise_like(image: Image.Image, seed: int) -> Image.Image:
     return Image.fromarray(arr, "RGB")
 
 
-def evaluate(target: Target, n: int = 600, seed: int = 0, progress: bool = True) -> dict[str, Any]:
+def evaluate(target: Target, n: int = 600, seed: int = 0, progress: bool = True, answers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Mean scores by metric, real and noise images; `answers`, when given, receives every item
+    (task, image kind, prompt, answer, reference, scores) in order."""
     from tqdm import tqdm
 
     engine = SpecEngine(target, NgramDrafter())
@@ -52,8 +54,11 @@ def evaluate(target: Target, n: int = 600, seed: int = 0, progress: bool = True)
         for kind, image in (("real", s.image), ("noise", noise_like(s.image, s.seed))):
             inputs = encode_prompt(target, s.prompt, [image])
             text = generate_text(engine, inputs, GenerationConfig(max_new_tokens=max_new)).text
-            for k, v in toyworld.score(s, text).items():
+            scored = toyworld.score(s, text)
+            for k, v in scored.items():
                 scores[kind][k].append(v)
+            if answers is not None:
+                answers.append({"task": s.task, "image": kind, "prompt": s.prompt, "answer": text, "reference": s.answer, "scores": scored})
             if kind == "real" and len(examples) < len(SCORED) and all(e["task"] != s.task for e in examples):
                 examples.append({"task": s.task, "prompt": s.prompt, "answer": text, "reference": s.answer})
     mean = {kind: {k: float(np.mean(v)) for k, v in d.items()} for kind, d in scores.items()}
