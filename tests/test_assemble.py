@@ -261,39 +261,52 @@ def test_projector_rescale_moves_the_image_tokens_and_keeps_the_probes_logits():
 
 
 
-def test_word_probe_reads_place_and_object_words_and_keeps_its_logits_when_rescaled():
+def test_word_probe_reads_place_object_and_sign_words_and_keeps_its_logits_when_rescaled():
     from vlmspec.data import toyworld
-    from vlmspec.train.vision_pretrain import WORD_GROUPS, WordProbe, scene_labels, token_cells
+    from vlmspec.train.vision_pretrain import SIGN_GROUP, WORD_GROUPS, WordProbe, scene_labels, token_cells
 
-    # orthogonal "word embeddings": one axis per word of every group, in a 32-wide space
-    hidden, axis, vectors = 32, iter(range(32)), {}
-    for name, words, _ in WORD_GROUPS:
-        vectors[name] = torch.stack([torch.nn.functional.one_hot(torch.tensor(next(axis)), hidden).float() for _ in words])
-    probe = WordProbe(vectors)
+    # orthogonal "word embeddings": one axis per word of every group, two spare axes (empty cell, no sign)
+    groups = WORD_GROUPS + (SIGN_GROUP,)
+    hidden = sum(len(words) for _, words, _, _ in groups) + 2
+    empty, no_sign, axis, vectors = hidden - 2, hidden - 1, iter(range(hidden)), {}
+    axis_vec = lambda a: torch.nn.functional.one_hot(torch.tensor(a), hidden).float()  # noqa: E731
+    for name, words, _, _ in groups:
+        vectors[name] = torch.stack([axis_vec(next(axis)) for _ in words])
+    probe = WordProbe(vectors, sign_words=True)
     with torch.no_grad():
         probe.scale.fill_(30.0)
-        probe.none.copy_(torch.nn.functional.one_hot(torch.tensor(hidden - 1), hidden).float().expand(3, -1))  # a spare axis
+        probe.none.copy_(torch.stack([axis_vec(empty)] * 3 + [axis_vec(no_sign)]))
     scenes = [{"kind": "objects", "objects": [{"row": 0, "col": 2, "shape": "star", "color": "blue", "size": "large"},
-                                               {"row": 2, "col": 1, "shape": "circle", "color": "red", "size": "small"}]},
+                                               {"row": 2, "col": 1, "shape": "circle", "color": "red", "size": "small"}],
+               "sign": {"row": 1, "word": "CAT"}},
               {"kind": "chart", "bars": []}]
     y = scene_labels(scenes)
     cells = token_cells(36)  # a 6 x 6 map
     tokens = torch.zeros(2, 36, hidden)
+    tokens[:, :, empty] = 1.0  # "nothing here", taken back where an object is
+    tokens[:, :, no_sign] = 1.0  # "no sign in this row", taken back in the sign's row
     for t, cell in enumerate(cells.tolist()):  # each token: its row and column words
         r, c = divmod(cell, 3)
         tokens[:, t] += vectors["row"][r] + vectors["col"][c]
-    tokens[:, :, hidden - 1] = 1.0  # "nothing here", taken back where an object is
     for o in scenes[0]["objects"]:  # the object's words in every token of its cell
-        tokens[0, cells == o["row"] * 3 + o["col"], hidden - 1] = 0.0
         at = cells == o["row"] * 3 + o["col"]
+        tokens[0, at, empty] = 0.0
         tokens[0, at] += vectors["color"][toyworld.COLOR_NAMES.index(o["color"])] + vectors["shape"][toyworld.SHAPES.index(o["shape"])] \
             + vectors["size"][toyworld.SIZES.index(o["size"])]
+    sign_row = (cells // 3) == 1
+    tokens[0, sign_row, no_sign] = 0.0
+    tokens[0, sign_row] += vectors["sign"][toyworld.WORDS.index("CAT")]
     with torch.no_grad():
         loss, acc = probe(tokens, y)
+        assert set(acc) == {"w_row", "w_col", "w_color", "w_shape", "w_size", "w_sign"}
         assert all(v == 1.0 for v in acc.values()) and float(loss) < 0.05, acc
         # negative control: tokens carrying another token's place and content
         wrong, wrong_acc = probe(tokens[:, cells.argsort(descending=True)], y)
         assert float(wrong) > 1.0 and wrong_acc["w_row"] < 0.5 and wrong_acc["w_color"] < 1.0
+        shifted = probe(tokens.roll(12, dims=1), y)[1]  # one cell row down: the sign's word in the wrong row
+        assert shifted["w_sign"] < 1.0 and shifted["w_row"] < 0.5
         # the projector's output scaled by 0.25 and the probe told: the same loss
         probe.rescale(0.25)
         assert torch.allclose(probe(tokens * 0.25, y)[0], loss, atol=1e-5)
+    # without sign_words the probe has no sign group
+    assert "w_sign" not in WordProbe({k: v for k, v in vectors.items() if k != "sign"})(tokens, y)[1]

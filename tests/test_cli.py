@@ -333,3 +333,10 @@ def test_eval_target_json_and_every_answer_written(capsys, tmp_path):
         assert real and sum(real) / len(real) == pytest.approx(result[metric])
         assert sum(noise) / len(noise) == pytest.approx(result["noise_image"][metric])
     assert all(i["answer"] and i["reference"] for i in items if i["image"] == "real")
+
+
+@pytest.mark.parametrize("flags, message", [(["--sign-words"], "--word-weight"), (["--tower-stage0-only"], "--tower-tail")])
+def test_train_align_flags_that_need_another_are_one_line(capsys, model_dir, tmp_path, flags, message):
+    assert main(["train-align", "--base", str(model_dir), "--out", str(tmp_path / "run"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and not (tmp_path / "run").exists()

@@ -42,6 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--word-weight", type=float_in("--word-weight", 0.0, 100.0), default=0.0,
                    help="weight of the word probe: image tokens asked for their row / column / colour / shape / size in the "
                         "language model's own word embeddings (attempt 7: 1.0; 0: none)")
+    a.add_argument("--sign-words", action="store_true", help="with --word-weight: the word probe also asks for each sign's word, "
+                                                             "against the language model's embedding of the word as answers quote it")
     a.add_argument("--position-weight", type=float_in("--position-weight", 0.0, 100.0), default=0.0,
                    help="weight of the probe that asks every image token for its cell (attempt 6: 1.0; 0: none)")
     a.add_argument("--task-mix", help="the image questions' mix, e.g. 'count=0.26,attribute=0.24,read_text=0.1,describe=0.18,spatial=0.16,read_chart=0.06' "
@@ -76,6 +78,8 @@ def run_train_align(args: argparse.Namespace) -> int:
         raise UsageError(f"--base: {args.base} is not a built model folder (vlmspec build-target --no-trained --out {args.base})")
     if args.tower_stage0_only and not args.tower_tail:
         raise UsageError("--tower-stage0-only needs --tower-tail N (N >= 1): which of the tower's stages to train in stage 0")
+    if args.sign_words and not args.word_weight:
+        raise UsageError("--sign-words is part of the word probe: give it a weight with --word-weight W (W > 0)")
     if args.resume and not (Path(args.out) / "checkpoint").is_dir():
         raise UsageError(f"--resume: no checkpoint in {args.out}/checkpoint")
     try:
@@ -86,7 +90,7 @@ def run_train_align(args: argparse.Namespace) -> int:
                       lora_alpha=2.0 * args.lora_rank, minutes=args.minutes, seed=args.seed, followups=args.followups,
                       aux_weight=args.aux_weight, probe_steps=args.probe_steps, probe_per_token=args.probe_tokens,
                       answer_style=args.answer_style, tower_tail=args.tower_tail, position_weight=args.position_weight,
-                      tower_in_sft=not args.tower_stage0_only, word_weight=args.word_weight,
+                      tower_in_sft=not args.tower_stage0_only, word_weight=args.word_weight, sign_words=args.sign_words,
                       text_pairs=args.text_pairs, text_per_step=args.text_per_step, task_mix=mix)
     train_align(args.base, args.out, cfg, resume=args.resume)
     return 0

@@ -150,22 +150,25 @@ class CellProbe(nn.Module):
         return loss, float((logits.argmax(-1) == target).float().mean())
 
 
-# the word groups of `WordProbe`: (name, words, read per token (True) or per cell pooled (False))
+# the word groups of `WordProbe`: (name, words, read per token (True) or per cell pooled (False),
+# the text before the word as answers write it: " red star", 'The sign says "SHIP".')
 WORD_GROUPS = (
-    ("row", toyworld.ROWS, True),
-    ("col", toyworld.COLS, True),
-    ("color", toyworld.COLOR_NAMES, False),
-    ("shape", toyworld.SHAPES, False),
-    ("size", toyworld.SIZES, False),
+    ("row", toyworld.ROWS, True, " "),
+    ("col", toyworld.COLS, True, " "),
+    ("color", toyworld.COLOR_NAMES, False, " "),
+    ("shape", toyworld.SHAPES, False, " "),
+    ("size", toyworld.SIZES, False, " "),
 )
+SIGN_GROUP = ("sign", toyworld.WORDS, False, "")  # the sign's word in the cells of its row (`sign_words`)
+POOLED = ("color", "shape", "size", "sign")  # the cell groups, in the order of `WordProbe.none`
 
 
-def word_vectors(embeddings: torch.Tensor, tokenizer, words: tuple[str, ...]) -> torch.Tensor:
-    """The language model's input embedding of each word as it appears inside a sentence (with its
-    leading space; a word of several pieces averaged), [len(words), H]."""
+def word_vectors(embeddings: torch.Tensor, tokenizer, words: tuple[str, ...], prefix: str = " ") -> torch.Tensor:
+    """The language model's input embedding of each word as answers write it (after `prefix`: a
+    space inside a sentence, nothing after a quote; a word of several pieces averaged), [len(words), H]."""
     rows = []
     for w in words:
-        ids = tokenizer(" " + w, add_special_tokens=False)["input_ids"]
+        ids = tokenizer(prefix + w, add_special_tokens=False)["input_ids"]
         assert ids, f"the tokenizer gives no tokens for {w!r}"
         rows.append(embeddings[ids].float().mean(0))
     return torch.stack(rows)
@@ -178,17 +181,20 @@ class WordProbe(nn.Module):
     word, or none (a learned vector). Logits are ``scale * x . E[word] + bias``: the only way to win
     is to move the tokens along the directions in which the language model already tells "red"
     from "blue" and "top" from "bottom", so it reads the image tokens partly as the words it knows
-    (a learned linear head can be satisfied by any direction)."""
+    (a learned linear head can be satisfied by any direction). With `sign_words`, also the sign's
+    word in the cells of its row, against the embeddings of the word as the answer quotes it."""
 
-    def __init__(self, vectors: dict[str, torch.Tensor]):
-        """vectors: group name -> [C, H] word embeddings, for each group of `WORD_GROUPS`."""
+    def __init__(self, vectors: dict[str, torch.Tensor], sign_words: bool = False):
+        """vectors: group name -> [C, H] word embeddings, for each group of `WORD_GROUPS` (and
+        `SIGN_GROUP` with `sign_words`)."""
         super().__init__()
+        self.groups = WORD_GROUPS + ((SIGN_GROUP,) if sign_words else ())
         hidden = next(iter(vectors.values())).shape[1]
-        for name, words, per_token in WORD_GROUPS:
+        for name, words, per_token, _ in self.groups:
             assert vectors[name].shape == (len(words), hidden), f"{name}: {tuple(vectors[name].shape)}"
             self.register_buffer(f"w_{name}", vectors[name].float().clone(), persistent=False)
             self.register_parameter(f"b_{name}", nn.Parameter(torch.zeros(len(words) + (0 if per_token else 1))))
-        self.none = nn.Parameter(torch.zeros(3, hidden))  # the "no object" class of colour, shape, size
+        self.none = nn.Parameter(torch.zeros(len(POOLED) if sign_words else 3, hidden))  # the "none" class of each cell group
         rms = float(torch.cat(list(vectors.values())).pow(2).mean().sqrt())
         self.scale = nn.Parameter(torch.tensor(1.0 / (rms * rms * hidden) ** 0.5))  # logits of order 1 at the start
 
@@ -197,7 +203,7 @@ class WordProbe(nn.Module):
         w = getattr(self, f"w_{name}")
         if name in ("row", "col"):
             return w
-        return torch.cat([self.none[("color", "shape", "size").index(name)][None], w])
+        return torch.cat([self.none[POOLED.index(name)][None], w])
 
     def forward(self, tokens: torch.Tensor, y: SceneLabels) -> tuple[torch.Tensor, dict[str, float]]:
         """tokens: the projector's [B, g*g, H] (object scenes and charts alike; charts count as
@@ -211,10 +217,11 @@ class WordProbe(nn.Module):
             "color": torch.where(obj > 0, (obj - 1) % n_col + 1, 0),  # [B, 9], 0 = none
             "shape": torch.where(obj > 0, (obj - 1) // n_col + 1, 0),
             "size": torch.where(obj > 0, y.size, 0),
+            "sign": y.word,  # [B, 9], 0 = no sign in the cell's row
         }
         pooled = pool_cells(tokens)  # [B, 9, H]
         losses, acc = [], {}
-        for name, _, per_token in WORD_GROUPS:
+        for name, _, per_token, _ in self.groups:
             x = tokens if per_token else pooled
             logits = self.scale * (x @ self.classes(name).T) + getattr(self, f"b_{name}")  # [B, N, C]
             t = targets[name]
