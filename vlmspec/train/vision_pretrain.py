@@ -195,7 +195,7 @@ class WordProbe(nn.Module):
             self.register_buffer(f"w_{name}", vectors[name].float().clone(), persistent=False)
             self.register_parameter(f"b_{name}", nn.Parameter(torch.zeros(len(words) + (0 if per_token else 1))))
         self.none = nn.Parameter(torch.zeros(len(POOLED) if sign_words else 3, hidden))  # the "none" class of each cell group
-        rms = float(torch.cat(list(vectors.values())).pow(2).mean().sqrt())
+        rms = float(torch.cat([vectors[name] for name, *_ in self.groups]).pow(2).mean().sqrt())  # of the groups read
         self.scale = nn.Parameter(torch.tensor(1.0 / (rms * rms * hidden) ** 0.5))  # logits of order 1 at the start
 
     def classes(self, name: str) -> torch.Tensor:
