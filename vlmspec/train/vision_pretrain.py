@@ -201,7 +201,7 @@ class WordProbe(nn.Module):
     def classes(self, name: str) -> torch.Tensor:
         """[C, H] (per-token groups) or [1 + C, H] with the none vector first (cell groups)."""
         w = getattr(self, f"w_{name}")
-        if name in ("row", "col"):
+        if name not in POOLED:
             return w
         return torch.cat([self.none[POOLED.index(name)][None], w])
 
@@ -210,7 +210,7 @@ class WordProbe(nn.Module):
         empty cells). Returns (mean cross-entropy over the groups, accuracies by group)."""
         cells = token_cells(tokens.shape[1])  # [g*g]
         n_col = len(toyworld.COLOR_NAMES)
-        obj = torch.where(y.is_chart[:, None], 0, y.obj)  # [B, 9]
+        obj = y.obj  # [B, 9], 0 for empty cells and charts (`scene_labels`)
         targets = {
             "row": (cells // toyworld.GRID).expand(tokens.shape[0], -1),  # [B, g*g]
             "col": (cells % toyworld.GRID).expand(tokens.shape[0], -1),
