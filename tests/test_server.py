@@ -553,7 +553,9 @@ def test_timeout_remote_images_and_shutdown(engines):
             r = c.post("/v1/chat/completions", json=chat([image_message("describe", "http://127.0.0.1:9/closed.png")], max_tokens=4))
             assert r.status_code == 400 and r.json()["error"]["code"] == "image_fetch_failed"
             # timeout: 504 for a plain request, an error chunk for a stream
-            settings.request_timeout_s = 1.0  # the app reads its settings object per request
+            # the app reads its settings object per request; 50 ms is far below 1000 tokens' time on any
+            # machine (1 s was not: CI's ran 1000 n-gram-drafted tokens of the tiny model inside it)
+            settings.request_timeout_s = 0.05
             r = c.post("/v1/chat/completions", json=long_body)
             assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
             with c.stream("POST", "/v1/chat/completions", json={**long_body, "stream": True}) as s:
