@@ -127,7 +127,9 @@ def _tiny_base(folder):
     return folder
 
 
-@pytest.mark.parametrize("variant", [dict(position_weight=1.0), dict(word_weight=1.0, tower_in_sft=False)], ids=["attempt6", "attempt7"])
+@pytest.mark.parametrize("variant", [dict(position_weight=1.0), dict(word_weight=1.0, tower_in_sft=False),
+                                     dict(word_weight=1.0, sign_words=True, tower_in_sft=False, autocast=True)],
+                         ids=["attempt6", "attempt7", "attempt9-bf16-autocast"])
 def test_train_align_resumes_exactly_and_its_parts_build(tmp_path, variant):
     from safetensors.torch import load_file
 
@@ -152,6 +154,7 @@ def test_train_align_resumes_exactly_and_its_parts_build(tmp_path, variant):
     resumed = train_align(base, tmp_path / "b", AlignConfig(steps=3, **cfg), resume=True, progress=False)
     a, b = load_file(str(straight)), load_file(str(resumed))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert all(v.dtype == torch.float32 for v in a.values())  # fp32 master weights, also under bf16 autocast
     base_state = load_file(str(base / "model.safetensors"))
     assert any(not torch.equal(a[k], base_state[k]) for k in a if k in base_state)  # the projector moved
     tower = [k for k in a if k.startswith("model.vision_tower.")]  # the tower's trained tail ships, and moved
@@ -164,6 +167,29 @@ def test_train_align_resumes_exactly_and_its_parts_build(tmp_path, variant):
 
     model = FastVlmForConditionalGeneration.from_pretrained(base)
     assert assemble.apply_trained(model, straight)["steps"] == "3"
+
+
+def test_autocast_runs_the_forward_in_bf16_and_keeps_the_loss_close(tmp_path):
+    """`--autocast`: the answer loss under `amp(cfg)` is computed from bf16 matmuls (it differs from
+    the fp32 loss: the negative control that autocast is on) yet stays within bf16's resolution of it;
+    the gradients land on the fp32 weights."""
+    from transformers import AutoProcessor, FastVlmForConditionalGeneration
+
+    from vlmspec.train.align import AlignConfig, align_batches, amp
+    from vlmspec.train.target_sft import answer_loss
+
+    base = _tiny_base(tmp_path / "base")
+    model = FastVlmForConditionalGeneration.from_pretrained(base)
+    _, batch, _ = next(align_batches(0, AlignConfig(batch_size=2, followups=1, text_per_step=0), AutoProcessor.from_pretrained(base)))
+    with amp(AlignConfig(autocast=False)):
+        fp32 = answer_loss(model, batch)
+    with amp(AlignConfig(autocast=True)):
+        bf16 = answer_loss(model, batch)
+    assert fp32.dtype == bf16.dtype == torch.float32
+    assert not torch.equal(fp32, bf16) and torch.allclose(fp32, bf16, rtol=3e-2)
+    bf16.backward()
+    grad = model.model.multi_modal_projector.linear_1.weight.grad
+    assert grad is not None and grad.dtype == torch.float32 and grad.abs().sum() > 0
 
 
 def test_align_batches_carry_the_text_pairs_in_turn(tmp_path):

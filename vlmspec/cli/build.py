@@ -52,6 +52,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--text-per-step", type=int, default=1, help="of those text pairs in each batch")
     a.add_argument("--minutes", type=float_in("--minutes", 0.0, 1e6, low_open=True), default=None, help="wall-clock budget of this run")
     a.add_argument("--seed", type=int, default=0, help="seed of the adapters' initialisation and of the training scenes")
+    a.add_argument("--autocast", action="store_true", help="forwards in bf16 autocast (fp32 weights and optimizer): faster on CPUs with "
+                                                          "bf16 units (AVX512-BF16 / AMX), slower where bf16 is emulated; with --resume, this call's choice")
     a.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     a.set_defaults(func=run_train_align)
 
@@ -91,6 +93,6 @@ def run_train_align(args: argparse.Namespace) -> int:
                       aux_weight=args.aux_weight, probe_steps=args.probe_steps, probe_per_token=args.probe_tokens,
                       answer_style=args.answer_style, tower_tail=args.tower_tail, position_weight=args.position_weight,
                       tower_in_sft=not args.tower_stage0_only, word_weight=args.word_weight, sign_words=args.sign_words,
-                      text_pairs=args.text_pairs, text_per_step=args.text_per_step, task_mix=mix)
+                      text_pairs=args.text_pairs, text_per_step=args.text_per_step, task_mix=mix, autocast=args.autocast)
     train_align(args.base, args.out, cfg, resume=args.resume)
     return 0

@@ -103,6 +103,7 @@ class AlignConfig:
     eval_every: int = 250
     eval_samples: int = 24
     minutes: float | None = None
+    autocast: bool = False  # forwards under bf16 autocast (fp32 master weights, optimizer and loss); where the CPU has bf16 units
     task_mix: dict[str, float] | None = field(default_factory=lambda: dict(ALIGN_MIX))
 
 
@@ -270,6 +271,12 @@ def lm_word_vectors(model: torch.nn.Module, tokenizer: Any) -> dict[str, torch.T
     return {name: word_vectors(emb, tokenizer, words, prefix) for name, words, _, prefix in WORD_GROUPS + (SIGN_GROUP,)}
 
 
+def amp(cfg: AlignConfig) -> torch.autocast:
+    """The forwards' precision: bf16 autocast when `cfg.autocast` (weights, gradients and the
+    optimizer stay fp32; losses are computed in fp32), else plain fp32."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast)
+
+
 def pretrain_projector(model, probe, processor, cfg: AlignConfig, state: dict[str, Any], progress: bool) -> None:
     """Stage 0: the projector and the probes on scene labels, then the text-scale rescale."""
     from tqdm import tqdm
@@ -290,7 +297,8 @@ def pretrain_projector(model, probe, processor, cfg: AlignConfig, state: dict[st
         for g in opt.param_groups:
             g["lr"] = scale * g["peak"]
         pixels, labels = pretrain_batch(step, cfg.probe_batch, cfg.seed, processor)
-        loss, acc = probe(projected_tokens(model, pixels), labels)
+        with amp(cfg):
+            loss, acc = probe(projected_tokens(model, pixels), labels)
         loss.backward()
         clipped_step(opt, params, cfg.grad_clip)
         state["history"].append({"vision_step": step, "probe_loss": float(loss.detach()), **{f"acc_{k}": v for k, v in acc.items()}})
@@ -351,7 +359,8 @@ def train_align(base: str | Path, out: str | Path, cfg: AlignConfig, resume: boo
         if not (ckpt / "trainer_state.json").is_file():
             raise FileNotFoundError(f"--resume: no checkpoint in {ckpt}")
         saved = json.loads((ckpt / "trainer_state.json").read_text())
-        cfg = AlignConfig(**{**saved["config"], "steps": cfg.steps, "minutes": cfg.minutes})
+        # the recipe is the checkpoint's; the schedule's length, the budget and the precision are this call's
+        cfg = AlignConfig(**{**saved["config"], "steps": cfg.steps, "minutes": cfg.minutes, "autocast": cfg.autocast})
     else:
         saved = {"step": 0, "history": [], "elapsed_s": 0.0}
     state: dict[str, Any] = saved
@@ -398,12 +407,13 @@ def train_align(base: str | Path, out: str | Path, cfg: AlignConfig, resume: boo
         lr = warmup_cosine(step, cfg.steps, 1.0, cfg.warmup, cfg.min_lr_ratio)
         for g in opt.param_groups:
             g["lr"] = lr * {"lora": cfg.lora_lr, "tower": cfg.tower_lr}.get(g["part"], cfg.lr)
-        loss = answer_loss(model, batch)
-        total = loss
-        if scenes:
-            tokens = tap.take()  # [n_images, g*g, H], from this forward
-            if cfg.aux_weight > 0:
-                total = loss + cfg.aux_weight * probe(tokens, scene_labels(scenes))[0]
+        with amp(cfg):
+            loss = answer_loss(model, batch)
+            total = loss
+            if scenes:
+                tokens = tap.take()  # [n_images, g*g, H], from this forward
+                if cfg.aux_weight > 0:
+                    total = loss + cfg.aux_weight * probe(tokens, scene_labels(scenes))[0]
         total.backward()
         clipped_step(opt, [p for g in opt.param_groups for p in g["params"]], cfg.grad_clip)
         state["step"] = step + 1
@@ -412,7 +422,8 @@ def train_align(base: str | Path, out: str | Path, cfg: AlignConfig, resume: boo
         bar.update(1)
         bar.set_postfix(loss=f"{float(loss.detach()):.3f}", lr=f"{lr * cfg.lr:.1e}")
         if state["step"] % cfg.eval_every == 0 or state["step"] == cfg.steps:
-            ev = eval_loss(model, processor, cfg)
+            with amp(cfg):
+                ev = eval_loss(model, processor, cfg)
             _set_train_mode(model)
             state["history"].append({"step": step, **ev})
             bar.write(f"step {state['step']}: held-out loss {ev['val_loss']:.4f}, image gap (shuffled - real) {ev['image_gap']:+.4f}")
