@@ -348,6 +348,46 @@ def test_a_cut_answer_is_labelled_without_its_end_of_turn():
     assert end_of_turn.strip() and tok.decode(extra).strip() == end_of_turn.strip()
 
 
+def test_scan_answers_name_every_object_then_pick_the_asked_ones_then_count():
+    """The "scan" style (#19, for counting): a colour or shape count names every object of the scene
+    in reading order, then the asked ones, then the count; the score still reads the count (no number
+    word comes before it but "none" when it is zero). Negative control: another count scores 0."""
+    import random
+
+    from vlmspec.data import toyworld as tw
+
+    seen_zero = seen_many = 0
+    for seed in range(300):
+        short, scan = tw.make_sample(seed, "count"), tw.make_sample(seed, "count", tw.SCAN)
+        assert (short.prompt, short.meta["target"], short.meta["scene"]) == (scan.prompt, scan.meta["target"], scan.meta["scene"])
+        t, objs = scan.meta["target"], scan.meta["scene"]["objects"]
+        assert tw.score(scan, scan.answer)["counting"] == 1.0 and scan.answer.endswith(short.answer)
+        if t["count"]:
+            wrong = scan.answer.replace(short.answer, f"There are {t['count'] + 1} objects.")
+        else:  # a zero is read off "None of them ...", the only number word before the count
+            wrong = scan.answer.replace("None of them", "One of them")
+        assert wrong != scan.answer and tw.score(scan, wrong)["counting"] == 0.0
+        listing, _, rest = scan.answer.partition(". ")
+        if t["by"] == "all":
+            assert scan.answer == tw.make_sample(seed, "count", tw.LISTED).answer
+            continue
+        assert listing + "." == tw._listing(objs)  # every object, not only the counted ones
+        picked = rest[: -len(short.answer)]
+        if t["count"] == 0:
+            seen_zero += 1
+            assert picked.startswith("None of them is ")
+        else:
+            seen_many += t["count"] > 1
+            assert picked.startswith("The ") and " among them: " in picked
+            named = [o for o in objs if f"the {o['color']} {o['shape']} {tw._canonical_pos(o['row'], o['col'])}" in picked]
+            assert len(named) == t["count"] and all(o[t["by"]] == t["value"] for o in named)  # exactly the asked ones
+    assert seen_zero and seen_many
+    scene = tw.make_sample(3, "count").meta["scene"]
+    for task, q, a in tw.followups(scene, random.Random(3), 6, tw.SCAN):
+        if task == "count":
+            assert a.startswith("I can see ") and a.endswith(".")
+
+
 def test_listed_answers_name_the_counted_objects_then_the_count_and_short_ones_are_unchanged():
     """Attempt 5 of #19: count answers list the counted objects in reading order first; the score
     still reads the count (the list holds no number words); the default style is the old one."""

@@ -112,11 +112,18 @@ class AnswerStyle:
 
     list_before_count: bool = False
     reading_order: bool = False
+    scan_before_count: bool = False
 
 
 SHORT = AnswerStyle()
 LISTED = AnswerStyle(list_before_count=True, reading_order=True)
-ANSWER_STYLES = {"short": SHORT, "listed": LISTED}
+# A count of a colour or a shape first names every object in reading order (the description the
+# model already writes well), then picks the asked ones out of that text, then counts them:
+# "I can see a yellow diamond in the top left corner, a red circle at the top and a blue star on
+# the left. The diamonds among them: the yellow diamond in the top left corner. There is 1 diamond."
+# The choice is made against the model's own words instead of against the image.
+SCAN = AnswerStyle(list_before_count=True, reading_order=True, scan_before_count=True)
+ANSWER_STYLES = {"short": SHORT, "listed": LISTED, "scan": SCAN}
 
 
 @dataclass
@@ -508,8 +515,19 @@ def _listing(objs: list[dict]) -> str:
     return f"I can see {body}."
 
 
-def _count_answer(k: int, noun1: str, nounp: str, counted: list[dict], style: AnswerStyle) -> str:
+def _count_answer(objs: list[dict], by: str, value: str | None, noun1: str, nounp: str, style: AnswerStyle) -> str:
+    """The answer to "how many `nounp`?": the objects of `objs` whose `by` ("color", "shape") is
+    `value`, or all of them (`by` = "all"), phrased in `style`."""
+    counted = objs if by == "all" else [o for o in objs if o[by] == value]
+    k = len(counted)
     short = f"There are no {nounp}." if k == 0 else f"There is 1 {noun1}." if k == 1 else f"There are {k} {nounp}."
+    if style.scan_before_count and by != "all" and objs:
+        if counted:
+            names = [f"the {o['color']} {o['shape']} {_canonical_pos(o['row'], o['col'])}" for o in sorted(counted, key=lambda o: (o["row"], o["col"]))]
+            picked = f"The {nounp} among them: {names[0] if k == 1 else ', '.join(names[:-1]) + ' and ' + names[-1]}."
+        else:  # the only number word before the count, and it is the count
+            picked = f"None of them is {value}." if by == "color" else f"None of them is {_a(value)}."
+        return f"{_listing(objs)} {picked} {short}"
     return f"{_listing(counted)} {short}" if style.list_before_count and counted else short
 
 
@@ -537,7 +555,6 @@ def _task_count(rng: random.Random, style: AnswerStyle = SHORT):
         if "shapes" in prompt:
             noun1, nounp = f"{c} shape", f"{c} shapes"
         target = {"type": "count", "by": "color", "value": c, "count": k}
-        counted = [o for o in objs if o["color"] == c]
     elif kind == "shape":
         s = asked
         k = sum(o["shape"] == s for o in objs)
@@ -545,7 +562,6 @@ def _task_count(rng: random.Random, style: AnswerStyle = SHORT):
         prompt = rng.choice((f"How many {nounp} are there?", f"How many {nounp} are in the picture?",
                              f"Count the {nounp}."))
         target = {"type": "count", "by": "shape", "value": s, "count": k}
-        counted = [o for o in objs if o["shape"] == s]
     else:
         k = len(objs)
         noun1, nounp = "object", "objects"
@@ -554,8 +570,7 @@ def _task_count(rng: random.Random, style: AnswerStyle = SHORT):
         if "shapes" in prompt:
             noun1, nounp = "shape", "shapes"
         target = {"type": "count", "by": "all", "value": None, "count": k}
-        counted = objs
-    return scene, prompt, _count_answer(k, noun1, nounp, counted, style), target
+    return scene, prompt, _count_answer(objs, target["by"], target["value"], noun1, nounp, style), target
 
 
 def _unique(objs, key) -> list:
@@ -782,13 +797,11 @@ def followups(scene: dict, rng: random.Random, n: int, style: AnswerStyle = SHOR
                 options.append(("read_chart", f"Which bar is the {word}?", f"Bar {b['label']} is the {word}, with a value of {b['value']}."))
     else:
         objs = scene["objects"]
-        options.append(("count", "How many objects are there?", _count_answer(len(objs), "object", "objects", objs, style)))
+        options.append(("count", "How many objects are there?", _count_answer(objs, "all", None, "object", "objects", style)))
         for c in rng.sample(COLOR_NAMES, 2):
-            got = [o for o in objs if o["color"] == c]
-            options.append(("count", f"How many {c} objects are there?", _count_answer(len(got), f"{c} object", f"{c} objects", got, style)))
+            options.append(("count", f"How many {c} objects are there?", _count_answer(objs, "color", c, f"{c} object", f"{c} objects", style)))
         for sh in rng.sample(SHAPES, 2):
-            got = [o for o in objs if o["shape"] == sh]
-            options.append(("count", f"How many {SHAPE_PLURALS[sh]} are there?", _count_answer(len(got), sh, SHAPE_PLURALS[sh], got, style)))
+            options.append(("count", f"How many {SHAPE_PLURALS[sh]} are there?", _count_answer(objs, "shape", sh, sh, SHAPE_PLURALS[sh], style)))
         for o in objs:
             pos = _canonical_pos(o["row"], o["col"])
             colour = rng.choice(("colour", "color"))

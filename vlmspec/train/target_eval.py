@@ -20,10 +20,10 @@ from vlmspec.inputs import encode_prompt
 from vlmspec.target import Target
 from vlmspec.text import generate_text
 
-# task -> (metric key, max new tokens); counts have room for the list of objects a model may
-# write before the number (`toyworld.LISTED`: up to six objects, about 10 tokens each)
+# task -> (metric key, max new tokens); counts have room for the lists a model may write before
+# the number (`toyworld.SCAN`: up to six objects, then up to four picked out, about 10 tokens each)
 SCORED = {
-    "count": ("counting", 96),
+    "count": ("counting", 160),
     "attribute": ("attribute", 24),
     "read_text": ("text_reading", 24),
     "describe": ("description_coverage", 256),
