@@ -169,6 +169,38 @@ def test_train_align_resumes_exactly_and_its_parts_build(tmp_path, variant):
     assert assemble.apply_trained(model, straight)["steps"] == "3"
 
 
+def test_warm_start_begins_from_the_source_runs_parts_and_refuses_another_shape(tmp_path):
+    """`--warm-start RUN` (attempt 10: attempt 9's parts, then the "scan" answer style): the new
+    run's first weights are RUN's (with every learning rate 0 its exported parts equal RUN's), stage
+    0 is not run again; a source of another LoRA rank is refused with the flag to change."""
+    from dataclasses import asdict
+
+    from safetensors.torch import load_file
+
+    from vlmspec.train.align import AlignConfig, WarmStartError, train_align
+    from vlmspec.train.magpie import MagpieConfig
+
+    base = _tiny_base(tmp_path / "base")
+    cfg = dict(batch_size=2, lora_rank=2, lora_alpha=4.0, eval_every=1000, eval_samples=2, ckpt_every=1, warmup=1, probe_steps=2,
+               probe_batch=2, followups=1, text_pairs=2, text_per_step=1, tower_tail=2, tower_in_sft=False, word_weight=1.0)
+    pairs = [["say hello", "Hello! I am", False], ["name a fruit", "An apple.", True]]
+    for run in ("src", "next", "other"):
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "magpie.json").write_text(__import__("json").dumps({"config": asdict(MagpieConfig(n=2, seed=0)), "pairs": pairs}))
+    src = load_file(str(train_align(base, tmp_path / "src", AlignConfig(steps=2, **cfg), progress=False)))
+    frozen = dict(cfg, lr=0.0, lora_lr=0.0, tower_lr=0.0, probe_lr=0.0)
+    nxt = train_align(base, tmp_path / "next", AlignConfig(steps=1, answer_style="scan", warm_start=str(tmp_path / "src"), **frozen), progress=False)
+    got = load_file(str(nxt))
+    assert set(got) == set(src) and all(torch.equal(got[k], src[k]) for k in src)
+    state = __import__("json").loads((tmp_path / "next" / "checkpoint" / "trainer_state.json").read_text())
+    assert state["warm_start"]["step"] == 2 and not any("vision_step" in h for h in state["history"])
+    # negative control: the same call from scratch does not give the source's parts
+    fresh = load_file(str(train_align(base, tmp_path / "other", AlignConfig(steps=1, **frozen), progress=False)))
+    assert any(not torch.equal(fresh[k], src[k]) for k in src)
+    with pytest.raises(WarmStartError, match="lora_rank=2.*lora_rank=4"):
+        train_align(base, tmp_path / "bad", AlignConfig(steps=1, warm_start=str(tmp_path / "src"), **{**cfg, "lora_rank": 4}), progress=False)
+
+
 def test_autocast_runs_the_forward_in_bf16_and_keeps_the_loss_close(tmp_path):
     """`--autocast`: the answer loss under `amp(cfg)` is computed from bf16 matmuls (it differs from
     the fp32 loss: the negative control that autocast is on) yet stays within bf16's resolution of it;

@@ -335,7 +335,9 @@ def test_eval_target_json_and_every_answer_written(capsys, tmp_path):
     assert all(i["answer"] and i["reference"] for i in items if i["image"] == "real")
 
 
-@pytest.mark.parametrize("flags, message", [(["--sign-words"], "--word-weight"), (["--tower-stage0-only"], "--tower-tail")])
+@pytest.mark.parametrize("flags, message", [(["--sign-words"], "--word-weight"), (["--tower-stage0-only"], "--tower-tail"),
+                                            (["--warm-start", "nowhere"], "no checkpoint in nowhere"),
+                                            (["--warm-start", "nowhere", "--resume"], "give one of them")])
 def test_train_align_flags_that_need_another_are_one_line(capsys, model_dir, tmp_path, flags, message):
     assert main(["train-align", "--base", str(model_dir), "--out", str(tmp_path / "run"), *flags]) == 2
     err = capsys.readouterr().err

@@ -56,6 +56,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--autocast", action="store_true", help="forwards in bf16 autocast (fp32 weights and optimizer): faster on CPUs with "
                                                           "bf16 units (AVX512-BF16 / AMX), slower where bf16 is emulated; with --resume, this call's choice")
     a.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    a.add_argument("--warm-start", metavar="RUN", help="start from another train-align run's trained parts and probes (RUN/checkpoint), "
+                                                      "with this call's recipe and a fresh schedule; no stage 0 (RUN's is kept). "
+                                                      "RUN's --lora-rank, --tower-tail and probe flags must be given again")
     a.set_defaults(func=run_train_align)
 
 
@@ -74,7 +77,7 @@ def run_build_target(args: argparse.Namespace) -> int:
 
 
 def run_train_align(args: argparse.Namespace) -> int:
-    from vlmspec.train.align import ALIGN_MIX, AlignConfig, train_align
+    from vlmspec.train.align import ALIGN_MIX, AlignConfig, WarmStartError, train_align
     from vlmspec.train.target_sft import parse_task_mix
 
     if not (Path(args.base) / "config.json").is_file():
@@ -83,6 +86,10 @@ def run_train_align(args: argparse.Namespace) -> int:
         raise UsageError("--tower-stage0-only needs --tower-tail N (N >= 1): which of the tower's stages to train in stage 0")
     if args.sign_words and not args.word_weight:
         raise UsageError("--sign-words is part of the word probe: give it a weight with --word-weight W (W > 0)")
+    if args.warm_start and args.resume:
+        raise UsageError("--warm-start starts a new run from another run's parts; --resume continues OUT's own run: give one of them")
+    if args.warm_start and not (Path(args.warm_start) / "checkpoint" / "trainer_state.json").is_file():
+        raise UsageError(f"--warm-start: no checkpoint in {args.warm_start}/checkpoint (give a train-align run folder)")
     if args.resume and not (Path(args.out) / "checkpoint").is_dir():
         raise UsageError(f"--resume: no checkpoint in {args.out}/checkpoint")
     try:
@@ -94,6 +101,9 @@ def run_train_align(args: argparse.Namespace) -> int:
                       aux_weight=args.aux_weight, probe_steps=args.probe_steps, probe_per_token=args.probe_tokens,
                       answer_style=args.answer_style, tower_tail=args.tower_tail, position_weight=args.position_weight,
                       tower_in_sft=not args.tower_stage0_only, word_weight=args.word_weight, sign_words=args.sign_words,
-                      text_pairs=args.text_pairs, text_per_step=args.text_per_step, task_mix=mix, autocast=args.autocast)
-    train_align(args.base, args.out, cfg, resume=args.resume)
+                      text_pairs=args.text_pairs, text_per_step=args.text_per_step, task_mix=mix, autocast=args.autocast, warm_start=args.warm_start)
+    try:
+        train_align(args.base, args.out, cfg, resume=args.resume)
+    except WarmStartError as exc:  # a warm start's source that does not fit these flags
+        raise UsageError(str(exc)) from None
     return 0

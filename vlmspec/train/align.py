@@ -103,6 +103,7 @@ class AlignConfig:
     eval_every: int = 250
     eval_samples: int = 24
     minutes: float | None = None
+    warm_start: str | None = None  # a train-align run folder whose trained parts (and probes) this run starts from; no stage 0
     autocast: bool = False  # forwards under bf16 autocast (fp32 master weights, optimizer and loss); where the CPU has bf16 units
     task_mix: dict[str, float] | None = field(default_factory=lambda: dict(ALIGN_MIX))
 
@@ -164,6 +165,34 @@ def load_trained(model: torch.nn.Module, adapters: LoraAdapters, tensors: dict[s
 def export(model: torch.nn.Module, adapters: LoraAdapters, path: Path, meta: dict[str, str], tower_stages: int = 0) -> None:
     tensors = trained_tensors(model, adapters, tower_stages)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": TRAINED_FORMAT, **meta})
+
+
+class WarmStartError(ValueError):
+    """A --warm-start source that does not fit this run's config."""
+
+
+# what must match between a warm start's source run and this run for its tensors to fit
+WARM_START_KEYS = ("lora_rank", "tower_tail", "word_weight", "sign_words", "probe_per_token", "position_weight")
+
+
+def warm_start(model: torch.nn.Module, adapters: LoraAdapters, probe: torch.nn.Module, cfg: AlignConfig) -> dict[str, Any]:
+    """Load the trained parts and probes of the run in `cfg.warm_start` (its last checkpoint) into
+    this run's fresh model; returns what was loaded. The source's shapes must match this config:
+    a mismatch is a WarmStartError that names the flags to change."""
+    src = Path(cfg.warm_start) / "checkpoint"
+    if not (src / "trainer_state.json").is_file():
+        raise WarmStartError(f"--warm-start: no checkpoint in {src} (give a train-align run folder)")
+    saved = json.loads((src / "trainer_state.json").read_text())
+    theirs, ours = saved["config"], asdict(cfg)
+    differ = [k for k in WARM_START_KEYS if (bool(theirs.get(k)) if k in ("word_weight", "position_weight") else theirs.get(k)) !=
+              (bool(ours[k]) if k in ("word_weight", "position_weight") else ours[k])]
+    if differ:
+        raise WarmStartError(f"--warm-start: {cfg.warm_start} was trained with " + ", ".join(f"{k}={theirs.get(k)}" for k in differ) +
+                         " and this run has " + ", ".join(f"{k}={ours[k]}" for k in differ) + ": give the same flags")
+    tensors = load_file(str(src / "trained.safetensors"))
+    probe.load_state_dict({k[len("probe."):]: tensors.pop(k) for k in list(tensors) if k.startswith("probe.")}, strict=True)
+    load_trained(model, adapters, tensors, cfg.tower_tail)
+    return {"run": str(cfg.warm_start), "step": saved["step"], "answer_style": theirs.get("answer_style")}
 
 
 def _set_train_mode(model: torch.nn.Module) -> None:
@@ -382,6 +411,9 @@ def train_align(base: str | Path, out: str | Path, cfg: AlignConfig, resume: boo
         probe.load_state_dict({k[len("probe."):]: tensors.pop(k) for k in list(tensors) if k.startswith("probe.")}, strict=True)
         load_trained(model, adapters, tensors, cfg.tower_tail)
         opt.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
+    if cfg.warm_start and not resume:
+        state["warm_start"] = warm_start(model, adapters, probe, cfg)
+        state["probe_step"] = cfg.probe_steps  # stage 0 is the source run's
     state["config"] = asdict(cfg)
     state["base"] = str(base)
     image_size = str(processor.image_processor.size["height"])
