@@ -167,6 +167,13 @@ def export(model: torch.nn.Module, adapters: LoraAdapters, path: Path, meta: dic
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": TRAINED_FORMAT, **meta})
 
 
+def load_checkpoint_parts(model: torch.nn.Module, adapters: LoraAdapters, probe: torch.nn.Module, path: Path, tower_stages: int) -> None:
+    """A checkpoint's trained parts into `model` / `adapters` and its `probe.*` tensors into `probe` (strict)."""
+    tensors = load_file(str(path))
+    probe.load_state_dict({k[len("probe."):]: tensors.pop(k) for k in list(tensors) if k.startswith("probe.")}, strict=True)
+    load_trained(model, adapters, tensors, tower_stages)
+
+
 class WarmStartError(ValueError):
     """A --warm-start source that does not fit this run's config."""
 
@@ -184,14 +191,14 @@ def warm_start(model: torch.nn.Module, adapters: LoraAdapters, probe: torch.nn.M
         raise WarmStartError(f"--warm-start: no checkpoint in {src} (give a train-align run folder)")
     saved = json.loads((src / "trainer_state.json").read_text())
     theirs, ours = saved["config"], asdict(cfg)
-    differ = [k for k in WARM_START_KEYS if (bool(theirs.get(k)) if k in ("word_weight", "position_weight") else theirs.get(k)) !=
-              (bool(ours[k]) if k in ("word_weight", "position_weight") else ours[k])]
+    def shape(c: dict[str, Any], k: str) -> Any:  # a probe's weight only decides whether it exists
+        return bool(c.get(k)) if k.endswith("_weight") else c.get(k)
+
+    differ = [k for k in WARM_START_KEYS if shape(theirs, k) != shape(ours, k)]
     if differ:
         raise WarmStartError(f"--warm-start: {cfg.warm_start} was trained with " + ", ".join(f"{k}={theirs.get(k)}" for k in differ) +
                          " and this run has " + ", ".join(f"{k}={ours[k]}" for k in differ) + ": give the same flags")
-    tensors = load_file(str(src / "trained.safetensors"))
-    probe.load_state_dict({k[len("probe."):]: tensors.pop(k) for k in list(tensors) if k.startswith("probe.")}, strict=True)
-    load_trained(model, adapters, tensors, cfg.tower_tail)
+    load_checkpoint_parts(model, adapters, probe, src / "trained.safetensors", cfg.tower_tail)
     return {"run": str(cfg.warm_start), "step": saved["step"], "answer_style": theirs.get("answer_style")}
 
 
@@ -407,9 +414,7 @@ def train_align(base: str | Path, out: str | Path, cfg: AlignConfig, resume: boo
     groups.append({"params": list(probe.parameters()), "part": "probe", "weight_decay": 0.0})
     opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.98))
     if resume:
-        tensors = load_file(str(ckpt / "trained.safetensors"))
-        probe.load_state_dict({k[len("probe."):]: tensors.pop(k) for k in list(tensors) if k.startswith("probe.")}, strict=True)
-        load_trained(model, adapters, tensors, cfg.tower_tail)
+        load_checkpoint_parts(model, adapters, probe, ckpt / "trained.safetensors", cfg.tower_tail)
         opt.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
     if cfg.warm_start and not resume:
         state["warm_start"] = warm_start(model, adapters, probe, cfg)
