@@ -88,8 +88,6 @@ def run_train_align(args: argparse.Namespace) -> int:
         raise UsageError("--sign-words is part of the word probe: give it a weight with --word-weight W (W > 0)")
     if args.warm_start and args.resume:
         raise UsageError("--warm-start starts a new run from another run's parts; --resume continues OUT's own run: give one of them")
-    if args.warm_start and not (Path(args.warm_start) / "checkpoint" / "trainer_state.json").is_file():
-        raise UsageError(f"--warm-start: no checkpoint in {args.warm_start}/checkpoint (give a train-align run folder)")
     if args.resume and not (Path(args.out) / "checkpoint").is_dir():
         raise UsageError(f"--resume: no checkpoint in {args.out}/checkpoint")
     try:
@@ -104,6 +102,6 @@ def run_train_align(args: argparse.Namespace) -> int:
                       text_pairs=args.text_pairs, text_per_step=args.text_per_step, task_mix=mix, autocast=args.autocast, warm_start=args.warm_start)
     try:
         train_align(args.base, args.out, cfg, resume=args.resume)
-    except WarmStartError as exc:  # a warm start's source that does not fit these flags
+    except WarmStartError as exc:  # a warm start's source missing or not fitting these flags (checked before any work)
         raise UsageError(str(exc)) from None
     return 0

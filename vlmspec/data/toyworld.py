@@ -511,8 +511,12 @@ def _listing(objs: list[dict]) -> str:
     (non-empty) in reading order; no number words, so a count after it is the answer's first number."""
     names = [f"{_a(o['color'])} {o['shape']} {_canonical_pos(o['row'], o['col'])}"
              for o in sorted(objs, key=lambda o: (o["row"], o["col"]))]
-    body = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
-    return f"I can see {body}."
+    return f"I can see {_and_list(names)}."
+
+
+def _and_list(items: list[str]) -> str:
+    """'a', 'a and b', 'a, b and c'."""
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
 def _count_answer(objs: list[dict], by: str, value: str | None, noun1: str, nounp: str, style: AnswerStyle) -> str:
@@ -524,7 +528,7 @@ def _count_answer(objs: list[dict], by: str, value: str | None, noun1: str, noun
     if style.scan_before_count and by != "all" and objs:
         if counted:
             names = [f"the {o['color']} {o['shape']} {_canonical_pos(o['row'], o['col'])}" for o in sorted(counted, key=lambda o: (o["row"], o["col"]))]
-            picked = f"The {nounp} among them: {names[0] if k == 1 else ', '.join(names[:-1]) + ' and ' + names[-1]}."
+            picked = f"The {nounp} among them: {_and_list(names)}."
         else:  # the only number word before the count, and it is the count
             picked = f"None of them is {value}." if by == "color" else f"None of them is {_a(value)}."
         return f"{_listing(objs)} {picked} {short}"

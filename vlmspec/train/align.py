@@ -11,7 +11,9 @@ own word embeddings (`word_weight`, `vision_pretrain.WordProbe`: "top" / "left",
 the tower tail trained in stage 0 only (`tower_in_sft=False`): places and names right (spatial
 0.90, attributes 1.00), signs lost (0.05). Attempt 8 (word probe, tower frozen) placed nothing
 (0.25) and read signs 0.25: the places come from the tail, and the probe costs the signs.
-`sign_words` (not run yet) adds the sign's word, in the embedding of the word as answers quote it.
+Attempt 9 added `sign_words` (the sign's word, in the embedding of the word as answers quote it):
+signs 1.00 again, places and attributes kept; counting 0.55. Attempt 10 continued it
+(`warm_start`) on the "scan" count answers: 0.60.
 
   stage 0  the projector alone, through linear probes (`vision_pretrain.SceneProbe`) on its
            tokens average-pooled to ToyWorld's 3x3 cells: each cell's object and size, the sign's
@@ -182,10 +184,9 @@ class WarmStartError(ValueError):
 WARM_START_KEYS = ("lora_rank", "tower_tail", "word_weight", "sign_words", "probe_per_token", "position_weight")
 
 
-def warm_start(model: torch.nn.Module, adapters: LoraAdapters, probe: torch.nn.Module, cfg: AlignConfig) -> dict[str, Any]:
-    """Load the trained parts and probes of the run in `cfg.warm_start` (its last checkpoint) into
-    this run's fresh model; returns what was loaded. The source's shapes must match this config:
-    a mismatch is a WarmStartError that names the flags to change."""
+def warm_start_source(cfg: AlignConfig) -> dict[str, Any]:
+    """The checkpoint state of the run in `cfg.warm_start`, checked against this config before any
+    work is done: a missing checkpoint or other shapes are a WarmStartError naming what to change."""
     src = Path(cfg.warm_start) / "checkpoint"
     if not (src / "trainer_state.json").is_file():
         raise WarmStartError(f"--warm-start: no checkpoint in {src} (give a train-align run folder)")
@@ -198,8 +199,7 @@ def warm_start(model: torch.nn.Module, adapters: LoraAdapters, probe: torch.nn.M
     if differ:
         raise WarmStartError(f"--warm-start: {cfg.warm_start} was trained with " + ", ".join(f"{k}={theirs.get(k)}" for k in differ) +
                          " and this run has " + ", ".join(f"{k}={ours[k]}" for k in differ) + ": give the same flags")
-    load_checkpoint_parts(model, adapters, probe, src / "trained.safetensors", cfg.tower_tail)
-    return {"run": str(cfg.warm_start), "step": saved["step"], "answer_style": theirs.get("answer_style")}
+    return saved
 
 
 def _set_train_mode(model: torch.nn.Module) -> None:
@@ -399,6 +399,7 @@ def train_align(base: str | Path, out: str | Path, cfg: AlignConfig, resume: boo
         cfg = AlignConfig(**{**saved["config"], "steps": cfg.steps, "minutes": cfg.minutes, "autocast": cfg.autocast})
     else:
         saved = {"step": 0, "history": [], "elapsed_s": 0.0}
+    source = warm_start_source(cfg) if cfg.warm_start and not resume else None
     state: dict[str, Any] = saved
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
@@ -416,8 +417,9 @@ def train_align(base: str | Path, out: str | Path, cfg: AlignConfig, resume: boo
     if resume:
         load_checkpoint_parts(model, adapters, probe, ckpt / "trained.safetensors", cfg.tower_tail)
         opt.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
-    if cfg.warm_start and not resume:
-        state["warm_start"] = warm_start(model, adapters, probe, cfg)
+    if source is not None:
+        load_checkpoint_parts(model, adapters, probe, Path(cfg.warm_start) / "checkpoint" / "trained.safetensors", cfg.tower_tail)
+        state["warm_start"] = {"run": str(cfg.warm_start), "step": source["step"], "answer_style": source["config"].get("answer_style")}
         state["probe_step"] = cfg.probe_steps  # stage 0 is the source run's
     state["config"] = asdict(cfg)
     state["base"] = str(base)
