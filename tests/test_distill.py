@@ -152,6 +152,24 @@ def test_magpie_pairs_take_their_share_of_each_batch_in_turn_and_resume_in_place
     assert all(c.task != "magpie" for c in next(conversations("toyworld", _cfg(batch_size=8), 0, 0)))
 
 
+def test_toyworld_answers_are_phrased_as_the_target_was_aligned():
+    """`--answer-style`: the drafter's ToyWorld stream phrases answers as train-align did (same
+    scenes and tasks, another wording); short stays the default; an unknown style is refused."""
+    from vlmspec.train.distill import conversations
+
+    short_stream, tally_stream = conversations("toyworld", _cfg(batch_size=8), 0, 0), conversations("toyworld", _cfg(batch_size=8, answer_style="tally"), 0, 0)
+    short = [c for _ in range(6) for c in next(short_stream)]
+    tally = [c for _ in range(6) for c in next(tally_stream)]
+    assert [c.task for c in short] == [c.task for c in tally]  # (a description's prompt is drawn after its order)
+    counts = [(s, t) for s, t in zip(short, tally) if s.task == "count" and s.sample.meta["target"]["count"]]
+    assert counts, "no count question with a non-zero answer in 48 samples"
+    for s, t in counts:
+        assert s.prompt == t.prompt
+        assert "(first)" in t.answer and "(first)" not in s.answer and t.answer.endswith(s.answer)  # the same count
+    with pytest.raises(ValueError, match="answer_style"):
+        _cfg(answer_style="poetic")
+
+
 def test_a_drafter_trains_on_the_targets_own_text_pairs(tmp_path):
     from dataclasses import asdict
 

@@ -388,6 +388,41 @@ def test_scan_answers_name_every_object_then_pick_the_asked_ones_then_count():
             assert a.startswith("I can see ") and a.endswith(".")
 
 
+def test_tally_answers_mark_each_counted_object_with_its_running_ordinal():
+    """The "tally" style (#19, attempt 11): every object in reading order, each counted one followed
+    by its ordinal ("(first)", "(second)", ...), then the count; ordinals are not number words, so
+    the score still reads the count. Negative controls: a wrong count, and a skipped ordinal, differ."""
+    from vlmspec.data import toyworld as tw
+
+    seen = {"zero": 0, "all": 0, "some": 0}
+    for seed in range(300):
+        short, tally = tw.make_sample(seed, "count"), tw.make_sample(seed, "count", tw.TALLY)
+        assert (short.prompt, short.meta["target"], short.meta["scene"]) == (tally.prompt, tally.meta["target"], tally.meta["scene"])
+        t, objs = tally.meta["target"], tally.meta["scene"]["objects"]
+        assert tally.answer.startswith("I can see ") and tally.answer.endswith(short.answer)
+        assert tw.score(tally, tally.answer)["counting"] == 1.0
+        wrong = tally.answer.replace(short.answer, f"There are {t['count'] + 1} objects.") if t["count"] \
+            else tally.answer.replace("None of them", "One of them")
+        assert wrong != tally.answer and tw.score(tally, wrong)["counting"] == 0.0
+        ordered = sorted(objs, key=lambda o: (o["row"], o["col"]))
+        marks, n = [], 0
+        for o in ordered:  # the ordinals count the asked objects in reading order, nothing else
+            name = f"{o['color']} {o['shape']}"
+            if t["by"] == "all" or o[t["by"]] == t["value"]:
+                marks.append(f"{name} ({tw.ORDINALS[n]}) {tw._canonical_pos(o['row'], o['col'])}")
+                n += 1
+            else:
+                marks.append(f"{name} {tw._canonical_pos(o['row'], o['col'])}")
+        positions = [tally.answer.index(m) for m in marks]
+        assert positions == sorted(positions) and n == t["count"]
+        assert tally.answer.count("(") == t["count"]
+        seen["zero" if not t["count"] else "all" if t["by"] == "all" else "some"] += 1
+        if t["count"] == 0:
+            assert " None of them is " in tally.answer
+    assert all(seen.values()), seen
+    assert tw.ANSWER_STYLES["tally"] is tw.TALLY
+
+
 def test_listed_answers_name_the_counted_objects_then_the_count_and_short_ones_are_unchanged():
     """Attempt 5 of #19: count answers list the counted objects in reading order first; the score
     still reads the count (the list holds no number words); the default style is the old one."""

@@ -31,9 +31,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--lora-rank", type=positive_int("--lora-rank"), default=16, help='LoRA rank on every projection of the 30 decoder layers (alpha = 2 x rank)')
     a.add_argument("--followups", type=int, default=4, help="more questions about each image in its training dialogue (0: one question per image)")
     a.add_argument("--aux-weight", type=float_in("--aux-weight", 0.0, 100.0), default=0.2, help="weight of the scene-probe loss on the image tokens during SFT")
-    a.add_argument("--answer-style", choices=("short", "listed", "scan"), default="listed",
+    a.add_argument("--answer-style", choices=("short", "listed", "scan", "tally"), default="listed",
                    help="listed: count answers name the counted objects first, descriptions go in reading order (attempt 5); "
-                        "scan: a count of a colour or shape names every object first, then picks the asked ones out; short: attempts 1-4")
+                        "scan: a count of a colour or shape names every object first, then picks the asked ones out; "
+                        "tally: every object named, each counted one followed by its running ordinal (attempt 11); short: attempts 1-4")
     a.add_argument("--probe-steps", type=int, default=240, help="stage 0: steps of the projector on the scene probes alone (0: none)")
     a.add_argument("--probe-tokens", action="store_true", help="the probes ask every image token about its own cell instead of reading cells pooled (attempt 4; measured worse)")
     a.add_argument("--tower-tail", type=int, choices=range(0, 8), default=0, metavar="{0..7}",

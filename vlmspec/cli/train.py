@@ -65,6 +65,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="add N text-only instructions and answers the target writes itself (Magpie; cached in OUT/magpie.json)")
     d.add_argument("--text-share", type=float_in("--text-share", 0.0, 1.0), default=0.25,
                    help="share of each batch taken by the --text-pairs (default 0.25)")
+    d.add_argument("--answer-style", choices=("short", "listed", "scan", "tally"), default="short",
+                   help="ToyWorld answers phrased as the target was aligned (its train-align --answer-style), so the drafter "
+                        "learns on the contexts the target writes (default: short, the bundled toy's)")
     d.add_argument("--eval-every", type=positive_int("--eval-every"), default=200, help='evaluate the acceptance on held-out prompts every this many steps')
     d.add_argument("--minutes", type=float_in("--minutes", 0.0, 1e6, low_open=True), default=None, help='wall-clock budget of this run (checkpointed when spent; --resume continues)')
     d.add_argument("--seed", type=int, default=0, help='seed of the initialisation and of the data order')
@@ -144,6 +147,7 @@ def run_train(args: argparse.Namespace) -> int:
         ttt_steps=args.ttt_steps, curriculum_steps=args.curriculum_steps, eval_every=args.eval_every,
         minutes=args.minutes, seed=args.seed, regenerate=args.regenerate, draft_vocab=args.draft_vocab,
         acceptance_head=args.acceptance_head, text_pairs=args.text_pairs, text_share=args.text_share,
+        answer_style=args.answer_style,
     )
     vis = VisualConfig(args.visual, args.ratio, args.decouple, args.global_feature, gate_cost=args.gate_cost if args.visual == "gate" else 0.0)
     cfg.visual = {} if vis.is_plain else vis.to_dict()

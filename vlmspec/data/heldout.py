@@ -43,8 +43,8 @@ class Conversation:
         return cls(s.prompt, s.answer, [s.image] if s.image is not None else [], s.task, s)
 
 
-def toyworld_conversation(seed: int, task: str | None = None) -> Conversation:
-    return Conversation.from_sample(toyworld.make_sample(seed, task))
+def toyworld_conversation(seed: int, task: str | None = None, style: toyworld.AnswerStyle = toyworld.SHORT) -> Conversation:
+    return Conversation.from_sample(toyworld.make_sample(seed, task, style))
 
 
 # name -> (default split, first seed's offset into the split, seed stride per `seed` argument)

@@ -113,6 +113,7 @@ class AnswerStyle:
     list_before_count: bool = False
     reading_order: bool = False
     scan_before_count: bool = False
+    tally: bool = False
 
 
 SHORT = AnswerStyle()
@@ -123,7 +124,15 @@ LISTED = AnswerStyle(list_before_count=True, reading_order=True)
 # the left. The diamonds among them: the yellow diamond in the top left corner. There is 1 diamond."
 # The choice is made against the model's own words instead of against the image.
 SCAN = AnswerStyle(list_before_count=True, reading_order=True, scan_before_count=True)
-ANSWER_STYLES = {"short": SHORT, "listed": LISTED, "scan": SCAN}
+# Attempt 10's scan failed at the pick: it copied the list's neighbours. "tally" makes each choice
+# local: every object is named in reading order, and a counted one gets its running ordinal right
+# after its name, so the choice looks back two words and the next ordinal one bracket; the count
+# reads the last ordinal ("I can see a yellow diamond (first) in the top left corner, a red circle
+# at the top and a blue diamond (second) on the left. There are 2 diamonds."). Ordinal words are
+# not number words, so the count stays the answer's first number.
+TALLY = AnswerStyle(list_before_count=True, reading_order=True, scan_before_count=True, tally=True)
+ANSWER_STYLES = {"short": SHORT, "listed": LISTED, "scan": SCAN, "tally": TALLY}
+ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth")
 
 
 @dataclass
@@ -525,6 +534,15 @@ def _count_answer(objs: list[dict], by: str, value: str | None, noun1: str, noun
     counted = objs if by == "all" else [o for o in objs if o[by] == value]
     k = len(counted)
     short = f"There are no {nounp}." if k == 0 else f"There is 1 {noun1}." if k == 1 else f"There are {k} {nounp}."
+    if style.tally and objs:
+        names, n = [], 0
+        for o in sorted(objs, key=lambda o: (o["row"], o["col"])):
+            mark = ""
+            if by == "all" or o[by] == value:
+                mark, n = f" ({ORDINALS[n]})", n + 1
+            names.append(f"{_a(o['color'])} {o['shape']}{mark} {_canonical_pos(o['row'], o['col'])}")
+        none = "" if k else (f" None of them is {value}." if by == "color" else f" None of them is {_a(value)}.")
+        return f"I can see {_and_list(names)}.{none} {short}"
     if style.scan_before_count and by != "all" and objs:
         if counted:
             names = [f"the {o['color']} {o['shape']} {_canonical_pos(o['row'], o['col'])}" for o in sorted(counted, key=lambda o: (o["row"], o["col"]))]

@@ -91,7 +91,7 @@ class AlignConfig:
     probe_per_token: bool = False  # True: the probes ask every image token about its own cell (attempt 4: worse); False: cells pooled
     text_pairs: int = 96  # Magpie text-only pairs (the base model's own instructions and greedy answers)
     text_per_step: int = 1  # of them in each batch, beside the image dialogues (0: none)
-    answer_style: str = "listed"  # toyworld.ANSWER_STYLES: "listed" (attempt 5), "scan" or "short" (attempts 1-4)
+    answer_style: str = "listed"  # toyworld.ANSWER_STYLES: "listed" (attempt 5), "scan", "tally" or "short" (attempts 1-4)
     tower_tail: int = 0  # the tower's last block stages trained (with conv_head, bn2's affine); 0: frozen (attempts 1-5; attempt 6: 2, worse)
     tower_lr: float = 3e-4
     tower_in_sft: bool = True  # False (attempt 7): the tower tail trains in stage 0 only, frozen through SFT

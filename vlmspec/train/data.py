@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from vlmspec.data import toyworld
 from vlmspec.data.heldout import Conversation, toyworld_conversation
 from vlmspec.errors import VlmspecError
 from vlmspec.inputs import load_image_file, user_turn
@@ -99,19 +100,20 @@ def encode_conversations(processor: Any, convs: list[Conversation]) -> dict[str,
 
 
 def toyworld_stream(
-    first_seed: int, multimodal_share: Callable[[int], float] = lambda i: 1.0
+    first_seed: int, multimodal_share: Callable[[int], float] = lambda i: 1.0, style: toyworld.AnswerStyle = toyworld.SHORT
 ) -> Iterator[Conversation]:
-    """Train-split conversations from `first_seed` on; sample i is text-only with probability
-    1 - multimodal_share(i) (the text-first curriculum), decided by the seed alone."""
+    """Train-split conversations from `first_seed` on, answers phrased in `style`; sample i is
+    text-only with probability 1 - multimodal_share(i) (the text-first curriculum), decided by the
+    seed alone."""
     i = 0
     while True:
         seed = first_seed + i
         share = multimodal_share(i)
         if share >= 1.0:
-            yield toyworld_conversation(seed)
+            yield toyworld_conversation(seed, None, style)
         else:
             draw = (seed * 2654435761 % 2**32) / 2**32  # a fixed per-seed coin
-            yield toyworld_conversation(seed, "text_only" if draw >= share else None)
+            yield toyworld_conversation(seed, "text_only" if draw >= share else None, style)
         i += 1
 
 

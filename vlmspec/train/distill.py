@@ -93,10 +93,15 @@ class DistillConfig:
     text_pairs: int = 0
     text_share: float = 0.25
     text_answer_tokens: int = 96
+    # ToyWorld's answers phrased as the target was aligned (train-align --answer-style), so the
+    # contexts the drafter learns on are the ones the target writes (toyworld.ANSWER_STYLES)
+    answer_style: str = "short"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.text_share <= 1.0 or self.text_pairs < 0:
             raise ValueError(f"text_pairs must be >= 0 and text_share in [0, 1], got {self.text_pairs}, {self.text_share}")
+        if self.answer_style not in toyworld.ANSWER_STYLES:
+            raise ValueError(f"answer_style must be one of {sorted(toyworld.ANSWER_STYLES)}, got {self.answer_style!r}")
 
     @property
     def text_per_batch(self) -> int:
@@ -322,7 +327,7 @@ def _data_batches(data: str, cfg: DistillConfig, rank: int, start_step: int) -> 
         def share(i: int) -> float:
             return 1.0 if ramp == 0 else min(1.0, (start_step * cfg.batch_size + i) / ramp)
 
-        stream = toyworld_stream(first, share)
+        stream = toyworld_stream(first, share, toyworld.ANSWER_STYLES[cfg.answer_style])
         while True:
             yield [next(stream) for _ in range(cfg.batch_size)]
     convs, problems = load_jsonl(data)
