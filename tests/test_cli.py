@@ -342,3 +342,19 @@ def test_train_align_flags_that_need_another_are_one_line(capsys, model_dir, tmp
     assert main(["train-align", "--base", str(model_dir), "--out", str(tmp_path / "run"), *flags]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and not (tmp_path / "run").exists()
+
+
+def test_bf16_on_a_cpu_without_bf16_units_is_warned_about_and_not_elsewhere():
+    from vlmspec.factory import bf16_cpu_warning, cpu_has_bf16_units
+
+    zen3 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n"
+    zen4 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 avx512f avx512_bf16\n"
+    sapphire = "flags\t\t: avx2 avx512f amx_bf16 amx_tile\n"
+    assert cpu_has_bf16_units(zen3) is False and cpu_has_bf16_units(zen4) and cpu_has_bf16_units(sapphire)
+    assert cpu_has_bf16_units("no flags line here") is None  # unknown: no warning
+    line = bf16_cpu_warning("cpu", True, zen3)
+    assert line and "float32" in line and "\n" not in line
+    assert bf16_cpu_warning("cpu", True, zen4) is None  # bf16 pays there
+    assert bf16_cpu_warning("cpu", False, zen3) is None  # fp32 asked for
+    assert bf16_cpu_warning("cuda", True, zen3) is None  # the GPU does the arithmetic
+    assert bf16_cpu_warning("cpu", True, "no flags line here") is None

@@ -71,6 +71,29 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return chosen
 
 
+def cpu_has_bf16_units(cpuinfo: str | None = None) -> bool | None:
+    """Whether this CPU does bf16 matrix arithmetic in hardware (AVX512-BF16 or AMX-BF16 in
+    /proc/cpuinfo's flags); None where that cannot be read (not Linux)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), None)
+    if flags is None:
+        return None
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def bf16_cpu_warning(device: str, bf16: bool, cpuinfo: str | None = None) -> str | None:
+    """One line for a user who asked for bf16 on a CPU that emulates it (measured on an AVX2 host:
+    a forward about 8x slower than fp32, an alignment step under autocast about 20x), else None."""
+    if not bf16 or not device.startswith("cpu") or cpu_has_bf16_units(cpuinfo) is not False:
+        return None
+    return ("warning: this CPU has no bf16 units (no avx512_bf16 / amx_bf16 flag): bf16 is emulated and runs many times "
+            "slower than float32 here; use float32 (drop --autocast, or --dtype float32)")
+
+
 def resolve_model(model: str | None) -> str:
     """None -> the aligned real target when it is built, else the committed toy; 'toy' -> the toy;
     anything else as given."""

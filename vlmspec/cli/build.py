@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from vlmspec import assets
-from vlmspec.cli.options import UsageError, float_in, positive_int
+from vlmspec.cli.options import UsageError, float_in, positive_int, warn_emulated_bf16
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -91,6 +91,7 @@ def run_train_align(args: argparse.Namespace) -> int:
         raise UsageError("--warm-start starts a new run from another run's parts; --resume continues OUT's own run: give one of them")
     if args.resume and not (Path(args.out) / "checkpoint").is_dir():
         raise UsageError(f"--resume: no checkpoint in {args.out}/checkpoint")
+    warn_emulated_bf16("cpu", args.autocast)  # train-align runs on the CPU
     try:
         mix = parse_task_mix(args.task_mix) if args.task_mix else dict(ALIGN_MIX)
     except ValueError as exc:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Callable
 
 from vlmspec.errors import VlmspecError
@@ -119,7 +120,21 @@ def engine_spec(args: argparse.Namespace, **overrides: object):
     fields = ("model", "drafter", "device", "dtype", "attention", "tree_depth", "tree_topk", "tree_tokens", "policy")
     values = {f: getattr(args, f) for f in fields if getattr(args, f, None) is not None}
     values.update(overrides)
-    return EngineSpec(**values)  # type: ignore[arg-type]
+    spec = EngineSpec(**values)  # type: ignore[arg-type]
+    if spec.dtype == "bfloat16":
+        import torch
+
+        warn_emulated_bf16(spec.device or ("cuda" if torch.cuda.is_available() else "cpu"), True)
+    return spec
+
+
+def warn_emulated_bf16(device: str, bf16: bool) -> None:
+    """bf16 asked for on a CPU without bf16 units: say so on stderr (a warning: the run goes on)."""
+    from vlmspec.factory import bf16_cpu_warning
+
+    line = bf16_cpu_warning(device, bf16)
+    if line:
+        print(line, file=sys.stderr)
 
 
 def describe_speculation(engine) -> str:
