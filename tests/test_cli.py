@@ -358,3 +358,10 @@ def test_bf16_on_a_cpu_without_bf16_units_is_warned_about_and_not_elsewhere():
     assert bf16_cpu_warning("cpu", False, zen3) is None  # fp32 asked for
     assert bf16_cpu_warning("cuda", True, zen3) is None  # the GPU does the arithmetic
     assert bf16_cpu_warning("cpu", True, "no flags line here") is None
+
+
+def test_the_answer_style_choices_are_toyworlds():
+    from vlmspec.cli.options import ANSWER_STYLE_CHOICES
+    from vlmspec.data import toyworld
+
+    assert ANSWER_STYLE_CHOICES == tuple(toyworld.ANSWER_STYLES)

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from vlmspec import assets
-from vlmspec.cli.options import UsageError, float_in, positive_int, warn_emulated_bf16
+from vlmspec.cli.options import ANSWER_STYLE_CHOICES, UsageError, float_in, positive_int, warn_emulated_bf16
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -31,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--lora-rank", type=positive_int("--lora-rank"), default=16, help='LoRA rank on every projection of the 30 decoder layers (alpha = 2 x rank)')
     a.add_argument("--followups", type=int, default=4, help="more questions about each image in its training dialogue (0: one question per image)")
     a.add_argument("--aux-weight", type=float_in("--aux-weight", 0.0, 100.0), default=0.2, help="weight of the scene-probe loss on the image tokens during SFT")
-    a.add_argument("--answer-style", choices=("short", "listed", "scan", "tally"), default="listed",
+    a.add_argument("--answer-style", choices=ANSWER_STYLE_CHOICES, default="listed",
                    help="listed: count answers name the counted objects first, descriptions go in reading order (attempt 5); "
                         "scan: a count of a colour or shape names every object first, then picks the asked ones out; "
                         "tally: every object named, each counted one followed by its running ordinal (attempt 11); short: attempts 1-4")

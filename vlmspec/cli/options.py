@@ -19,6 +19,8 @@ from vlmspec.errors import VlmspecError
 EXIT_USAGE = 2
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_CHOICES = ("auto", "triton", "sdpa", "eager")
+# toyworld.ANSWER_STYLES' names, spelled here so that parsing needs no data import (a test keeps them equal)
+ANSWER_STYLE_CHOICES = ("short", "listed", "scan", "tally")
 POLICY_CHOICES = ("goodput", "fixed")  # vlmspec.control.POLICIES (kept here so --help needs no torch)
 
 

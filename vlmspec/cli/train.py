@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from vlmspec.cli.options import UsageError, add_device_args, engine_spec, float_in, non_negative_int, positive_int
+from vlmspec.cli.options import ANSWER_STYLE_CHOICES, UsageError, add_device_args, engine_spec, float_in, non_negative_int, positive_int
 
 VISUAL_CHOICES = ("none", "gate", "uniform", "attention", "pool", "conv", "resampler", "text_only")
 
@@ -65,7 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="add N text-only instructions and answers the target writes itself (Magpie; cached in OUT/magpie.json)")
     d.add_argument("--text-share", type=float_in("--text-share", 0.0, 1.0), default=0.25,
                    help="share of each batch taken by the --text-pairs (default 0.25)")
-    d.add_argument("--answer-style", choices=("short", "listed", "scan", "tally"), default="short",
+    d.add_argument("--answer-style", choices=ANSWER_STYLE_CHOICES, default="short",
                    help="ToyWorld answers phrased as the target was aligned (its train-align --answer-style), so the drafter "
                         "learns on the contexts the target writes (default: short, the bundled toy's)")
     d.add_argument("--eval-every", type=positive_int("--eval-every"), default=200, help='evaluate the acceptance on held-out prompts every this many steps')
