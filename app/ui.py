@@ -33,7 +33,7 @@ DEFAULT_PROMPT = "Describe the picture."
 TITLE = "# vlmspec: lossless speculative decoding for VLMs"
 # what the default model knows, shown under the title
 MODEL_NOTE = ("The default model (SmolLM2-135M-Instruct + EfficientNet-Lite0) was aligned on ToyWorld only: it reads shapes, "
-              "colours, counts, one-word signs and bar charts like the `toyworld_*` samples; on photos it guesses. "
+              "colours, counts, places and one-word signs like the `toyworld_*` samples (bar charts poorly); on photos it guesses. "
               "Any Hugging Face VLM folder can be served instead: `vlmspec serve --model DIR`.")
 
 TOY_NOTE = ("The toy model (4 M parameters, trained from scratch on ToyWorld) reads shapes, colours, counts, one-word signs "

@@ -6,8 +6,8 @@
   * `smolvlm-base`: the untrained assembly (projector at its seeded init), what `vlmspec
     train-align` starts from and what the parity tests run on;
   * `smolvlm-toyworld`: the same with the trained parts committed in assets/smolvlm-toyworld/
-    applied. It becomes the default model once those parts ship (issue #19); until then the
-    default is the toy.
+    applied: the default model (issue #19). Where it is not built (no `make setup`), the default
+    falls back to the toy.
 - The toy (`toyworld-vlm`, 4 M parameters, 9 image tokens) and its EAGLE drafter are committed in
   assets/ (or $VLMSPEC_ASSETS); tests use them as a fast model. `--model toy` selects it.
 """
