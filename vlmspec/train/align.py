@@ -14,7 +14,8 @@ the tower tail trained in stage 0 only (`tower_in_sft=False`): places and names 
 Attempt 9 added `sign_words` (the sign's word, in the embedding of the word as answers quote it):
 signs 1.00 again, places and attributes kept; counting 0.55. Attempt 10 continued it
 (`warm_start`) on the "scan" count answers: 0.60; attempt 11 on the "tally" ones (each counted
-object marked with its ordinal as it is named): 0.80, the best so far (attempt 12, 20 more minutes: 0.75).
+object marked with its ordinal as it is named): 0.80 (attempt 12, 20 more minutes at half the rates: 0.75);
+attempt 13, 72 more minutes from attempt 11 on new scenes: 1.00, the shipped parts (docs/alignment.md).
 
   stage 0  the projector alone, through linear probes (`vision_pretrain.SceneProbe`) on its
            tokens average-pooled to ToyWorld's 3x3 cells: each cell's object and size, the sign's
