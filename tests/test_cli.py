@@ -282,6 +282,27 @@ def test_model_toy_names_the_committed_toy():
     assert factory.resolve_drafter("auto", "/some/other/model") == "ngram"
 
 
+def test_auto_and_eagle_pick_the_drafter_shipped_for_the_default_model(tmp_path, monkeypatch):
+    from vlmspec import assets, factory
+    from vlmspec.errors import ConfigError
+
+    model, drafter = tmp_path / "models" / "smolvlm-toyworld", tmp_path / "assets" / "smolvlm-toyworld-drafter"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    monkeypatch.setattr(assets, "DEFAULT_TARGET", model)
+    monkeypatch.setattr(assets, "DEFAULT_DRAFTER", drafter)
+    # negative control: no drafter shipped yet -> auto is n-gram and eagle says what to pass
+    assert factory.resolve_drafter("auto", str(model)) == "ngram"
+    with pytest.raises(ConfigError, match="none is shipped for"):
+        factory.resolve_drafter("eagle", str(model))
+    drafter.mkdir(parents=True)
+    (drafter / "config.json").write_text("{}")
+    assert factory.resolve_drafter("auto", str(model)) == str(drafter)
+    assert factory.resolve_drafter("eagle", str(model) + "/") == str(drafter)
+    assert factory.resolve_drafter("auto", str(tmp_path / "models" / "smolvlm-base")) == "ngram"  # same vocabulary, other weights
+    assert factory.resolve_drafter("ngram", str(model)) == "ngram"
+
+
 def test_serve_on_a_port_in_use_says_so_before_loading_anything(capsys):
     import socket
 

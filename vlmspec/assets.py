@@ -10,6 +10,9 @@
     falls back to the toy.
 - The toy (`toyworld-vlm`, 4 M parameters, 9 image tokens) and its EAGLE drafter are committed in
   assets/ (or $VLMSPEC_ASSETS); tests use them as a fast model. `--model toy` selects it.
+- Each shipped EAGLE drafter is committed next to the model it was trained for
+  (`shipped_drafter`): the toy's in assets/toyworld-vlm-drafter, the default model's in
+  assets/smolvlm-toyworld-drafter (issue #20).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ BASE_TARGET = MODELS / "smolvlm-base"  # the untrained assembly, built by make s
 TOY_NAME = "toy"
 BUNDLED_TARGET = ASSETS / "toyworld-vlm"  # the toy
 BUNDLED_DRAFTER = ASSETS / "toyworld-vlm-drafter"  # the toy's EAGLE drafter
+DEFAULT_DRAFTER = ASSETS / f"{DEFAULT_TARGET_NAME}-drafter"  # the default model's EAGLE drafter
 SAMPLE_IMAGES = ASSETS / "images"
 
 
@@ -48,3 +52,13 @@ def bundled_target() -> Path | None:
 
 def bundled_drafter() -> Path | None:
     return BUNDLED_DRAFTER if (BUNDLED_DRAFTER / "config.json").is_file() else None
+
+
+def shipped_drafter(model: str | Path) -> Path | None:
+    """The committed EAGLE drafter trained for the model folder `model` (the toy or the built
+    default model), or None: another model, or that drafter not there."""
+    folder = Path(model).resolve()
+    for target, drafter in ((BUNDLED_TARGET, BUNDLED_DRAFTER), (DEFAULT_TARGET, DEFAULT_DRAFTER)):
+        if folder == target.resolve() and (drafter / "config.json").is_file():
+            return drafter
+    return None

@@ -7,8 +7,8 @@ The CLI, the server and the benchmarks build engines here and nowhere else:
     target = load(spec)                          # the target alone (training, evaluation)
 
 Resolution rules: no model -> the aligned real target when it is built (`vlmspec build-target`
-with the trained parts), else the committed toy; "toy" -> the toy; drafter "auto" -> the bundled EAGLE drafter when the model is the toy it was
-trained for, else n-gram; "eagle" -> that drafter (the name the service shows for it); device None -> CUDA when available; dtype "auto" -> bfloat16 on CUDA, float32 on CPU;
+with the trained parts), else the committed toy; "toy" -> the toy; drafter "auto" -> the EAGLE drafter shipped for that model (the toy's, the
+default model's), else n-gram; "eagle" -> that drafter (the name the service shows for it); device None -> CUDA when available; dtype "auto" -> bfloat16 on CUDA, float32 on CPU;
 policy "goodput" (the default) -> the engine's cost model is measured at build (`measure_cost`,
 about 70 steps through the engine itself on a short text prompt) unless the drafter never drafts.
 Bad choices raise `ConfigError` with a message that says what to pass instead.
@@ -107,17 +107,17 @@ def resolve_model(model: str | None) -> str:
 
 
 def resolve_drafter(drafter: str, model: str) -> str:
-    """'auto' and 'eagle' -> the bundled EAGLE drafter when `model` is the toy it was trained for;
-    'auto' -> n-gram for any other model."""
+    """'auto' and 'eagle' -> the EAGLE drafter shipped for `model` (the toy's, the default
+    model's: `assets.shipped_drafter`); 'auto' -> n-gram for any other model."""
     if drafter not in ("auto", BUNDLED_DRAFTER_NAME):
         return drafter
-    bundled = assets.bundled_drafter()
-    is_toy = assets.bundled_target() is not None and Path(model).resolve() == assets.BUNDLED_TARGET.resolve()
-    if is_toy and bundled is not None:
-        return str(bundled)
+    shipped = assets.shipped_drafter(model)
+    if shipped is not None:
+        return str(shipped)
     if drafter == "auto":
         return "ngram"
-    raise ConfigError(f"--drafter {BUNDLED_DRAFTER_NAME} names the bundled EAGLE drafter, which is trained for --model {assets.TOY_NAME} only; "
+    raise ConfigError(f"--drafter {BUNDLED_DRAFTER_NAME} names a shipped EAGLE drafter, and none is shipped for {model} "
+                      f"(there is one for --model {assets.TOY_NAME} and for the default model {assets.DEFAULT_TARGET_NAME}); "
                       "pass a drafter folder trained for this model (vlmspec train), or ngram / none")
 
 

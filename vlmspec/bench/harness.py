@@ -401,7 +401,7 @@ class RunOptions:
     max_new_tokens: int = 96
     warmup: int = 1
     repeats: int = 1
-    eagle: tuple[str, ...] = ()  # EAGLE drafter folders; () = the bundled drafter when the target is the bundled model
+    eagle: tuple[str, ...] = ()  # EAGLE drafter folders; () = the drafter shipped for the target, if any
 
     def __post_init__(self) -> None:
         if self.n < 1 or self.max_new_tokens < 1 or self.repeats < 1 or self.warmup < 0 or self.temperature < 0:

@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                      "vlmspec none / ngram / eagle (T=0 parity checked)")
     r.add_argument("--model", help="target folder or hub id (default: models/smolvlm-toyworld when built with trained parts, else the toy; 'toy' selects the toy)")
     r.add_argument("--drafter", action="append", default=[],
-                   help="EAGLE drafter folder, or self / self:E for self-speculation (repeatable; default: the bundled drafter)")
+                   help="EAGLE drafter folder, or self / self:E for self-speculation (repeatable; default: the EAGLE drafter shipped for the model, if any)")
     r.add_argument("--prompts", default="test", help="'test' / 'val' (held-out ToyWorld), 'text' (held-out text-only instructions) or a LLaVA-style JSONL")
     r.add_argument("-n", type=positive_int("-n"), default=12, help="number of prompts")
     r.add_argument("--temperature", type=float_in("--temperature", 0.0, 100.0), default=0.0, help='sampling temperature (0 = greedy, where every method must match HF generate)')

@@ -104,8 +104,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                                    "builds), a hub id, or 'toy' (the 4M-parameter ToyWorld toy); default: models/smolvlm-toyworld "
                                    "when built with trained parts, else the toy")
     p.add_argument("--drafter", default="auto",
-                   help="'none', 'ngram', 'eagle' (the bundled EAGLE drafter, trained for --model toy) or a drafter folder "
-                        "(default: auto = eagle with the toy, ngram otherwise)")
+                   help="'none', 'ngram', 'eagle' (the EAGLE drafter shipped for the model: the toy's or the default model's) or a drafter folder "
+                        "(default: auto = eagle where one is shipped for the model, ngram otherwise)")
     add_device_args(p)
     p.add_argument("--attention", default="auto", choices=ATTENTION_CHOICES, help="tree attention: auto = Triton kernel on CUDA, SDPA on CPU")
     add_tree_args(p)

@@ -78,7 +78,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     ed = sub.add_parser("eval-drafter", help="mean accepted length per task on held-out ToyWorld prompts")
     ed.add_argument("--model", help="target folder (default: models/smolvlm-toyworld when built with trained parts, else the toy; 'toy' selects the toy)")
-    ed.add_argument("--drafter", default="auto", help="drafter folder, eagle, ngram or none (default: the bundled drafter)")
+    ed.add_argument("--drafter", default="auto", help="drafter folder, eagle, ngram or none (default: auto = the EAGLE drafter shipped for the model, else ngram)")
     add_device_args(ed)
     ed.add_argument("--n", type=positive_int("--n"), default=8, help="prompts per task")
     ed.add_argument("--temperature", type=float_in("--temperature", 0.0, 100.0), default=0.0, help='sampling temperature (0 = greedy)')
