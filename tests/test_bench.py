@@ -291,3 +291,28 @@ def test_verify_cost_times_trees_and_the_lm_head_cut_to_each_draft_vocabulary():
     assert [(h["draft_vocab"], h["rows"]) for h in report["lm_head"]] == [(64, 1), (64, 4), (1015, 1), (1015, 4)]
     assert all(h["ms"] > 0 and h["x_step"] == h["ms"] / report["rows"][0]["ms"] for h in report["lm_head"])
     assert "| 1015 | 4 |" in format_table(report)
+
+
+def test_ablation_variants_train_in_the_targets_answer_style_and_draft_vocabulary(tmp_path, monkeypatch, capsys):
+    """`bench ablate --answer-style / --draft-vocab` reach every variant's training config (what the
+    shipped drafter of the default model was trained with), and a K past the vocabulary is refused."""
+    from vlmspec.bench import ablation
+
+    seen = {}
+
+    def fake_run(target, suite, steps, n, runs, base, *rest):
+        seen["base"] = base
+        return []
+
+    monkeypatch.setattr(ablation, "run", fake_run)
+    monkeypatch.setattr(ablation, "write_report", lambda *a, **k: None)
+    (tmp_path / "report").mkdir()
+    (tmp_path / "report" / "ablation.md").write_text("")
+    common = ["bench", "ablate", "--suite", "vision", "--model", "toy", "--out", str(tmp_path / "report")]
+    assert main(common + ["--answer-style", "tally", "--draft-vocab", "64"]) == 0
+    assert seen["base"].answer_style == "tally" and seen["base"].draft_vocab == 64
+    assert main(common) == 0  # negative control: the defaults are the plain trainer's
+    assert seen["base"].answer_style == "short" and seen["base"].draft_vocab == 0
+    seen.clear()
+    assert main(common + ["--draft-vocab", "100000"]) == 2
+    assert "--draft-vocab must be between" in capsys.readouterr().err and not seen

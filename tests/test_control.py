@@ -96,6 +96,39 @@ def test_a_dearer_retry_comes_less_often():
     assert dear.reached[0] == pytest.approx(before * 0.97 ** (10 / 2.1))
 
 
+def _retry_gaps(ctl: AcceptanceTracker, retries: int, accepted_on_retry: int) -> list[int]:
+    """Plain steps before each of `retries` retries, every retry accepting `accepted_on_retry` tokens."""
+    gaps, plain = [], 0
+    while len(gaps) < retries and plain < 10_000:
+        depth = ctl.choose(4)
+        if depth == 0:
+            plain += 1
+            ctl.observe(0, 0)
+            continue
+        gaps.append(plain)
+        plain = 0
+        ctl.observe(depth, min(accepted_on_retry, depth))
+    return gaps
+
+
+def test_failed_retries_back_off_and_a_retry_that_pays_resets_the_wait():
+    policy = GoodputPolicy(MID, prior_accept=0.7, decay=0.8, max_backoff=3)
+    failing = _retry_gaps(_history(policy, [(4, 0)] * 6), 5, accepted_on_retry=0)
+    assert len(failing) == 5 and failing[0] > 0
+    # each failed retry in a row doubles the wait (up to 2 ** max_backoff): the waits grow, then level off
+    assert all(b >= a - 1 for a, b in zip(failing, failing[1:])) and failing[3] > 3 * failing[1] and failing[4] < 1.5 * failing[3]
+    ctl = _history(policy, [(4, 0)] * 6)
+    _retry_gaps(ctl, 3, accepted_on_retry=0)
+    assert ctl.retry_misses == 3 and ctl.retry_price() == pytest.approx(8.0)
+    ctl.observe(4, 4)  # a drafted step that pays: back to the undoubled price
+    assert ctl.retry_misses == 0 and ctl.retry_price() == 1.0
+    # negative control: without back-off the waits stay where the first one was
+    flat = _retry_gaps(_history(GoodputPolicy(MID, prior_accept=0.7, decay=0.8, max_backoff=0), [(4, 0)] * 6), 5, accepted_on_retry=0)
+    assert max(flat) <= failing[0] + 1 and sum(flat) < sum(failing) / 2
+    with pytest.raises(ValueError):
+        GoodputPolicy(MID, max_backoff=-1)
+
+
 def test_measured_step_times_correct_the_cost_model_per_request():
     # acceptance that pays under the model (MID: a depth-3 step costs 1.5 plain steps) ...
     steps = [(3, 1), (3, 2), (3, 1), (3, 1)] * 3

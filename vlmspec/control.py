@@ -18,7 +18,11 @@ a_d is estimated per request from decayed counts under a Beta prior (for a_1 `pr
 each deeper a_d the estimate of a_(d-1)): a collapse of acceptance shows within a few steps, and while nothing is drafted the estimates drift back to the prior, so
 the policy tries drafting again now and then (slowly: `idle_decay` per plain step, raised to
 1 / the price of a drafted step in plain steps when that is over 1, so a drafter that keeps failing
-costs a retry every few dozen steps, not every few, and a dearer retry comes less often). The cost model is measured at start-up through the
+costs a retry every few dozen steps, not every few, and a dearer retry comes less often). Retries
+back off: each retry in a row that emits fewer tokens per second than a plain step would doubles
+the wait before the next (up to 2 ** `max_backoff`), and a drafted step that pays resets it, so a
+drafter that never pays on a request costs it a number of retries that grows only with the log of
+its length. The cost model is measured at start-up through the
 engine itself (`vlmspec.factory.measure_cost`) or given; only ratios of its times matter. It is
 measured on a short text prompt, so each request corrects it with its own step times (the engine
 passes them to `observe`): a drafted step's cost is scaled by the ratio of the drafted steps'
@@ -121,12 +125,14 @@ class GoodputPolicy:
     decay: float = 0.8  # per drafted step: older observations count this much less (memory of about 5 steps)
     idle_decay: float = 0.97  # per step without a draft: the drift back to the prior (a retry after ~10-50 steps)
     time_weight: float = 0.3  # weight of each timed step in the request's cost correction (0: the model as given)
+    max_backoff: int = 4  # failed retries in a row slow the drift back by 2 ** min(misses, this)
     name: str = "goodput"
 
     def __post_init__(self) -> None:
         if not (0 < self.prior_accept < 1 and self.prior_weight > 0 and 0 < self.decay <= 1 and 0 < self.idle_decay <= 1
-                and 0 <= self.time_weight <= 1):
-            raise ValueError(f"goodput policy: prior in (0, 1), weight > 0, decays in (0, 1], time weight in [0, 1], got {self}")
+                and 0 <= self.time_weight <= 1 and self.max_backoff >= 0):
+            raise ValueError(f"goodput policy: prior in (0, 1), weight > 0, decays in (0, 1], time weight in [0, 1], "
+                             f"max_backoff >= 0, got {self}")
 
     def start(self) -> Controller:
         return AcceptanceTracker(self)
@@ -142,6 +148,8 @@ class AcceptanceTracker:
     chosen: list[int] = field(default_factory=list)  # the depth of every step, in order
     plain_scale: float = 1.0  # measured / modelled seconds of this request's plain steps (decayed mean)
     draft_scale: float = 1.0  # the same for its drafted steps
+    retry_misses: int = 0  # retries in a row (drafted steps right after a plain one) that paid less than a plain step
+    last_depth: int | None = None  # the depth of the step observed last (None: none yet)
 
     def accept_rates(self, depth: int) -> list[float]:
         """Posterior means of a_1..a_depth. a_1's prior mean is `prior_accept`; each deeper a_d's
@@ -173,10 +181,12 @@ class AcceptanceTracker:
 
     def retry_price(self) -> float:
         """What a drafted step at the deepest depth seen costs over a plain one, in plain steps
-        (at least 1): the drift back to the prior slows by this factor, so a retry that costs
-        three steps comes three times less often than one that costs one."""
+        (at least 1), doubled for each failed retry in a row (up to `max_backoff` doublings): the
+        drift back to the prior slows by this factor, so a retry that costs three steps comes three
+        times less often than one that costs one, and a retry that failed twice four times less often."""
         deepest = max(len(self.reached), 1)
-        return max(1.0, (self.seconds(deepest) - self.seconds(0)) / self.seconds(0))
+        price = max(1.0, (self.seconds(deepest) - self.seconds(0)) / self.seconds(0))
+        return price * 2.0 ** self.retry_misses
 
     def choose(self, max_depth: int) -> int:
         best = max(range(max(max_depth, 0) + 1), key=lambda d: (self.goodput(d), -d))
@@ -191,6 +201,10 @@ class AcceptanceTracker:
                 self.draft_scale += w * (ratio - self.draft_scale)
             else:
                 self.plain_scale += w * (ratio - self.plain_scale)
+        if depth > 0:  # a retry that emitted fewer tokens per second than a plain step backs the next one off
+            paid = (1 + num_accepted) * self.seconds(0) >= self.seconds(depth)
+            self.retry_misses = 0 if paid else min(self.retry_misses + int(self.last_depth == 0), self.policy.max_backoff)
+        self.last_depth = depth
         k = self.policy.decay if depth > 0 else self.policy.idle_decay ** (1.0 / self.retry_price())
         self.reached = [x * k for x in self.reached]
         self.accepted = [x * k for x in self.accepted]

@@ -531,11 +531,14 @@ class AblateOptions:
     rounds: int = 21
     blocks: int = 8
     pause_s: float = 5.0
+    answer_style: str = "short"  # ToyWorld answers as the target was aligned (DistillConfig.answer_style)
+    draft_vocab: int = 0  # every variant's trimmed draft vocabulary (DistillConfig.draft_vocab; 0: all)
 
 
 def ablate(target: Target, opts: AblateOptions, out: Path, command: str = "") -> list[dict[str, Any]]:
     """Train and measure the suite's variants on `target`; write ablation.md / .json / .png to `out`."""
-    base = DistillConfig(batch_size=opts.batch_size, lr=opts.lr, ckpt_every=10**9)
+    base = DistillConfig(batch_size=opts.batch_size, lr=opts.lr, ckpt_every=10**9, answer_style=opts.answer_style,
+                         draft_vocab=opts.draft_vocab)
     runs = Path(opts.runs or f"runs/ablate-{opts.suite}")
     rows = run(target, opts.suite, opts.steps, opts.n, runs, base, opts.max_new_tokens, list(opts.only) or None, opts.n_select,
                opts.reuse, opts.rounds, opts.blocks, opts.pause_s)

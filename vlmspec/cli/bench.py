@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from vlmspec.cli.options import (
+    ANSWER_STYLE_CHOICES,
     UsageError,
     add_device_args,
     add_engine_args,
@@ -124,6 +125,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="selection prompts per task (val split): the best fixed compressor / variant is picked on these")
     a.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=96, help='new tokens per evaluation prompt')
     a.add_argument("--only", action="append", default=[], help="run only this variant (repeatable)")
+    a.add_argument("--answer-style", choices=ANSWER_STYLE_CHOICES, default="short",
+                   help="ToyWorld answers phrased as the target was aligned (as `vlmspec train --answer-style`; the default model: tally)")
+    a.add_argument("--draft-vocab", type=non_negative_int("--draft-vocab"), default=0, metavar="K",
+                   help="every variant's head over the K tokens the target writes most (as `vlmspec train --draft-vocab`; 0: all)")
     a.add_argument("--out", required=True, help="report folder: ablation.md, ablation.json, ablation.png")
     a.add_argument("--runs", help="folder for the variants' training runs (default: runs/ablate-SUITE)")
     a.add_argument("--reuse", action="store_true",
@@ -286,9 +291,12 @@ def run_ablate(args: argparse.Namespace) -> int:
     if unknown:
         raise UsageError(f"--only {unknown[0]!r} is not a variant of the {args.suite!r} suite: one of {', '.join(names)}")
     target = factory.load(engine_spec(args))
+    if args.draft_vocab > target.vocab_size:
+        raise UsageError(f"--draft-vocab must be between 0 (no trim) and the target's vocabulary size {target.vocab_size}, got {args.draft_vocab}")
     opts = AblateOptions(suite=args.suite, steps=args.steps, batch_size=args.batch_size, lr=args.lr, n=args.n, n_select=args.n_select,
                          max_new_tokens=args.max_new_tokens, only=tuple(args.only), runs=Path(args.runs) if args.runs else None,
-                         reuse=args.reuse, rounds=args.rounds, blocks=args.blocks, pause_s=args.pause)
+                         reuse=args.reuse, rounds=args.rounds, blocks=args.blocks, pause_s=args.pause,
+                         answer_style=args.answer_style, draft_vocab=args.draft_vocab)
     out = Path(args.out)
     ablate(target, opts, out, command=args.command_line)
     print((out / "ablation.md").read_text())
