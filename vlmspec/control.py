@@ -20,9 +20,8 @@ the policy tries drafting again now and then (slowly: `idle_decay` per plain ste
 1 / the price of a drafted step in plain steps when that is over 1, so a drafter that keeps failing
 costs a retry every few dozen steps, not every few, and a dearer retry comes less often). Retries
 back off: each retry in a row that emits fewer tokens per second than a plain step would doubles
-the wait before the next (up to 2 ** `max_backoff`), and a drafted step that pays resets it, so a
-drafter that never pays on a request costs it a number of retries that grows only with the log of
-its length. The cost model is measured at start-up through the
+the wait before the next (up to 2 ** `max_backoff` = 16 times), and a drafted step that pays resets
+it, so a drafter that never pays on a long request is retried 16 times less often than it was. The cost model is measured at start-up through the
 engine itself (`vlmspec.factory.measure_cost`) or given; only ratios of its times matter. It is
 measured on a short text prompt, so each request corrects it with its own step times (the engine
 passes them to `observe`): a drafted step's cost is scaled by the ratio of the drafted steps'
@@ -125,7 +124,7 @@ class GoodputPolicy:
     decay: float = 0.8  # per drafted step: older observations count this much less (memory of about 5 steps)
     idle_decay: float = 0.97  # per step without a draft: the drift back to the prior (a retry after ~10-50 steps)
     time_weight: float = 0.3  # weight of each timed step in the request's cost correction (0: the model as given)
-    max_backoff: int = 4  # failed retries in a row slow the drift back by 2 ** min(misses, this)
+    max_backoff: int = 4  # failed retries in a row, counted up to this many, slow the drift back by 2 ** count
     name: str = "goodput"
 
     def __post_init__(self) -> None:
