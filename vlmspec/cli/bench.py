@@ -15,6 +15,7 @@ from vlmspec.cli.options import (
     add_device_args,
     add_engine_args,
     add_tree_args,
+    check_draft_vocab,
     engine_spec,
     float_in,
     int_list,
@@ -291,8 +292,7 @@ def run_ablate(args: argparse.Namespace) -> int:
     if unknown:
         raise UsageError(f"--only {unknown[0]!r} is not a variant of the {args.suite!r} suite: one of {', '.join(names)}")
     target = factory.load(engine_spec(args))
-    if args.draft_vocab > target.vocab_size:
-        raise UsageError(f"--draft-vocab must be between 0 (no trim) and the target's vocabulary size {target.vocab_size}, got {args.draft_vocab}")
+    check_draft_vocab(args.draft_vocab, target.vocab_size)
     opts = AblateOptions(suite=args.suite, steps=args.steps, batch_size=args.batch_size, lr=args.lr, n=args.n, n_select=args.n_select,
                          max_new_tokens=args.max_new_tokens, only=tuple(args.only), runs=Path(args.runs) if args.runs else None,
                          reuse=args.reuse, rounds=args.rounds, blocks=args.blocks, pause_s=args.pause,

@@ -87,6 +87,12 @@ def int_list(name: str, low: int = 1) -> Callable[[str], tuple[int, ...]]:
 
 
 # ---------------------------------------------------------------------------------------- engine
+def check_draft_vocab(k: int, vocab_size: int) -> None:
+    """--draft-vocab K against the loaded target's vocabulary (UsageError: what to pass instead)."""
+    if not 0 <= k <= vocab_size:
+        raise UsageError(f"--draft-vocab must be between 0 (no trim) and the target's vocabulary size {vocab_size}, got {k}")
+
+
 def add_device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="auto = bfloat16 on CUDA, float32 on CPU")

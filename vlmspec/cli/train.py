@@ -10,7 +10,16 @@ import argparse
 import json
 from pathlib import Path
 
-from vlmspec.cli.options import ANSWER_STYLE_CHOICES, UsageError, add_device_args, engine_spec, float_in, non_negative_int, positive_int
+from vlmspec.cli.options import (
+    ANSWER_STYLE_CHOICES,
+    UsageError,
+    add_device_args,
+    check_draft_vocab,
+    engine_spec,
+    float_in,
+    non_negative_int,
+    positive_int,
+)
 
 VISUAL_CHOICES = ("none", "gate", "uniform", "attention", "pool", "conv", "resampler", "text_only")
 
@@ -140,8 +149,7 @@ def run_train(args: argparse.Namespace) -> int:
     if args.resume and not (Path(args.out) / "checkpoint").is_dir():
         raise UsageError(f"--resume: no checkpoint in {args.out}/checkpoint")
     target = factory.load(spec)
-    if not 0 <= args.draft_vocab <= target.vocab_size:
-        raise UsageError(f"--draft-vocab must be between 0 (no trim) and the target's vocabulary size {target.vocab_size}, got {args.draft_vocab}")
+    check_draft_vocab(args.draft_vocab, target.vocab_size)
     cfg = DistillConfig(
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, w_ce=args.w_ce, w_feat=args.w_feat,
         ttt_steps=args.ttt_steps, curriculum_steps=args.curriculum_steps, eval_every=args.eval_every,
