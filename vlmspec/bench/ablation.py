@@ -293,6 +293,7 @@ def run(target: Target, which: str, steps: int, n_per_task: int, runs: Path, bas
     select = heldout("drafter-eval", n_select, per_task=True, split="val") if n_select > 0 else []
     tree = TreeConfig.for_device("cpu")
     variants = [v for v in suite(which) if not only or v.name in only]
+    run_prompts(target, NoDrafter(), prompts[:1], 0.0, max_new_tokens)  # warm-up: the baseline is not the process's first run
     plain_t0 = run_prompts(target, NoDrafter(), prompts, 0.0, max_new_tokens)
     rows, drafters = [], {}
     fingerprint = target_fingerprint(target)
