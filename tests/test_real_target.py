@@ -23,7 +23,7 @@ if MODEL is None:
     pytest.skip(f"the real target is not built ({assets.BASE_TARGET}); make setup builds it", allow_module_level=True)
 
 IMAGES = assets.SAMPLE_IMAGES
-SHIPPED_DRAFTER = assets.shipped_drafter(MODEL) if MODEL is not None else None  # the default model's EAGLE drafter
+SHIPPED_DRAFTER = assets.shipped_drafter(MODEL)  # the default model's EAGLE drafter (None for the untrained assembly)
 DRAFTERS = ("none", "ngram") + (("eagle",) if SHIPPED_DRAFTER is not None else ())
 CASES = {
     "toyworld": ("How many objects are there?", ["toyworld_scene.png"]),
