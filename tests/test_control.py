@@ -31,6 +31,13 @@ def test_cost_model_fit_recovers_a_linear_cost_and_refuses_too_little():
     one = CostModel.fit({0: 1.0, 4: 1.8})  # one drafted depth: all of the extra per level
     assert one.seconds(4) == pytest.approx(1.8) and one.draft_s == 0
     assert CostModel.fit({0: 1.0, 2: 0.9}).seconds(2) == 1.0  # noise below the base: drafting is not free, but not negative
+    # every depth measured: the table is what it says, a dip is read as noise, the line goes on past it
+    steps = CostModel.fit({0: 1.0, 1: 1.3, 2: 1.7, 3: 1.65, 4: 1.9})
+    assert [steps.seconds(d) for d in range(5)] == pytest.approx([1.0, 1.3, 1.7, 1.7, 1.9])
+    assert steps.seconds(6) == pytest.approx(1.0 + steps.draft_s + 6 * steps.per_level_s)
+    assert CostModel.fit({0: 1.0, 1: 1.2, 3: 1.6}).seconds(2) == pytest.approx(1.4)  # between measured depths: read linearly
+    with pytest.raises(ValueError, match="positive measured"):
+        CostModel(step_s=1.0, by_depth=(1.2, 0.0))
     with pytest.raises(ValueError, match="depth 0"):
         CostModel.fit({1: 1.0, 2: 1.2})
     with pytest.raises(ValueError, match="step_s > 0"):
@@ -66,6 +73,21 @@ def test_goodput_stops_drafting_when_acceptance_collapses_and_goes_deep_when_it_
     middling = [(3, 1), (3, 2), (3, 0), (3, 1)] * 3
     assert _history(GoodputPolicy(DEAR, prior_accept=0.5), middling).choose(3) == 0
     assert _history(GoodputPolicy(CHEAP, prior_accept=0.5), middling).choose(3) > 0
+
+
+def test_a_gain_inside_the_margin_is_not_drafted_and_a_clear_one_is():
+    """min_gain: a depth-1 step costing 1.5 plain steps that accepts 57.5% promises 1.05x goodput,
+    under the default 10% margin -> plain; at 90% (1.27x) it drafts. Negative control: without the
+    margin the 1.05x step is drafted."""
+    cost = CostModel(step_s=1.0, by_depth=(1.5,))
+    exact = dict(prior_weight=1e-9, decay=1.0)
+    marginal = [(1, 1)] * 23 + [(1, 0)] * 17
+    assert _history(GoodputPolicy(cost, **exact), marginal).goodput(1) == pytest.approx(1.575 / 1.5)
+    assert _history(GoodputPolicy(cost, **exact), marginal).choose(1) == 0
+    assert _history(GoodputPolicy(cost, min_gain=0.0, **exact), marginal).choose(1) == 1
+    assert _history(GoodputPolicy(cost, **exact), [(1, 1)] * 9 + [(1, 0)]).choose(1) == 1
+    with pytest.raises(ValueError, match="min_gain"):
+        GoodputPolicy(cost, min_gain=-0.1)
 
 
 def test_after_a_collapse_the_estimates_drift_back_and_drafting_is_tried_again():
@@ -112,7 +134,8 @@ def _retry_gaps(ctl: AcceptanceTracker, retries: int, accepted_on_retry: int) ->
 
 
 def test_failed_retries_back_off_and_a_retry_that_pays_resets_the_wait():
-    policy = GoodputPolicy(MID, prior_accept=0.7, decay=0.8, max_backoff=3)
+    # no margin: the gaps then come from the drift and the back-off alone
+    policy = GoodputPolicy(MID, prior_accept=0.7, decay=0.8, max_backoff=3, min_gain=0.0)
     failing = _retry_gaps(_history(policy, [(4, 0)] * 6), 5, accepted_on_retry=0)
     assert len(failing) == 5 and failing[0] > 0
     # each failed retry in a row doubles the wait (up to 2 ** max_backoff): the waits grow, then level off
@@ -123,7 +146,8 @@ def test_failed_retries_back_off_and_a_retry_that_pays_resets_the_wait():
     ctl.observe(4, 4)  # a drafted step that pays: back to the undoubled price
     assert ctl.retry_misses == 0 and ctl.retry_price() == 1.0
     # negative control: without back-off the waits stay where the first one was
-    flat = _retry_gaps(_history(GoodputPolicy(MID, prior_accept=0.7, decay=0.8, max_backoff=0), [(4, 0)] * 6), 5, accepted_on_retry=0)
+    flat = _retry_gaps(_history(GoodputPolicy(MID, prior_accept=0.7, decay=0.8, max_backoff=0, min_gain=0.0), [(4, 0)] * 6), 5,
+                       accepted_on_retry=0)
     assert max(flat) <= failing[0] + 1 and sum(flat) < sum(failing) / 2
     with pytest.raises(ValueError):
         GoodputPolicy(MID, max_backoff=-1)
@@ -332,17 +356,34 @@ def test_measured_cost_charges_verifying_full_trees_even_when_the_drafter_found_
 
     calls = []
 
-    def fake_tree_forward(target, prefix, n, repeats, warmup):  # 10 ms + 2 ms per node
-        calls.append(n)
-        return 10.0 + 2.0 * n
+    def fake_tree_extras(target, prefix, sizes, rounds, warmup):  # 2 ms per node over the one-token step
+        calls.extend(sizes)
+        return {n: 2.0 * (n - 1) for n in sizes}
 
-    monkeypatch.setattr(factory, "time_tree_forward", fake_tree_forward)
+    monkeypatch.setattr(factory, "time_tree_extras", fake_tree_extras)
     target = tiny_target("llava")
     tree = TreeConfig(depth=5, top_k=4, total_tokens=16)
     engine = SpecEngine(target, NgramDrafter(tree))
     inputs = encode_prompt(target, "a quick brown fox", [])
     cost = measure_cost(engine, inputs, tokens=4, repeats=1)
-    assert sorted(calls) == [1, 1 + factory.tree_nodes(tree, 1), 1 + factory.tree_nodes(tree, 5)] == [1, 5, 17]
-    extra = cost.seconds(5) - cost.seconds(0)  # 16 nodes x 2 ms of verify, plus the n-gram's own (small) time
-    assert 0.032 - 1e-9 <= extra < 0.032 + 0.05
+    assert calls == sorted({1 + factory.tree_nodes(tree, d) for d in range(1, 6)}) == [5, 9, 13, 17]  # each size timed once
+    extra = cost.seconds(5) - cost.seconds(0)  # 16 nodes x 2 ms of verify, plus the n-gram's own (small) time, measured
+    assert 0.030 <= extra < 0.032 + 0.05
     assert cost.seconds(1) - cost.seconds(0) >= 0.008 - 1e-3  # 4 nodes at depth 1
+    assert len(cost.by_depth) == 5  # every depth measured
+
+
+def test_measured_cost_times_the_nodes_an_eagle_tree_actually_verifies(monkeypatch):
+    """EAGLE-2 fills its node budget from depth 2 on (depth 2 of a top-2 tree: 2 + 2 x 2 = 6 nodes,
+    more than the 4 of `tree_nodes`): the engine's own steps time the trees it verified, and nothing
+    is added (the verify-only timing is for drafters that proposed less than `tree_nodes`)."""
+    from vlmspec import factory
+
+    calls = []
+    monkeypatch.setattr(factory, "time_tree_extras", lambda target, prefix, sizes, rounds, warmup: calls.extend(sizes) or {n: 2.0 * (n - 1) for n in sizes})
+    target = tiny_target("llava")
+    tree = TreeConfig(depth=3, top_k=2, total_tokens=6)
+    cost = measure_cost(SpecEngine(target, EagleDrafter.random_init(target, tree, seed=3)), encode_prompt(target, "a quick brown fox", []),
+                        tokens=4, repeats=1)
+    assert calls == []
+    assert factory.tree_nodes(tree, 2) == 4 and len(cost.by_depth) == 3

@@ -12,7 +12,11 @@ maximises the expected goodput of the step, emitted tokens per second:
 
     E[D] = 1 + sum_{k=1..D} prod_{d=1..k} a_d     a_d = P(the depth-d token is accepted | depth d-1 was)
     T[D] = cost.seconds(D)                        a step that drafts D levels (CostModel)
-    D*   = argmax_{D in 0..max_depth} E[D] / T[D]
+    D*   = argmax_{D in 0..max_depth} E[D] / T[D], and 0 unless E[D*] / T[D*] >= (1 + min_gain) E[0] / T[0]
+
+The margin `min_gain` (0.1) is there because the estimates lean optimistic (the prior keeps a share
+of them, and the cost model is measured on a short prompt): a drafted step that looks break-even
+is a likely loss, and a 10% margin costs little where drafting pays (it pays 1.2x-1.9x there).
 
 a_d is estimated per request from decayed counts under a Beta prior (for a_1 `prior_accept`, for
 each deeper a_d the estimate of a_(d-1)): a collapse of acceptance shows within a few steps, and while nothing is drafted the estimates drift back to the prior, so
@@ -42,35 +46,61 @@ from typing import Any, Protocol
 @dataclass(frozen=True)
 class CostModel:
     """Seconds of one engine step that drafts `depth` levels: step_s for depth 0 (the target's
-    one-token step with the drafter's bookkeeping), plus draft_s + per_level_s * depth otherwise."""
+    one-token step with the drafter's bookkeeping); a drafted depth reads `by_depth` where it was
+    measured, else the line step_s + draft_s + per_level_s * depth.
+
+    The table is what the goodput policy should use: a step's verify cost follows the tree's nodes,
+    not its depth (an EAGLE-2 tree of depth 1 has top_k nodes, every deeper one its full budget), so
+    on this project's CPU a depth-1 step costs about 1.35 plain steps and a depth-2 step already
+    1.7-1.8, close to depth 5's 1.8-1.95; a line through depths 0, 1 and 5 priced depth 2 under what
+    it costs, and the policy drafted 2 levels where they did not pay (docs/measured/adaptive/)."""
 
     step_s: float
     draft_s: float = 0.0
     per_level_s: float = 0.0
+    by_depth: tuple[float, ...] = ()  # [d - 1]: measured seconds of a step drafting d levels (d = 1..len)
 
     def __post_init__(self) -> None:
-        if not self.step_s > 0 or self.draft_s < 0 or self.per_level_s < 0:
-            raise ValueError(f"a cost model needs step_s > 0 and non-negative extras, got {self}")
+        if not self.step_s > 0 or self.draft_s < 0 or self.per_level_s < 0 or any(not s > 0 for s in self.by_depth):
+            raise ValueError(f"a cost model needs step_s > 0, non-negative extras and positive measured seconds, got {self}")
 
     def seconds(self, depth: int) -> float:
-        return self.step_s if depth <= 0 else self.step_s + self.draft_s + self.per_level_s * depth
+        if depth <= 0:
+            return self.step_s
+        if depth <= len(self.by_depth):
+            return self.by_depth[depth - 1]
+        return self.step_s + self.draft_s + self.per_level_s * depth
+
+    def as_dict(self) -> dict[str, Any]:
+        """What the benches write beside their figures."""
+        return {"step_s": self.step_s, "draft_s": self.draft_s, "per_level_s": self.per_level_s, "by_depth": list(self.by_depth)}
 
     @classmethod
     def fit(cls, samples: dict[int, float]) -> "CostModel":
-        """{depth: measured seconds per step} with depth 0 and at least one depth >= 1 -> the model
-        (per-level slope by least squares over the drafted depths, clipped at 0)."""
+        """{depth: measured seconds per step} with depth 0 and at least one depth >= 1 -> the model:
+        the line (per-level slope by least squares over the drafted depths, clipped at 0) for depths
+        past the deepest measured, and the table for depths 1..deepest, read between measured depths
+        linearly. The table never goes below a plain step and never falls with depth (a deeper step
+        verifies at least the shallower one's tree: a dip is noise)."""
         if 0 not in samples or not any(d > 0 for d in samples):
             raise ValueError(f"fit needs depth 0 and a drafted depth, got {sorted(samples)}")
         base = samples[0]
         drafted = sorted((d, s - base) for d, s in samples.items() if d > 0)
         if len(drafted) == 1:
             d, extra = drafted[0]
-            return cls(base, 0.0, max(extra, 0.0) / d)
-        n = len(drafted)
-        mx, my = sum(d for d, _ in drafted) / n, sum(e for _, e in drafted) / n
-        slope = sum((d - mx) * (e - my) for d, e in drafted) / sum((d - mx) ** 2 for d, _ in drafted)
-        slope = max(slope, 0.0)
-        return cls(base, max(my - slope * mx, 0.0), slope)
+            line = (0.0, max(extra, 0.0) / d)
+        else:
+            n = len(drafted)
+            mx, my = sum(d for d, _ in drafted) / n, sum(e for _, e in drafted) / n
+            slope = max(sum((d - mx) * (e - my) for d, e in drafted) / sum((d - mx) ** 2 for d, _ in drafted), 0.0)
+            line = (max(my - slope * mx, 0.0), slope)
+        points = [(0, base)] + [(d, base + e) for d, e in drafted]
+        table, top = [], base
+        for depth in range(1, drafted[-1][0] + 1):
+            (d0, s0), (d1, s1) = next((a, b) for a, b in zip(points, points[1:]) if a[0] < depth <= b[0])
+            top = max(top, s0 + (s1 - s0) * (depth - d0) / (d1 - d0))
+            table.append(top)
+        return cls(base, *line, by_depth=tuple(table))
 
 
 class Controller(Protocol):
@@ -125,13 +155,14 @@ class GoodputPolicy:
     idle_decay: float = 0.97  # per step without a draft: the drift back to the prior (a retry after ~10-50 steps)
     time_weight: float = 0.3  # weight of each timed step in the request's cost correction (0: the model as given)
     max_backoff: int = 4  # failed retries in a row, counted up to this many, slow the drift back by 2 ** count
+    min_gain: float = 0.1  # a drafted step must promise this much more goodput than a plain one (estimates lean optimistic)
     name: str = "goodput"
 
     def __post_init__(self) -> None:
         if not (0 < self.prior_accept < 1 and self.prior_weight > 0 and 0 < self.decay <= 1 and 0 < self.idle_decay <= 1
-                and 0 <= self.time_weight <= 1 and self.max_backoff >= 0):
+                and 0 <= self.time_weight <= 1 and self.max_backoff >= 0 and self.min_gain >= 0):
             raise ValueError(f"goodput policy: prior in (0, 1), weight > 0, decays in (0, 1], time weight in [0, 1], "
-                             f"max_backoff >= 0, got {self}")
+                             f"max_backoff >= 0, min_gain >= 0, got {self}")
 
     def start(self) -> Controller:
         return AcceptanceTracker(self)
@@ -188,7 +219,10 @@ class AcceptanceTracker:
         return price * 2.0 ** self.retry_misses
 
     def choose(self, max_depth: int) -> int:
+        plain = self.goodput(0)
         best = max(range(max(max_depth, 0) + 1), key=lambda d: (self.goodput(d), -d))
+        if best > 0 and self.goodput(best) < (1.0 + self.policy.min_gain) * plain:
+            best = 0  # a gain inside the estimates' optimism is not worth the risk
         self.chosen.append(best)
         return best
 

@@ -10,7 +10,7 @@ Resolution rules: no model -> the aligned real target when it is built (`vlmspec
 with the trained parts), else the committed toy; "toy" -> the toy; drafter "auto" -> the EAGLE drafter shipped for that model (the toy's, the
 default model's), else n-gram; "eagle" -> that drafter (the name the service shows for it); device None -> CUDA when available; dtype "auto" -> bfloat16 on CUDA, float32 on CPU;
 policy "goodput" (the default) -> the engine's cost model is measured at build (`measure_cost`,
-about 70 steps through the engine itself on a short text prompt) unless the drafter never drafts.
+three rounds of 16 tokens at every depth from 0 to the tree's on a short text prompt, about 20 s in fp32 here) unless the drafter never drafts.
 Bad choices raise `ConfigError` with a message that says what to pass instead.
 """
 
@@ -29,7 +29,7 @@ from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.errors import ConfigError
 from vlmspec.inputs import encode_prompt
 from vlmspec.target import Target, load_target
-from vlmspec.target.timing import time_tree_forward
+from vlmspec.target.timing import time_tree_extras
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BUNDLED_DRAFTER_NAME = "eagle"
@@ -160,42 +160,43 @@ def plain_engine(engine: SpecEngine) -> SpecEngine:
 
 
 def tree_nodes(tree: TreeConfig, depth: int) -> int:
-    """Drafted nodes of a full `tree` cut at `depth` levels (at most top_k new nodes per level for
-    EAGLE-2's pruned expansion and the n-gram drafter's branches alike)."""
+    """Drafted nodes of a `tree` cut at `depth` levels with top_k new nodes per level (the n-gram
+    drafter's branches; the fewest an EAGLE-2 tree of that depth verifies)."""
     return min(tree.total_tokens, depth * tree.top_k)
 
 
-def measure_cost(engine: SpecEngine, inputs: dict, depths: tuple[int, ...] | None = None, tokens: int = 12, repeats: int = 2,
+def measure_cost(engine: SpecEngine, inputs: dict, depths: tuple[int, ...] | None = None, tokens: int = 16, repeats: int = 3,
                  prefix: int = 256) -> CostModel:
     """The cost model of the goodput policy: seconds per engine step at each drafted depth (default
-    0, 1 and the drafter's full depth, or the default tree's for a drafter without one), fitted
-    into a `CostModel`.
+    every depth from 0 to the drafter's full depth, or the default tree's for a drafter without
+    one), fitted into a `CostModel` (its table holds each measured depth).
 
-    Each depth's step is the engine's plain step on `inputs` (greedy, `tokens` new tokens, best of
-    `repeats`), plus the drafter's own time at that depth through the engine, plus what verifying
-    a full tree of that depth costs over a one-token step, timed on the target directly
-    (`time_tree_forward`, a `prefix`-token context). The verify part is not read off the engine's
-    run: a drafter that found nothing to propose on the measuring prompt (n-gram on a fresh text)
-    verifies one-node trees there, and would look free to the policy."""
+    Each depth's step is timed through the engine on `inputs` (greedy, `tokens` new tokens, the
+    fastest of `repeats` rounds over all depths, so a drifting machine moves them together): the
+    drafter and the verify of the trees it really proposed (an EAGLE-2 tree fills its whole budget
+    from depth 2 on). A drafter that proposed fewer nodes per step than `tree_nodes` there (n-gram
+    on a fresh text finds nothing to propose) would look free to the policy, so the verify cost of
+    the missing nodes is added, timed on the target directly (`time_tree_extras`, a `prefix`-token
+    context, the one-token step and each tree back to back)."""
     tree = engine.drafter.tree or TreeConfig()
-    depths = depths or tuple(sorted({0, 1, tree.depth}))
-
-    def per_step(depth: int) -> tuple[float, float]:  # best (seconds per step, drafter seconds per step)
-        best = (float("inf"), float("inf"))
-        for _ in range(repeats):
-            r = engine.generate(inputs, GenerationConfig(max_new_tokens=tokens, ignore_eos=True, policy=FixedPolicy(depth)))
-            steps = max(r.stats.num_drafts, 1)
-            total = sum(v for k, v in r.timings.items() if k != "prefill") / steps
-            best = min(best, (total, r.timings.get("draft", 0.0) / steps))
-        return best
-
-    step_s, draft0 = per_step(0)
-    prefix = max(1, min(prefix, engine.target.max_positions - 2 - tree_nodes(tree, max(depths))))  # a short context's model
-    one_ms = time_tree_forward(engine.target, prefix, 1, repeats=5, warmup=2)
-    samples = {0: step_s}
-    for depth in depths:
-        if depth > 0:
-            _, draft = per_step(depth)
-            extra_ms = time_tree_forward(engine.target, prefix, 1 + tree_nodes(tree, depth), repeats=5, warmup=2) - one_ms
-            samples[depth] = step_s + max(draft - draft0, 0.0) + max(extra_ms, 0.0) / 1e3
+    depths = tuple(sorted({0, *(depths or range(tree.depth + 1))}))
+    best = dict.fromkeys(depths, float("inf"))  # [depth]: fastest seconds per step
+    nodes = dict.fromkeys(depths, float("inf"))  # [depth]: fewest nodes drafted per step at that depth (mean of a run)
+    for _ in range(repeats):
+        for depth in depths:
+            gen = engine.stream(inputs, GenerationConfig(max_new_tokens=max(tokens, depth + 2), ignore_eos=True, policy=FixedPolicy(depth)))
+            drafted = [e.num_drafted for e in gen if e.depth == depth]  # steps at this depth (not the prefill, not the capped last ones)
+            r = gen.result
+            assert r is not None
+            best[depth] = min(best[depth], sum(v for k, v in r.timings.items() if k != "prefill") / max(r.stats.num_drafts, 1))
+            nodes[depth] = min(nodes[depth], sum(drafted) / max(len(drafted), 1))
+    short = {d: (1 + round(nodes[d]), 1 + tree_nodes(tree, d)) for d in depths if d > 0 and nodes[d] < tree_nodes(tree, d)}
+    extra_ms: dict[int, float] = {}
+    if short:
+        prefix = max(1, min(prefix, engine.target.max_positions - 2 - tree.total_tokens))  # a short context's model
+        extra_ms = time_tree_extras(engine.target, prefix, sorted({n for pair in short.values() for n in pair} - {1}), rounds=5, warmup=1)
+        extra_ms[1] = 0.0
+    samples = {d: best[d] for d in depths}
+    for depth, (drafted, full) in short.items():
+        samples[depth] += max(extra_ms[full] - extra_ms[drafted], 0.0) / 1e3
     return CostModel.fit(samples)

@@ -73,7 +73,7 @@ def measure(engine: SpecEngine, cats: dict[str, list[Conversation]], temperature
                     bar.update(1)
     bar.close()
     return {"rows": rows, "summary": summarise(rows, max_new_tokens), "max_new_tokens": max_new_tokens, "repeats": repeats,
-            "cost_model": {"step_s": cost.step_s, "draft_s": cost.draft_s, "per_level_s": cost.per_level_s},
+            "cost_model": cost.as_dict(),
             "tree": vars(engine.drafter.tree) if engine.drafter.tree is not None else None, "drafter": engine.drafter.name}
 
 

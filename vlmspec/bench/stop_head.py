@@ -69,7 +69,7 @@ def measure(engine: SpecEngine, prompts: list[Conversation], temperatures: tuple
     bar.close()
     return {"rows": rows, "summary": summarise(rows, max_new_tokens), "max_new_tokens": max_new_tokens, "repeats": repeats,
             "stop_threshold": drafter.stop_threshold, "tree": vars(drafter.tree),
-            "cost_model": {"step_s": cost.step_s, "draft_s": cost.draft_s, "per_level_s": cost.per_level_s}}
+            "cost_model": cost.as_dict()}
 
 
 def summarise(rows: list[dict[str, Any]], max_new_tokens: int) -> list[dict[str, Any]]:

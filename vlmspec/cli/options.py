@@ -151,8 +151,10 @@ def describe_speculation(engine) -> str:
     if spec.cost is None:
         return f"policy {spec.policy().name}"
     c = spec.cost
-    return (f"policy goodput, cost model measured at start-up: a plain step {c.step_s * 1e3:.1f} ms, drafting "
-            f"+{c.draft_s * 1e3:.1f} ms + {c.per_level_s * 1e3:.1f} ms per level (--policy fixed: always the full depth)")
+    drafted = ", ".join(f"{c.seconds(d) * 1e3:.1f}" for d in range(1, len(c.by_depth) + 1)) or (
+        f"+{c.draft_s * 1e3:.1f} + {c.per_level_s * 1e3:.1f} per level")
+    return (f"policy goodput, cost model measured at start-up: a plain step {c.step_s * 1e3:.1f} ms, a step drafting 1, 2, ... "
+            f"levels {drafted} ms (--policy fixed: always the full depth)")
 
 
 def env_default(name: str) -> str | None:

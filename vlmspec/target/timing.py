@@ -48,6 +48,25 @@ def time_tree_forward(target: Target, prefix: int, n: int, repeats: int, warmup:
 
 
 @torch.no_grad()
+def time_tree_extras(target: Target, prefix: int, sizes: list[int], rounds: int, warmup: int) -> dict[int, float]:
+    """{n: median ms that one `forward_tree` over a chain of n nodes costs over a one-token step},
+    on one prefix of `prefix` random tokens. Each round times the one-token step and every size
+    back to back, and the extra is the median over rounds of the same round's difference, so a
+    machine that drifts (a shared CPU) moves both sides of each difference together."""
+    ids = torch.randint(1, target.vocab_size, (1, prefix), device=target.device)
+    state, _ = target.prefill({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    trees = {n: DraftTree.chain(1, [2] * (n - 1)) for n in sorted({1, *sizes})}
+    diffs: dict[int, list[float]] = {n: [] for n in sizes}
+    for i in range(warmup + rounds):
+        ms = {n: _median_ms(target.device, lambda t=tree: target.forward_tree(state, t), 1, 0, after=lambda: state.cache.crop(prefix))
+              for n, tree in trees.items()}
+        if i >= warmup:
+            for n in sizes:
+                diffs[n].append(ms[n] - ms[1])
+    return {n: statistics.median(d) for n, d in diffs.items()}
+
+
+@torch.no_grad()
 def time_lm_head_rows(target: Target, k: int, rows: int, repeats: int, warmup: int) -> float:
     """Median ms of the target's LM head restricted to k output rows (a draft vocabulary of k
     tokens, as a trimmed EAGLE head applies it) over `rows` hidden states."""
@@ -56,4 +75,4 @@ def time_lm_head_rows(target: Target, k: int, rows: int, repeats: int, warmup: i
     return _median_ms(target.device, lambda: torch.nn.functional.linear(hidden, weight), repeats, warmup)
 
 
-__all__ = ["time_lm_head_rows", "time_tree_forward"]
+__all__ = ["time_lm_head_rows", "time_tree_extras", "time_tree_forward"]

@@ -420,8 +420,8 @@ def choose_stop_threshold(target: Target, drafter: EagleDrafter, prompts: list[C
             cfg = GenerationConfig(max_new_tokens=max_new_tokens, seed=i, policy=FixedPolicy())
             total += engine.generate(encode_prompt(target, c.prompt, c.images), cfg).stats
         levels = sum(total.reached_per_pos)
-        drafted_steps = total.reached_per_pos[0] if total.reached_per_pos else 0
-        seconds = total.num_drafts * cost.step_s + drafted_steps * cost.draft_s + levels * cost.per_level_s
+        reached = [total.num_drafts, *total.reached_per_pos, 0]  # [d]: steps that grew at least d levels
+        seconds = sum((reached[d] - reached[d + 1]) * cost.seconds(d) for d in range(len(reached) - 1))  # steps of exactly d levels
         rows.append({"threshold": thr, "tau": total.mean_accepted_length, "levels_per_step": levels / max(total.num_drafts, 1),
                      "drafted_per_accepted": total.num_draft_tokens / max(total.num_accepted_tokens, 1),
                      "modelled_tokens_per_s": total.num_emitted_tokens / seconds})
