@@ -151,7 +151,7 @@ def describe_speculation(engine) -> str:
     if spec.cost is None:
         return f"policy {spec.policy().name}"
     c = spec.cost
-    drafted = ", ".join(f"{c.seconds(d) * 1e3:.1f}" for d in range(1, len(c.by_depth) + 1)) or (
+    drafted = ", ".join(f"{s * 1e3:.1f}" for s in c.by_depth) or (
         f"+{c.draft_s * 1e3:.1f} + {c.per_level_s * 1e3:.1f} per level")
     return (f"policy goodput, cost model measured at start-up: a plain step {c.step_s * 1e3:.1f} ms, a step drafting 1, 2, ... "
             f"levels {drafted} ms (--policy fixed: always the full depth)")
