@@ -67,7 +67,7 @@ def test_ablation_runs_end_to_end_tiny(tmp_path, capsys):
     report = json.loads((out / "ablation.json").read_text())
     assert [r["variant"] for r in report["rows"]] == only
     for r in report["rows"]:
-        assert r["tau_t0"] >= 1.0 and r["tau_t1"] >= 1.0 and r["drafter_prefill_ms"] > 0 and r["speedup_t0"] > 0
+        assert r["tau_t0"] >= 1.0 and r["tau_t1"] >= 1.0 and r["drafter_prefill_ms"] > 0 and r["speedup_t0"] > 0 and r["plain_t0_s"] > 0
         assert r["drafter_prefill_ms_576"] > 0 and r["tau_t0_ci"][0] - 1e-9 <= r["tau_t0"] <= r["tau_t0_ci"][1] + 1e-9
         per = r["per_prompt_t0"]
         assert len(per["emitted"]) == len(per["forwards"]) == 7 and abs(sum(per["emitted"]) / sum(per["forwards"]) - r["tau_t0"]) < 1e-9

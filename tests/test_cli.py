@@ -365,6 +365,14 @@ def test_train_align_flags_that_need_another_are_one_line(capsys, model_dir, tmp
     assert message in err and "Traceback" not in err and not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("flags, message", [(["--init-from", "nowhere"], "is not a drafter folder"),
+                                            (["--text-style", "varied"], "add --text-pairs")])
+def test_train_flags_that_need_another_are_one_line(capsys, model_dir, tmp_path, flags, message):
+    assert main(["train", "--target", str(model_dir), "--out", str(tmp_path / "run"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and not (tmp_path / "run").exists()
+
+
 def test_bf16_on_a_cpu_without_bf16_units_is_warned_about_and_not_elsewhere():
     from vlmspec.factory import bf16_cpu_warning, cpu_has_bf16_units
 
@@ -386,3 +394,10 @@ def test_the_answer_style_choices_are_toyworlds():
     from vlmspec.data import toyworld
 
     assert ANSWER_STYLE_CHOICES == tuple(toyworld.ANSWER_STYLES)
+
+
+def test_the_text_style_choices_are_the_trainers():
+    from vlmspec.cli.options import TEXT_STYLE_CHOICES
+    from vlmspec.train.distill import TEXT_STYLES
+
+    assert TEXT_STYLE_CHOICES == TEXT_STYLES

@@ -47,6 +47,23 @@ def test_a_trimmed_head_trains_on_the_targets_most_frequent_answer_tokens(tmp_pa
     assert len(d2t) == 64 and set(target.eos_token_ids) <= set(d2t)
 
 
+def test_init_from_continues_a_trained_drafter_and_refuses_one_of_another_kind(tmp_path):
+    target = tiny_target("llava")
+    first, cont, fresh = tmp_path / "first", tmp_path / "cont", tmp_path / "fresh"
+    train_drafter(target, "toyworld", first, _cfg(steps=4, draft_vocab=64, draft_vocab_samples=8), progress=False)
+    trained = load_file(str(first / "drafter" / "model.safetensors"))
+    # lr 0: no step moves a weight, so what a run saves is what it started from
+    train_drafter(target, "toyworld", cont, _cfg(steps=1, lr=0.0, draft_vocab=64, draft_vocab_samples=8, init_from=str(first / "drafter")), progress=False)
+    train_drafter(target, "toyworld", fresh, _cfg(steps=1, lr=0.0, draft_vocab=64, draft_vocab_samples=8, seed=1), progress=False)
+    kept, new = load_file(str(cont / "drafter" / "model.safetensors")), load_file(str(fresh / "drafter" / "model.safetensors"))
+    assert set(kept) == set(trained)
+    assert all(torch.equal(kept[k], trained[k]) for k in trained), "the continued run did not start from the drafter's weights"
+    assert not torch.equal(new["fc.weight"], trained["fc.weight"])  # negative control: a fresh head is not that drafter
+    assert json.loads((cont / "checkpoint" / "trainer_state.json").read_text())["config"]["init_from"] == str(first / "drafter")
+    with pytest.raises(DataError, match="another kind.*draft_vocab_size"):  # a full-vocabulary run cannot start from a trimmed head
+        train_drafter(target, "toyworld", tmp_path / "bad", _cfg(steps=1, init_from=str(first / "drafter")), progress=False)
+
+
 def test_resume_is_exact(tmp_path):
     target = tiny_target("llava")
     straight, split = tmp_path / "straight", tmp_path / "split"

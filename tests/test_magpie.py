@@ -64,3 +64,24 @@ def test_pairs_keep_complete_new_instructions_with_complete_answers(tmp_path):
     assert cached_pairs(path, ScriptedModel(tok, []), tok, cfg, progress=False) == pairs
     other = ScriptedModel(tok, [["what is a good name for a cat"]] * 3)
     assert [p for p, _, _ in cached_pairs(path, other, tok, MagpieConfig(n=1, batch=1, max_rounds=3), progress=False)] == ["what is a good name for a cat"]
+
+
+def test_openers_start_the_sampled_user_turns_and_cycle_over_the_slots():
+    tok = _tok()
+
+    class Recording(ScriptedModel):
+        def generate(self, input_ids, **kw):
+            if kw["do_sample"]:
+                self.sampled = self.tok.batch_decode(input_ids, skip_special_tokens=False)
+            return super().generate(input_ids, **kw)
+
+    model = Recording(tok, [[" a poem about rain", " the planets by size", " does ice float", " a name for a cat"]])
+    cfg = MagpieConfig(n=4, batch=4, prompt_tokens=24, answer_tokens=12, max_rounds=1, openers=("Write", "List", "Why"))
+    pairs = magpie_pairs(model, tok, cfg, progress=False)
+    opening = user_turn_opening(tok)
+    assert [t[t.index(opening) + len(opening):] for t in model.sampled] == ["Write", "List", "Why", "Write"]  # slot i: opener i mod 3
+    assert [p for p, _, _ in pairs] == ["Write a poem about rain", "List the planets by size", "Why does ice float", "Write a name for a cat"]
+    # without openers the turn is left open (Magpie), as before
+    plain = Recording(tok, [["name three red fruits"]])
+    magpie_pairs(plain, tok, MagpieConfig(n=1, batch=1, prompt_tokens=24, answer_tokens=12, max_rounds=1), progress=False)
+    assert plain.sampled[0].endswith(opening)

@@ -211,6 +211,29 @@ def test_greedy_parity_for_every_variant(arch):
         assert out.token_ids == ref, vis.label()
 
 
+def test_every_variant_drafts_in_bfloat16():
+    """The shipped heads run in the target's dtype: a bf16 head reads float32 inputs (the gate's
+    question embedding) without a dtype clash, and still drafts tokens the target accepts."""
+    import copy
+
+    from vlmspec.target import Target
+    from vlmspec.testing.tiny import build_tiny
+
+    model, processor = build_tiny("llava", seed=0)
+    target = Target(copy.deepcopy(model).to(torch.bfloat16), processor, name="tiny-llava-bf16")
+    inputs = encode_prompt(target, "describe the picture", [tiny_image(3)])
+    gc = GenerationConfig(max_new_tokens=12)
+    ref = SpecEngine(target, NoDrafter()).generate(inputs, gc).token_ids
+    for vis in (*VARIANTS, VisualConfig("gate", 16, gate_cost=0.05)):
+        drafter = _variant(target, vis)
+        assert next(drafter.head.parameters()).dtype == torch.bfloat16
+        out = SpecEngine(target, drafter).generate(inputs, gc)
+        assert out.token_ids == ref, vis.label()  # (a random tiny model: no near-tie on these 12 tokens)
+        if drafter.head.visual.gate is not None:
+            logits = drafter.head.visual.gate(torch.randn(target.hidden_size))  # a float32 question
+            assert logits.dtype == torch.float32
+
+
 def test_variants_train_save_and_load(tmp_path):
     target = tiny_target("llava")
     for vis in (VisualConfig("gate", 4, decouple=True, global_feature=True, gate_cost=0.1), VisualConfig("attention", 16)):

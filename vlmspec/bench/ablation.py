@@ -294,7 +294,6 @@ def run(target: Target, which: str, steps: int, n_per_task: int, runs: Path, bas
     tree = TreeConfig.for_device("cpu")
     variants = [v for v in suite(which) if not only or v.name in only]
     run_prompts(target, NoDrafter(), prompts[:1], 0.0, max_new_tokens)  # warm-up: the baseline is not the process's first run
-    plain_t0 = run_prompts(target, NoDrafter(), prompts, 0.0, max_new_tokens)
     rows, drafters = [], {}
     fingerprint = target_fingerprint(target)
     for v in tqdm(variants, desc=f"ablate {which}", dynamic_ncols=True):
@@ -308,6 +307,9 @@ def run(target: Target, which: str, steps: int, n_per_task: int, runs: Path, bas
             (run_dir / TEACHER).write_text(json.dumps({"sha256": fingerprint}))
         train_s = json.loads((run_dir / "train_summary.json").read_text())["elapsed_s"]  # the training loop's time
         drafters[v.name] = drafter
+        # plain decoding timed right before each variant, so the speed-up compares two runs made a
+        # minute apart (one baseline at the start let anything that slowed it skew every row)
+        plain_t0 = run_prompts(target, NoDrafter(), prompts, 0.0, max_new_tokens)
         greedy = run_prompts(target, drafter, prompts, 0.0, max_new_tokens)
         sampled = run_prompts(target, drafter, prompts, 1.0, max_new_tokens)
         chosen = run_prompts(target, drafter, select, 0.0, max_new_tokens) if select else None
@@ -318,6 +320,7 @@ def run(target: Target, which: str, steps: int, n_per_task: int, runs: Path, bas
             "per_prompt_t0": greedy["per_prompt"], "per_prompt_t1": sampled["per_prompt"],
             "drafter_prefill_ms": drafter_prefill_ms(target, drafter, prompts),
             "speedup_t0": plain_t0["seconds"] / greedy["seconds"] * greedy["tokens"] / max(1, plain_t0["tokens"]),
+            "plain_t0_s": plain_t0["seconds"],
             "gate_picks": gate_picks(target, drafter, prompts),
             **({"tau_select": chosen["tau"], "per_prompt_select": chosen["per_prompt"]} if chosen else {}),
         })

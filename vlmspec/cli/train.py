@@ -12,6 +12,7 @@ from pathlib import Path
 
 from vlmspec.cli.options import (
     ANSWER_STYLE_CHOICES,
+    TEXT_STYLE_CHOICES,
     UsageError,
     add_device_args,
     check_draft_vocab,
@@ -74,6 +75,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="add N text-only instructions and answers the target writes itself (Magpie; cached in OUT/magpie.json)")
     d.add_argument("--text-share", type=float_in("--text-share", 0.0, 1.0), default=0.25,
                    help="share of each batch taken by the --text-pairs (default 0.25)")
+    d.add_argument("--text-style", choices=TEXT_STYLE_CHOICES, default="plain",
+                   help="--text-pairs' instructions: plain = the model's own open user turn (Magpie); varied = turns started "
+                        "with common instruction openings (Write, List, Why, ...), for a wider spread of requests")
+    d.add_argument("--init-from", metavar="DRAFTER",
+                   help="continue training from this drafter folder's weights (same --draft-vocab, --visual and "
+                        "--acceptance-head); its draft vocabulary is recounted on this run's data")
     d.add_argument("--answer-style", choices=ANSWER_STYLE_CHOICES, default="short",
                    help="ToyWorld answers phrased as the target was aligned (its train-align --answer-style), so the drafter "
                         "learns on the contexts the target writes (default: short, the bundled toy's)")
@@ -148,6 +155,13 @@ def run_train(args: argparse.Namespace) -> int:
         raise UsageError(f"data file not found: {args.data} (use 'toyworld' or a JSONL file)")
     if args.resume and not (Path(args.out) / "checkpoint").is_dir():
         raise UsageError(f"--resume: no checkpoint in {args.out}/checkpoint")
+    if args.init_from:
+        if args.resume:
+            raise UsageError("--init-from starts a new run; drop it to --resume one")
+        if not Path(args.init_from).is_dir():
+            raise UsageError(f"--init-from: {args.init_from} is not a drafter folder (config.json + model.safetensors)")
+    if args.text_style != "plain" and not args.text_pairs:
+        raise UsageError("--text-style shapes the --text-pairs; add --text-pairs N")
     target = factory.load(spec)
     check_draft_vocab(args.draft_vocab, target.vocab_size)
     cfg = DistillConfig(
@@ -155,7 +169,7 @@ def run_train(args: argparse.Namespace) -> int:
         ttt_steps=args.ttt_steps, curriculum_steps=args.curriculum_steps, eval_every=args.eval_every,
         minutes=args.minutes, seed=args.seed, regenerate=args.regenerate, draft_vocab=args.draft_vocab,
         acceptance_head=args.acceptance_head, text_pairs=args.text_pairs, text_share=args.text_share,
-        answer_style=args.answer_style,
+        answer_style=args.answer_style, text_style=args.text_style, init_from=args.init_from or "",
     )
     vis = VisualConfig(args.visual, args.ratio, args.decouple, args.global_feature, gate_cost=args.gate_cost if args.visual == "gate" else 0.0)
     cfg.visual = {} if vis.is_plain else vis.to_dict()

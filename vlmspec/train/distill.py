@@ -50,10 +50,13 @@ from vlmspec.stats import SpecStats
 from vlmspec.target import Target
 from vlmspec.text import generate_text
 from vlmspec.train.common import clipped_step, save_checkpoint_dir, warmup_cosine
-from vlmspec.train.magpie import MagpieConfig, Pair, as_conversation, cached_pairs
+from vlmspec.train.magpie import INSTRUCTION_OPENERS, MagpieConfig, Pair, as_conversation, cached_pairs
 from vlmspec.train.data import DataError, encode_conversations, load_jsonl, toyworld_stream
 from vlmspec.vision_compress import VisualConfig
 from vlmspec.vision_compress.capture import capture, image_token_id, last_layer_attention
+
+
+TEXT_STYLES = ("plain", "varied")  # DistillConfig.text_style
 
 
 @dataclass
@@ -93,13 +96,20 @@ class DistillConfig:
     text_pairs: int = 0
     text_share: float = 0.25
     text_answer_tokens: int = 96
+    text_style: str = "plain"  # plain: Magpie's open user turn; varied: turns started with magpie.INSTRUCTION_OPENERS
     # ToyWorld's answers phrased as the target was aligned (train-align --answer-style), so the
     # contexts the drafter learns on are the ones the target writes (toyworld.ANSWER_STYLES)
     answer_style: str = "short"
+    # continued training: start from this drafter folder's weights (same head shape, trimmed
+    # vocabulary size, visual variant and acceptance head); the draft vocabulary is recounted on
+    # this run's data. "" = a fresh head
+    init_from: str = ""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.text_share <= 1.0 or self.text_pairs < 0:
             raise ValueError(f"text_pairs must be >= 0 and text_share in [0, 1], got {self.text_pairs}, {self.text_share}")
+        if self.text_style not in TEXT_STYLES:
+            raise ValueError(f"text_style must be one of {TEXT_STYLES}, got {self.text_style!r}")
         if self.answer_style not in toyworld.ANSWER_STYLES:
             raise ValueError(f"answer_style must be one of {sorted(toyworld.ANSWER_STYLES)}, got {self.answer_style!r}")
 
@@ -504,11 +514,26 @@ def magpie_for(target: Target, out: Path, cfg: DistillConfig, progress: bool) ->
     if not getattr(tokenizer, "chat_template", None):
         raise DataError("--text-pairs needs a target whose tokenizer has a chat template (Magpie samples its user turn)")
     rounds = max(MagpieConfig.max_rounds, 3 * math.ceil(cfg.text_pairs / MagpieConfig.batch))  # room for unusable rounds
-    mcfg = MagpieConfig(n=cfg.text_pairs, seed=cfg.seed, answer_tokens=cfg.text_answer_tokens, max_rounds=rounds)
+    openers = INSTRUCTION_OPENERS if cfg.text_style == "varied" else ()
+    mcfg = MagpieConfig(n=cfg.text_pairs, seed=cfg.seed, answer_tokens=cfg.text_answer_tokens, max_rounds=rounds, openers=openers)
     pairs = cached_pairs(out / "magpie.json", target.model, tokenizer, mcfg, progress)
     if not pairs:
         raise DataError(f"the target wrote no usable Magpie instruction in {mcfg.max_rounds} rounds; train without --text-pairs")
     return pairs
+
+
+def warm_start(head: EagleHead, target: Target, folder: str | Path) -> None:
+    """Copy a trained drafter's weights into `head` (fp32 master weights); DataError unless the
+    two have the same shape, trimmed vocabulary size, visual variant and acceptance head."""
+    init = EagleDrafter.load(folder, target).head  # checked against the target, loaded strictly
+    want, have = head.config, init.config
+    diff = [f"{name}: {getattr(have, name)!r} (--init-from) != {getattr(want, name)!r} (this run)"
+            for name in ("draft_vocab_size", "acceptance_head", "extra", "intermediate_size", "num_attention_heads")
+            if getattr(have, name) != getattr(want, name)]
+    if diff:
+        raise DataError(f"--init-from {folder}: a drafter of another kind ({'; '.join(diff)}); "
+                        "train with the same --draft-vocab / --visual / --acceptance-head as it was")
+    head.load_state_dict(init.head_state_dict(), strict=True)  # same config, so the same keys
 
 
 def train_drafter(
@@ -544,6 +569,8 @@ def train_drafter(
         ecfg.extra["visual"] = vis.to_dict()
     head = EagleHead(ecfg, target.input_embeddings(), target.output_embeddings(), target.attention)
     head.to(device=target.device, dtype=torch.float32)
+    if cfg.init_from and not resume:
+        warm_start(head, target, cfg.init_from)
     if world > 1:  # every rank starts from rank 0's weights; gradients are averaged below
         for p in head.parameters():
             torch.distributed.broadcast(p.data, 0)

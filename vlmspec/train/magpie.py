@@ -7,6 +7,12 @@ Sampling that turn (temperature 1, nucleus 0.95) gives the prompts; the same mod
 to them are the targets. Trained on, these pairs keep a fine-tuned model's text-only behaviour
 its base's (self-distillation); a drafter trained on them sees what the target really says.
 
+Varied openings (`openers`): left alone, a small model samples much the same request again and
+again (SmolLM2-135M: mostly "I'm looking for ..."). With `openers`, each sampled user turn starts
+with one of them ("Write", "List", "Why", ...) and the model writes the rest, so the pairs
+spread over the kinds of instruction people send (`INSTRUCTION_OPENERS`; the openers are cycled
+over the batch slots).
+
 Kept: an instruction that ended with the end-of-turn token within `prompt_tokens`, of at least 3
 words, not one of the held-out text prompts (`heldout.TEXT_PROMPTS`), not a repeat; with its
 answer's first `answer_tokens` tokens and whether the answer ended there (a cut answer is trained
@@ -29,6 +35,14 @@ from vlmspec.data.heldout import TEXT_PROMPTS, Conversation
 
 _MARK = "\x00MAGPIE\x00"
 
+# first words of the kinds of request a chat model is sent: what `openers` starts user turns with
+INSTRUCTION_OPENERS = (
+    "Write", "Explain", "List", "Give", "What", "How", "Why", "Name", "Describe", "Summarize",
+    "Translate", "Suggest", "Tell me", "Compare", "Define", "Who", "When", "Which", "Create",
+    "Calculate", "Can you", "Rewrite", "Classify", "Generate", "Provide", "Recommend", "Is",
+    "Help me", "Make", "Convert", "Correct", "Plan",
+)
+
 
 @dataclass(frozen=True)
 class MagpieConfig:
@@ -40,6 +54,7 @@ class MagpieConfig:
     temperature: float = 1.0
     top_p: float = 0.95
     max_rounds: int = 12  # give up after this many prompt batches
+    openers: tuple[str, ...] = ()  # user turns start with these, cycled over the batch slots (() = Magpie's open turn)
 
 
 def user_turn_opening(tokenizer: Any) -> str:
@@ -50,7 +65,8 @@ def user_turn_opening(tokenizer: Any) -> str:
 
 
 def _generate(model: Any, tokenizer: Any, texts: list[str], max_new_tokens: int, sample: bool, cfg: MagpieConfig) -> list[tuple[str, bool]]:
-    """Left-padded batched generation -> (new text, ended with the end-of-turn token) per input."""
+    """Left-padded batched generation -> (new text, ended with the end-of-turn token) per input;
+    the text as decoded (a cut one without a trailing partial character), callers strip it."""
     eos = tokenizer.eos_token_id  # SmolLM2's is its end of turn, <|im_end|>
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
@@ -68,7 +84,7 @@ def _generate(model: Any, tokenizer: Any, texts: list[str], max_new_tokens: int,
         ended = eos in row
         ids = row[: row.index(eos)] if ended else row
         text = tokenizer.decode(ids, skip_special_tokens=True)
-        result.append((text.strip() if ended else text.rstrip("\ufffd").lstrip(), ended))  # a cut answer keeps its last space
+        result.append((text if ended else text.rstrip("\ufffd"), ended))
     return result
 
 
@@ -97,8 +113,10 @@ def magpie_pairs(model: Any, tokenizer: Any, cfg: MagpieConfig = MagpieConfig(),
         if len(pairs) >= cfg.n:
             break
         torch.manual_seed(cfg.seed * 1000 + rnd)
+        starts = [cfg.openers[(rnd * cfg.batch + i) % len(cfg.openers)] if cfg.openers else "" for i in range(cfg.batch)]
         prompts = []
-        for text, ended in _generate(model, tokenizer, [opening] * cfg.batch, cfg.prompt_tokens, True, cfg):
+        for start, (text, ended) in zip(starts, _generate(model, tokenizer, [opening + s for s in starts], cfg.prompt_tokens, True, cfg)):
+            text = (start + text).strip()
             if ended and _usable(text, seen):
                 seen.add(_key(text))
                 prompts.append(text)
@@ -106,6 +124,7 @@ def magpie_pairs(model: Any, tokenizer: Any, cfg: MagpieConfig = MagpieConfig(),
             continue
         asks = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) for p in prompts]
         for p, (answer, ended) in zip(prompts, _generate(model, tokenizer, asks, cfg.answer_tokens, False, cfg)):
+            answer = answer.strip() if ended else answer.lstrip()  # a cut answer keeps its last space
             if answer.strip() and len(pairs) < cfg.n:
                 pairs.append((p, answer, ended))
                 bar.update(1)
@@ -117,7 +136,9 @@ def cached_pairs(path: Path, model: Any, tokenizer: Any, cfg: MagpieConfig, prog
     """`magpie_pairs`, kept in `path` (JSON with its config) so a resumed run reads the same pairs."""
     if path.is_file():
         saved = json.loads(path.read_text())
-        if saved.get("config") == asdict(cfg):
+        saved_cfg = saved.get("config") or {}
+        saved_cfg["openers"] = tuple(saved_cfg.get("openers", ()))  # JSON keeps a list; files from before it had none
+        if saved_cfg == asdict(cfg):
             return [tuple(p) for p in saved["pairs"]]
     pairs = magpie_pairs(model, tokenizer, cfg, progress)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -131,4 +152,4 @@ def as_conversation(pair: Pair) -> Conversation:
     return Conversation(prompt, answer, task="magpie", open_end=not ended)
 
 
-__all__ = ["MagpieConfig", "Pair", "as_conversation", "cached_pairs", "magpie_pairs", "user_turn_opening"]
+__all__ = ["INSTRUCTION_OPENERS", "MagpieConfig", "Pair", "as_conversation", "cached_pairs", "magpie_pairs", "user_turn_opening"]

@@ -200,5 +200,5 @@ class Gate(nn.Module):
         nn.init.zeros_(self.proj.bias)
 
     def forward(self, question: torch.Tensor) -> torch.Tensor:
-        """question [..., H] -> logits [..., C]."""
-        return self.proj(question.float())
+        """question [..., H] (any float dtype) -> logits [..., C] float32, in the weights' dtype inside."""
+        return self.proj(question.to(self.proj.weight.dtype)).float()
