@@ -492,7 +492,7 @@ def write_report(rows: list[dict[str, Any]], which: str, out: Path, env: dict[st
     b.barh([i + 0.2 for i in y], [r.get("drafter_prefill_ms_576") or 0.0 for r in rows][::-1], height=0.4, color="tab:gray",
            label="576 image tokens (LLaVA-1.5 size)")
     b.barh([i - 0.2 for i in y], [r["drafter_prefill_ms"] for r in rows][::-1], height=0.4, color="tab:olive",
-           label="bundled target (9 image tokens)")
+           label="the target's own prompts")
     b.set_yticks(list(y), [f"x{r['speedup_t0']:.2f}" for r in rows][::-1])
     b.set_xlabel("drafter prefill (ms); labels: end-to-end speedup at T=0")
     b.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, frameon=False)
