@@ -528,7 +528,7 @@ def warm_start(head: EagleHead, target: Target, folder: str | Path) -> None:
     init = EagleDrafter.load(folder, target).head  # checked against the target, loaded strictly
     want, have = head.config, init.config
     diff = [f"{name}: {getattr(have, name)!r} (--init-from) != {getattr(want, name)!r} (this run)"
-            for name in ("draft_vocab_size", "acceptance_head", "extra", "intermediate_size", "num_attention_heads")
+            for name in ("draft_vocab_size", "acceptance_head", "extra")  # the shape follows the target, checked on load
             if getattr(have, name) != getattr(want, name)]
     if diff:
         raise DataError(f"--init-from {folder}: a drafter of another kind ({'; '.join(diff)}); "

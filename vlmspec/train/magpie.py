@@ -132,13 +132,17 @@ def magpie_pairs(model: Any, tokenizer: Any, cfg: MagpieConfig = MagpieConfig(),
     return pairs
 
 
+def _as_json(cfg: MagpieConfig) -> dict[str, Any]:
+    """The config as it reads back from JSON (tuples become lists)."""
+    return json.loads(json.dumps(asdict(cfg)))
+
+
 def cached_pairs(path: Path, model: Any, tokenizer: Any, cfg: MagpieConfig, progress: bool = True) -> list[Pair]:
     """`magpie_pairs`, kept in `path` (JSON with its config) so a resumed run reads the same pairs."""
     if path.is_file():
         saved = json.loads(path.read_text())
-        saved_cfg = saved.get("config") or {}
-        saved_cfg["openers"] = tuple(saved_cfg.get("openers", ()))  # JSON keeps a list; files from before it had none
-        if saved_cfg == asdict(cfg):
+        saved_cfg = {**_as_json(MagpieConfig()), **(saved.get("config") or {})}  # fields added since take their defaults
+        if saved_cfg == _as_json(cfg):
             return [tuple(p) for p in saved["pairs"]]
     pairs = magpie_pairs(model, tokenizer, cfg, progress)
     path.parent.mkdir(parents=True, exist_ok=True)
