@@ -110,6 +110,33 @@ def _legacy_save(drafter, folder):
     (folder / "config.json").write_text(json.dumps(legacy, indent=2))
 
 
+def test_a_drafter_s_measured_tree_is_its_default_and_the_spec_s_knobs_still_win(tmp_path):
+    from vlmspec.factory import EngineSpec, tree_config
+
+    target = tiny_target("llava")
+    cfg = EagleConfig.from_target(target)
+    cfg.tree_defaults = {"cpu": [7, 3, 12]}
+    EagleDrafter(EagleHead(cfg, target.input_embeddings(), target.output_embeddings())).save(tmp_path / "measured")
+    EagleDrafter.random_init(target).save(tmp_path / "plain")  # records no tree: the negative control
+    measured, plain = str(tmp_path / "measured"), str(tmp_path / "plain")
+    assert json.loads((tmp_path / "measured" / "config.json").read_text())["tree_defaults"] == {"cpu": [7, 3, 12]}
+    assert load_drafter(measured, target).tree == TreeConfig(7, 3, 12)
+    assert load_drafter(plain, target).tree == TreeConfig()
+    assert tree_config(EngineSpec(), "cpu", measured) == TreeConfig(7, 3, 12)
+    assert tree_config(EngineSpec(tree_depth=4), "cpu", measured) == TreeConfig(4, 3, 12)  # a knob given wins, the rest stay
+    assert tree_config(EngineSpec(), "cpu", plain) == tree_config(EngineSpec(), "cpu", "ngram") == TreeConfig.for_device("cpu")
+    assert tree_config(EngineSpec(), "cuda", measured) == TreeConfig.for_device("cuda")  # no entry for that device
+    fields = {name: getattr(cfg, name) for name in EagleConfig.field_names()}
+    for bad in ({"gpu": [7, 3, 12]}, {"cpu": [7, 3]}, {"cpu": [7, 0, 12]}, {"cpu": [7, 3, 1.5]}, [7, 3, 12]):
+        with pytest.raises(ValueError, match="tree_defaults"):
+            EagleConfig(**{**fields, "tree_defaults": bad})
+
+
+def test_the_default_model_s_drafter_records_its_measured_cpu_tree():
+    cfg = json.loads((assets.ASSETS / "smolvlm-toyworld-drafter" / "config.json").read_text())
+    assert EagleConfig(**{k: v for k, v in cfg.items() if k in EagleConfig.field_names()}).default_tree("cpu") == TreeConfig(7, 4, 16)
+
+
 def test_eagle_legacy_folder_still_loads_and_says_how_to_convert(tmp_path, caplog):
     target = tiny_target("llava")
     d = EagleDrafter.random_init(target, seed=4)

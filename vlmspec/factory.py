@@ -10,7 +10,7 @@ Resolution rules: no model -> the aligned real target when it is built (`vlmspec
 with the trained parts), else the committed toy; "toy" -> the toy; drafter "auto" -> the EAGLE drafter shipped for that model (the toy's, the
 default model's), else n-gram; "eagle" -> that drafter (the name the service shows for it); device None -> CUDA when available; dtype "auto" -> bfloat16 on CUDA, float32 on CPU;
 policy "goodput" (the default) -> the engine's cost model is measured at build (`measure_cost`,
-three rounds of 16 tokens at every depth from 0 to the tree's on a short text prompt, about 20 s in fp32 here) unless the drafter never drafts.
+three rounds of 16 tokens at every depth from 0 to the tree's on a short text prompt, about 20 s in fp32 here for a depth-5 tree, growing with the depth) unless the drafter never drafts.
 Bad choices raise `ConfigError` with a message that says what to pass instead.
 """
 
@@ -23,7 +23,7 @@ import torch
 
 from vlmspec import assets
 from vlmspec.control import POLICIES, CostModel, FixedPolicy, Speculation
-from vlmspec.draft import NoDrafter, TreeConfig, load_drafter
+from vlmspec.draft import NoDrafter, TreeConfig, default_tree, load_drafter
 from vlmspec.draft.base import Drafter
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.errors import ConfigError
@@ -42,7 +42,7 @@ class EngineSpec:
     device: str | None = None  # cpu | cuda | cuda:N; None = CUDA when available
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     attention: str = "auto"  # auto | triton | sdpa | eager
-    tree_depth: int | None = None  # None: the device's default (TreeConfig.for_device)
+    tree_depth: int | None = None  # None: the drafter's measured default for the device, else the device's (TreeConfig.for_device)
     tree_topk: int | None = None
     tree_tokens: int | None = None
     policy: str = "goodput"  # the default speculation policy of the engine's requests (goodput | fixed)
@@ -121,8 +121,10 @@ def resolve_drafter(drafter: str, model: str) -> str:
                       "pass a drafter folder trained for this model (vlmspec train), or ngram / none")
 
 
-def tree_config(spec: EngineSpec, device: str) -> TreeConfig:
-    base = TreeConfig.for_device(device)
+def tree_config(spec: EngineSpec, device: str, drafter: str | None = None) -> TreeConfig:
+    """The draft tree: the spec's knobs over the drafter's measured default for this device (its
+    config's `tree_defaults`; `drafter` is a resolved drafter name), else the device's default."""
+    base = (default_tree(drafter, device) if drafter else None) or TreeConfig.for_device(device)
     return TreeConfig(depth=spec.tree_depth or base.depth, top_k=spec.tree_topk or base.top_k,
                       total_tokens=spec.tree_tokens or base.total_tokens)
 
@@ -135,7 +137,8 @@ def load(spec: EngineSpec) -> Target:
 
 def drafter_for(spec: EngineSpec, target: Target) -> Drafter:
     """The drafter of `spec` for an already loaded target (DrafterLoadError / ConfigError)."""
-    return load_drafter(resolve_drafter(spec.drafter, target.name), target, tree_config(spec, str(target.device)))
+    name = resolve_drafter(spec.drafter, target.name)
+    return load_drafter(name, target, tree_config(spec, str(target.device), name))
 
 
 def build_engine(spec: EngineSpec) -> SpecEngine:

@@ -411,7 +411,7 @@ class RunOptions:
 def bench_drafters(spec: EngineSpec, target: Target, eagle: tuple[str, ...] = ()) -> dict[str, Drafter]:
     """none, ngram, and one drafter per entry of `eagle`: an EAGLE folder (default: the drafter
     `spec`'s "auto" resolves to, when that is a trained one) or `self` / `self:E` (self-speculation),
-    all with `spec`'s tree on the target's device."""
+    each with `spec`'s tree knobs over its own default for the target's device (`factory.tree_config`)."""
     drafters: dict[str, Drafter] = {"none": NoDrafter(), "ngram": NgramDrafter(factory.tree_config(spec, str(target.device)))}
     auto = factory.resolve_drafter("auto", target.name)
     folders = 0
@@ -430,8 +430,9 @@ def bench(spec: EngineSpec, opts: RunOptions, progress: bool = True) -> dict[str
     drafters = bench_drafters(spec, target, opts.eagle)
     prompts = load_prompts(opts.prompts, opts.n)
     report = run_bench(target, drafters, prompts, opts.temperature, opts.max_new_tokens, opts.warmup, opts.repeats, progress=progress)
-    tree = factory.tree_config(spec, str(target.device))
-    report["env"]["tree"] = {"depth": tree.depth, "top_k": tree.top_k, "total_tokens": tree.total_tokens}
+    # each drafting method's tree: the spec's knobs over its drafter's measured default, else the device's
+    report["env"]["trees"] = {f"vlmspec_{name}": [d.tree.depth, d.tree.top_k, d.tree.total_tokens]
+                              for name, d in drafters.items() if d.tree is not None}
     return report
 
 

@@ -99,10 +99,13 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="auto = bfloat16 on CUDA, float32 on CPU")
 
 
+TREE_DEFAULT = "default: the drafter's measured tree for the device (its config's tree_defaults), else the device's"
+
+
 def add_tree_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tree-depth", type=positive_int("--tree-depth"), default=None, help="draft-tree depth (default: per device)")
-    p.add_argument("--tree-topk", type=positive_int("--tree-topk"), default=None, help="children per expanded node (default: per device)")
-    p.add_argument("--tree-tokens", type=positive_int("--tree-tokens"), default=None, help="drafted nodes per tree (default: per device)")
+    p.add_argument("--tree-depth", type=positive_int("--tree-depth"), default=None, help=f"draft-tree depth ({TREE_DEFAULT})")
+    p.add_argument("--tree-topk", type=positive_int("--tree-topk"), default=None, help=f"children per expanded node ({TREE_DEFAULT})")
+    p.add_argument("--tree-tokens", type=positive_int("--tree-tokens"), default=None, help=f"drafted nodes per tree ({TREE_DEFAULT})")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -43,4 +43,17 @@ def load_drafter(spec: str, target, tree: TreeConfig | None = None) -> Drafter:
     return EagleDrafter.from_pretrained(spec, target, tree)
 
 
-__all__ = ["Drafter", "DraftSession", "NoDrafter", "NgramDrafter", "PromptContext", "TreeConfig", "load_drafter"]
+def default_tree(spec: str, device: str) -> TreeConfig | None:
+    """The tree shape drafter `spec` was measured best with on `device`'s type (an EAGLE drafter's
+    config, `tree_defaults`); None for model-free drafters and drafters that record none."""
+    if spec in MODEL_FREE or spec.split(":")[0] == "self":
+        return None
+    from vlmspec.draft.eagle import CONFIG_NAME, EagleDrafter, looks_like_hub_id
+
+    path = Path(spec).expanduser()
+    if (path.is_dir() and not (path / CONFIG_NAME).is_file()) or (not path.is_dir() and not looks_like_hub_id(spec)):
+        return None  # not a drafter folder: load_drafter says what is wrong with it
+    return EagleDrafter.default_tree(spec, device)
+
+
+__all__ = ["Drafter", "DraftSession", "NoDrafter", "NgramDrafter", "PromptContext", "TreeConfig", "default_tree", "load_drafter"]

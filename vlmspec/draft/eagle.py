@@ -86,6 +86,9 @@ class EagleConfig(PretrainedConfig):
     acceptance_head: bool = False  # SpecDec++: an acceptance-prediction head in the weights (`accept.*`)
     stop_threshold: float = 0.0  # stop deepening when no path's predicted acceptance reaches it (0: never; chosen on validation)
     extra: dict[str, Any] = field(default_factory=dict)  # variant settings: {"visual": VisualConfig dict}
+    # measured best tree per device type, {"cpu": [depth, top_k, total_tokens]} (`vlmspec bench trees`;
+    # the card says how); a device without an entry gets `TreeConfig.for_device`
+    tree_defaults: dict[str, list[int]] = field(default_factory=dict)
 
     def __post_init__(self, **kwargs: Any) -> None:
         for name in ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -104,11 +107,22 @@ class EagleConfig(PretrainedConfig):
             raise ValueError("stop_threshold needs acceptance_head (the stop rule reads its predictions)")
         if not isinstance(self.extra, dict):
             raise ValueError(f"extra must be a JSON object, got {self.extra!r}")
+        if not isinstance(self.tree_defaults, dict):
+            raise ValueError(f"tree_defaults must be a JSON object, got {self.tree_defaults!r}")
+        for device, shape in self.tree_defaults.items():
+            ok = isinstance(shape, (list, tuple)) and len(shape) == 3 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in shape)
+            if device not in ("cpu", "cuda") or not ok:
+                raise ValueError(f"tree_defaults maps 'cpu' / 'cuda' to [depth, top_k, total_tokens] (positive integers), got {device!r}: {shape!r}")
         super().__post_init__(**kwargs)
 
     @property
     def visual(self) -> VisualConfig:
         return VisualConfig.from_dict(self.extra.get("visual"))
+
+    def default_tree(self, device: str | torch.device) -> TreeConfig | None:
+        """The tree measured best for this drafter on `device`'s type; None when none was recorded."""
+        shape = self.tree_defaults.get(torch.device(device).type)
+        return None if shape is None else TreeConfig(*shape)
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -335,6 +349,11 @@ class EagleDrafter:
         self.head.config.save_pretrained(d)
         save_file(self.head.head_state_dict(), str(d / WEIGHTS_NAME), metadata={"format": "pt"})
 
+    @staticmethod
+    def default_tree(folder_or_hub_id: str | Path, device: str | torch.device) -> TreeConfig | None:
+        """The tree a drafter's config records as measured best on `device`'s type (None: none recorded)."""
+        return _read_config(_checkpoint_folder(str(folder_or_hub_id))).default_tree(device)
+
     @classmethod
     def from_pretrained(cls, folder_or_hub_id: str | Path, target: Target, tree: TreeConfig | None = None) -> "EagleDrafter":
         """A drafter folder, or a hub id ("org/name"): from the hub when it answers, else from the
@@ -366,7 +385,7 @@ class EagleDrafter:
                 check_draft_vocab(head.d2t, config.draft_vocab_size, config.vocab_size)
             except ValueError as exc:
                 raise DrafterLoadError(f"{w_path}: {exc}") from None
-        return cls(head.to(device=target.device, dtype=target.dtype), tree)
+        return cls(head.to(device=target.device, dtype=target.dtype), tree or config.default_tree(target.device))
 
     def start(self, prompt: PromptContext, tree: TreeConfig | None = None) -> DraftSession:
         return _EagleSession(self.head, tree or self.tree, prompt, self.stop_threshold)
