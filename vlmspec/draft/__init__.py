@@ -46,7 +46,7 @@ def load_drafter(spec: str, target, tree: TreeConfig | None = None) -> Drafter:
 def default_tree(spec: str, device: str) -> TreeConfig | None:
     """The tree shape drafter `spec` was measured best with on `device`'s type (an EAGLE drafter's
     config, `tree_defaults`); None for model-free drafters and drafters that record none."""
-    if spec in MODEL_FREE or spec.split(":")[0] == "self":
+    if spec.split(":")[0] in MODEL_FREE:  # none, ngram, self[:E[:K]]
         return None
     from vlmspec.draft.eagle import CONFIG_NAME, EagleDrafter, looks_like_hub_id
 
