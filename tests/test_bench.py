@@ -316,3 +316,11 @@ def test_ablation_variants_train_in_the_targets_answer_style_and_draft_vocabular
     seen.clear()
     assert main(common + ["--draft-vocab", "100000"]) == 2
     assert "--draft-vocab must be between" in capsys.readouterr().err and not seen
+
+
+def test_a_bench_json_into_a_folder_not_made_yet_is_written_not_lost(tmp_path):
+    from vlmspec.bench.harness import write_json
+
+    path = tmp_path / "new" / "deeper" / "run.json"
+    write_json(path, {"tok_s": 1.5})
+    assert json.loads(path.read_text()) == {"tok_s": 1.5}

@@ -264,8 +264,8 @@ def test_steps_without_a_draft_run_no_drafter_forward():
     inputs = encode_prompt(target, "once upon a time", [])
     drafter = EagleDrafter.random_init(target, TreeConfig(depth=3, top_k=2, total_tokens=6), seed=2)
     calls = []
-    real = drafter.head.forward
-    drafter.head.forward = lambda *a, **k: calls.append(a[0].shape[-1]) or real(*a, **k)
+    real = drafter.head.decode  # what drafting runs (forward: training and the tests' reference)
+    drafter.head.decode = lambda *a, **k: calls.append(a[0].shape[-1]) or real(*a, **k)
     plain = SpecEngine(target, NoDrafter()).generate(inputs, GenerationConfig(max_new_tokens=12, ignore_eos=True)).token_ids
     got = SpecEngine(target, drafter).generate(inputs, GenerationConfig(max_new_tokens=12, ignore_eos=True, policy=FixedPolicy(0)))
     assert got.token_ids == plain and len(calls) == 1  # the prompt's rows at the first step, nothing after

@@ -16,6 +16,7 @@ from vlmspec.draft.eagle import DrafterLoadError, EagleConfig, EagleDrafter, Eag
 from vlmspec.draft.ngram import NgramConfig, NgramDrafter
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.inputs import encode_prompt
+from vlmspec.kv_cache import KVCache
 from vlmspec.testing.tiny import tiny_image
 from vlmspec.tree import DraftTree, tree_attention_mask
 from vlmspec.vision_compress import VisualConfig
@@ -376,17 +377,20 @@ def _reference_propose(s, root, max_depth):
     return full.select(torch.tensor([0, *sorted(order)]))
 
 
-def _standalone_drafter(tree, vocab=40, hidden=32, ties=False, seed=0):
+def _standalone_drafter(tree, vocab=40, hidden=32, ties=False, seed=0, draft_vocab=0):
     """An EAGLE head over its own small embedding / LM head (no target). ties=True: the LM head's
     rows come in equal pairs, so every distribution has exact ties to break."""
     torch.manual_seed(seed)
     cfg = EagleConfig(hidden_size=hidden, vocab_size=vocab, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                      intermediate_size=64, max_position_embeddings=512)
+                      intermediate_size=64, max_position_embeddings=512, draft_vocab_size=draft_vocab)
     embed, lm_head = torch.nn.Embedding(vocab, hidden), torch.nn.Linear(hidden, vocab, bias=False)
     if ties:
         with torch.no_grad():
             lm_head.weight[1::2] = lm_head.weight[0::2][: vocab // 2]
-    return EagleDrafter(EagleHead(cfg, embed, lm_head), tree)
+    head = EagleHead(cfg, embed, lm_head)
+    if draft_vocab:
+        head.set_draft_vocab(torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:draft_vocab].sort().values)
+    return EagleDrafter(head, tree)
 
 
 def _same_proposals(drafter, prompt, hidden, steps=3, seed=0):
@@ -414,6 +418,54 @@ def test_propose_drafts_the_same_tree_as_the_reference(tree, ties):
     for n in (1, 9):
         prompt = PromptContext(torch.randint(40, (n,), generator=g), torch.randn(n, 32, generator=g))
         _same_proposals(d, prompt, 32)
+
+
+@pytest.mark.parametrize("tree", [TreeConfig(4, 3, 10), TreeConfig(7, 4, 16)])
+def test_propose_in_bf16_drafts_the_same_tree_as_the_reference(tree):
+    """bf16 is where decode() packs its weights (PackedLinear) and fuses q/k/v and gate/up: the
+    reference runs the HF layer and F.linear, and every tree must still come out identical."""
+    d = _standalone_drafter(tree, vocab=64, hidden=64, seed=tree.depth)
+    d.head.to(torch.bfloat16)
+    d.head.embed.to(torch.bfloat16), d.head.lm_head.to(torch.bfloat16)
+    g = torch.Generator().manual_seed(5)
+    for n in (1, 9):
+        prompt = PromptContext(torch.randint(64, (n,), generator=g), torch.randn(n, 64, generator=g).bfloat16())
+        _same_proposals(d, prompt, 64)
+
+
+@pytest.mark.parametrize("draft_vocab", [0, 24])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_is_forward_and_follows_weights_changed_in_place(dtype, draft_vocab):
+    d = _standalone_drafter(TreeConfig(3, 2, 4), vocab=64, hidden=64, seed=1, draft_vocab=draft_vocab)
+    head = d.head.to(dtype)
+    head.embed.to(dtype), head.lm_head.to(dtype)
+    g = torch.Generator().manual_seed(0)
+    n, start = 5, 7
+    toks, feats = torch.randint(64, (start + n,), generator=g), torch.randn(start + n, 64, generator=g).to(dtype)
+    pos = torch.arange(start + n)
+
+    def both():
+        outs = []
+        for run in (head.decode, head.forward):
+            cache = KVCache()
+            with torch.no_grad():
+                run(toks[:start], feats[:start], pos[:start], tree_attention_mask(torch.ones(start, start, dtype=torch.bool).tril(), 0, dtype), cache.hf)
+                h = run(toks[start:], feats[start:], pos[start:], tree_attention_mask(torch.eye(n, dtype=torch.bool), start, dtype), cache.hf)
+            outs.append((h, head.decode_logits(h) if run == head.decode else head.logits(h)))
+        return outs
+
+    (h1, l1), (h2, l2) = both()
+    assert torch.equal(h1, h2) and torch.equal(l1, l2)
+    with torch.no_grad():  # as an optimiser step writes them: in place
+        head.layer.mlp.up_proj.weight.mul_(1.5)
+        head.lm_head.weight.add_(0.25)
+    (h3, l3), (h4, l4) = both()
+    assert not torch.equal(h3, h1) and not torch.equal(l3, l1)  # the cached packed weights were rebuilt ...
+    assert torch.equal(h3, h4) and torch.equal(l3, l4)  # ... to the new ones
+    if draft_vocab:  # and to a new draft vocabulary
+        head.set_draft_vocab(torch.arange(draft_vocab) * 2)
+        (h5, l5), (h6, l6) = both()
+        assert torch.equal(l5, l6) and torch.equal(l5, head.lm_head(h5).float()[..., ::2][..., :draft_vocab])
 
 
 @pytest.mark.parametrize("vis", [None, VisualConfig("none", global_feature=True)])

@@ -37,6 +37,19 @@ def test_ancestor_mask_exact():
     assert torch.equal(m, expected)
 
 
+def test_depth_and_mask_of_random_trees_follow_their_paths():
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 17, 100):
+        parents = torch.tensor([-1] + [int(torch.randint(i, (1,), generator=g)) for i in range(1, n)])
+        tree = DraftTree(torch.arange(n), parents)
+        paths = [tree.path_to(i) for i in range(n)]  # the oracle: walk up to the root
+        assert tree.depth.tolist() == [len(p) - 1 for p in paths] and tree.depth.dtype == torch.long
+        expected = torch.zeros(n, n, dtype=torch.bool)
+        for i, p in enumerate(paths):
+            expected[i, p] = True
+        assert torch.equal(tree.ancestor_mask(), expected)
+
+
 def test_chain_mask_is_causal():
     tree = DraftTree.chain(5, [6, 7, 8])
     assert torch.equal(tree.ancestor_mask(), torch.ones(4, 4, dtype=torch.bool).tril())

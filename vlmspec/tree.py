@@ -30,11 +30,10 @@ class DraftTree:
         assert bool((self.parents[1:] < idx[1:]).all()) and bool((self.parents[1:] >= 0).all()), (
             "parents must come before their children"
         )
-        depth = torch.zeros(n, dtype=torch.long)
-        par = self.parents.tolist()
+        par, depth = self.parents.tolist(), [0] * n  # on the host: one tensor op, not three per node
         for i in range(1, n):
             depth[i] = depth[par[i]] + 1
-        self.depth = depth
+        self.depth = torch.tensor(depth, dtype=torch.long)
         if self.draft_probs is not None:
             assert self.draft_probs.shape[0] == n, "draft_probs must be [N, V]"
 
@@ -93,12 +92,13 @@ class DraftTree:
 
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     """parents [N] (topologically ordered, parents[0] = -1) -> [N, N] bool ancestor-or-self mask."""
-    n = parents.shape[0]
-    mask = torch.eye(n, dtype=torch.bool)
     par = parents.tolist()
-    for i in range(1, n):
-        mask[i] |= mask[par[i]]
-    return mask
+    rows: list[list[bool]] = []
+    for i, p in enumerate(par):  # on the host: a row is its parent's plus itself
+        row = rows[p].copy() if p >= 0 else [False] * len(par)
+        row[i] = True
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.bool)  # [N, N]
 
 
 def tree_attention_mask(tree_mask: torch.Tensor, prefix_len: int, dtype: torch.dtype) -> torch.Tensor:

@@ -436,15 +436,22 @@ def bench(spec: EngineSpec, opts: RunOptions, progress: bool = True) -> dict[str
     return report
 
 
+def write_json(path: str | Path, data: Any) -> None:
+    """Write a bench's numbers as JSON, making the folder first (a missing folder must not lose a run)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2))
+
+
 def save_report(report: dict[str, Any], out: Path | None = None, json_path: Path | None = None) -> str:
     """Write the report (JSON at `json_path`; results.json / .md / .png in `out`); -> the Markdown table."""
     table = markdown_table(report)
     if json_path:
-        Path(json_path).write_text(json.dumps(report, indent=2))
+        write_json(json_path, report)
     if out:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(report, indent=2))
+        write_json(out / "results.json", report)
         (out / "results.md").write_text(table + "\n")
         plot(report, out / "results.png")
     return table

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from vlmspec.cli.options import (
@@ -181,11 +180,7 @@ def run_server_bench(args: argparse.Namespace) -> int:
         raise UsageError(f"bench server needs the service's packages: pip install 'vlmspec[serve]' ({exc.name} is missing)") from None
     engine = factory.build_engine(engine_spec(args))
     report = measure(engine, heldout("bench", args.n), max_tokens=args.max_new_tokens, repeats=args.repeats, stream=args.stream, progress=True)
-    report["command"] = args.command_line
-    print(format_report(report))
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(report, indent=2))
-    return 0
+    return _report(report, format_report(report), args)
 
 
 def _add_ways_args(p: argparse.ArgumentParser, n: int, n_help: str, temperatures: str) -> None:
@@ -201,11 +196,12 @@ def _add_ways_args(p: argparse.ArgumentParser, n: int, n_help: str, temperatures
 
 def _report(report: dict, text: str, args: argparse.Namespace) -> int:
     """Print a bench's table; write its JSON (with the command) where --json asks."""
+    from vlmspec.bench.harness import write_json
+
     report["command"] = args.command_line
     print(text)
     if args.json_path:
-        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_path).write_text(json.dumps(report, indent=2))
+        write_json(args.json_path, report)
     return 0
 
 
@@ -264,10 +260,7 @@ def run_verify_cost(args: argparse.Namespace) -> int:
                              prefix=args.prefix, sizes=tuple(args.sizes), repeats=args.repeats, warmup=args.warmup,
                              draft_vocab=tuple(args.draft_vocab))
     report = measure(opts)
-    print(format_table(report))
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(report, indent=2))
-    return 0
+    return _report(report, format_table(report), args)
 
 
 def run_kernel(args: argparse.Namespace) -> int:
@@ -277,10 +270,7 @@ def run_kernel(args: argparse.Namespace) -> int:
                          head_dim=args.head_dim, batch=args.batch, dtype=args.dtype, warmup=args.warmup, repeats=args.repeats,
                          flush=not args.no_flush, seed=args.seed)
     report = run(opts)  # ConfigError without CUDA / triton: one line, exit 2
-    print(format_table(report))
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(report, indent=2))
-    return 0
+    return _report(report, format_table(report), args)
 
 
 def run_ablate(args: argparse.Namespace) -> int:

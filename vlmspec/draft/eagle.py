@@ -7,6 +7,9 @@ The head reads pairs (target feature at position i, token at position i+1):
     p(token_{i+2}) = softmax(lm_head(h_i))                          # the target's frozen LM head
 
 h_i is trained to predict the target's feature at position i+1, so drafting feeds it back.
+Training runs `EagleHead.forward` (the HF layer as it is); drafting runs `EagleHead.decode`, the
+same layer in fewer ops over weights packed once for the CPU's bf16 matrix units, held to
+`forward` proposal for proposal by the tests.
 Embedding and LM head are the target's own modules, shared and frozen; only fc, the norms and
 the decoder layer are the head's weights.
 
@@ -32,16 +35,17 @@ import json
 import logging
 from dataclasses import field, fields
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, DynamicCache, LlamaConfig, PretrainedConfig
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from vlmspec.errors import DrafterLoadError
+from vlmspec.kernels.packed_linear import PackedLinear
 from vlmspec.transfer import to_device
 from vlmspec.draft.base import DraftSession, PromptContext, TreeConfig
 from vlmspec.kv_cache import KVCache
@@ -241,7 +245,8 @@ class EagleHead(nn.Module):
         # a trimmed draft vocabulary: d2t[j] = the target id of draft token j (saved with the weights)
         if config.draft_vocab_size:
             self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
-        self._draft_weight: torch.Tensor | None = None  # lm_head rows of d2t, cached (never saved)
+        self._draft_weight: tuple[tuple, torch.Tensor] | None = None  # lm_head rows of d2t, cached (never saved)
+        self._decode: tuple[tuple, _DecodeLinears] | None = None  # decode()'s packed weights, cached (never saved)
 
     @property
     def embed(self) -> nn.Module:
@@ -250,6 +255,24 @@ class EagleHead(nn.Module):
     @property
     def lm_head(self) -> nn.Module:
         return self._frozen[1]
+
+    def _layer_input(
+        self,
+        token_ids: torch.Tensor,  # [B, n]
+        features: torch.Tensor,  # [B, n, H]
+        direct: torch.Tensor | None,  # [B, n] bool
+        fuse: torch.Tensor | None,  # [B, n] bool
+        global_feat: torch.Tensor | None,  # [B, H]
+        fc: Callable[[torch.Tensor], torch.Tensor] | None = None,  # self.fc, or its packed weight
+    ) -> torch.Tensor:  # [B, n, H]: what the decoder layer reads
+        emb = self.embed(token_ids)
+        features = features.to(emb.dtype)
+        if global_feat is not None and fuse is not None and self.visual is not None:
+            features = self.visual.fuse_global(features, global_feat, fuse)
+        x = (fc or self.fc)(torch.cat([self.embed_norm(emb), self.feat_norm(features)], dim=-1))
+        if direct is not None:
+            x = torch.where(direct[..., None], features, x)
+        return x
 
     def forward(
         self,
@@ -262,19 +285,14 @@ class EagleHead(nn.Module):
         fuse: torch.Tensor | None = None,  # [n] or [B, n] bool: rows that get the global feature
         global_feat: torch.Tensor | None = None,  # [H] or [B, H] (ViSpec)
     ) -> torch.Tensor:  # [n, H] or [B, n, H]: predicted next features
+        """Training and the reference: the HF decoder layer as it is. Drafting runs `decode`."""
         batched = token_ids.ndim == 2
         if not batched:
             token_ids, features, position_ids = token_ids[None], features[None], position_ids[None]
             direct = None if direct is None else direct[None]
             fuse = None if fuse is None else fuse[None]
             global_feat = None if global_feat is None else global_feat[None]
-        emb = self.embed(token_ids)
-        features = features.to(emb.dtype)
-        if global_feat is not None and fuse is not None and self.visual is not None:
-            features = self.visual.fuse_global(features, global_feat, fuse)
-        x = self.fc(torch.cat([self.embed_norm(emb), self.feat_norm(features)], dim=-1))
-        if direct is not None:
-            x = torch.where(direct[..., None], features, x)
+        x = self._layer_input(token_ids, features, direct, fuse, global_feat)
         out = self.layer(
             x,
             attention_mask=attention_mask,
@@ -286,6 +304,58 @@ class EagleHead(nn.Module):
         out = out[0] if isinstance(out, tuple) else out
         return out if batched else out[0]
 
+    @torch.no_grad()
+    def decode(
+        self,
+        token_ids: torch.Tensor,  # [n]
+        features: torch.Tensor,  # [n, H]
+        position_ids: torch.Tensor,  # [n]
+        attention_mask: torch.Tensor,  # [1, 1, n, cache + n] additive
+        cache: DynamicCache,
+        direct: torch.Tensor | None = None,  # [n] bool
+        fuse: torch.Tensor | None = None,  # [n] bool
+        global_feat: torch.Tensor | None = None,  # [H]
+    ) -> torch.Tensor:  # [n, H]
+        """`forward` for drafting: one sequence, no gradients, the same numbers in fewer and cheaper
+        ops. q/k/v and gate/up run as one matrix product each, every product over a weight packed
+        once for the CPU's bf16 units (`PackedLinear`: at a level's 1-4 rows, repacking the weight
+        on each call cost more than the product), the attention straight into SDPA. Every proposal
+        is held to `forward` in tests/test_drafters.py."""
+        layer, att, mlp = self.layer, self.layer.self_attn, self.layer.mlp
+        lin = self._decode_linears()
+        x = self._layer_input(token_ids[None], features[None], None if direct is None else direct[None],
+                              None if fuse is None else fuse[None], None if global_feat is None else global_feat[None], lin.fc)
+        n, d, heads, kv = x.shape[1], att.head_dim, self.config.num_attention_heads, self.config.num_key_value_heads
+        qkv = lin.qkv(layer.input_layernorm(x)).view(1, n, heads + 2 * kv, d).transpose(1, 2)
+        q, k, v = qkv.split([heads, kv, kv], dim=1)  # [1, heads | kv | kv, n, d]
+        cos, sin = self.rotary(x, position_ids[None])
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k, v = cache.update(k, v, att.layer_idx)
+        a = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, scale=att.scaling, enable_gqa=True)
+        x = x + lin.o(a.transpose(1, 2).reshape(1, n, heads * d))  # [1, n, H]
+        gate, up = lin.gate_up(layer.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return (x + lin.down(mlp.act_fn(gate) * up))[0]
+
+    @torch.no_grad()
+    def decode_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`logits` for drafting: [..., H] -> [..., V'] float32, over the packed weight."""
+        return self._decode_linears().logits(hidden).float()
+
+    def _decode_linears(self) -> "_DecodeLinears":
+        """decode()'s packed weights, rebuilt whenever one of them changed (another tensor, or one
+        written in place: a training step, a load, a new draft vocabulary)."""
+        att, mlp = self.layer.self_attn, self.layer.mlp
+        mods = (self.fc, att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj, self.lm_head)
+        assert all(getattr(m, "bias", None) is None for m in mods[:-1]), "the head's projections have no biases"
+        vocab = self.d2t if self.trimmed else None
+        key = tuple((t.data_ptr(), t._version, t.dtype) for t in [m.weight for m in mods] + ([] if vocab is None else [vocab]))
+        if self._decode is None or self._decode[0] != key:
+            w = [m.weight.detach() for m in mods[:-1]]
+            self._decode = (key, _DecodeLinears(
+                fc=PackedLinear(w[0]), qkv=PackedLinear(torch.cat(w[1:4])), o=PackedLinear(w[4]),
+                gate_up=PackedLinear(torch.cat(w[5:7])), down=PackedLinear(w[7]), logits=PackedLinear(*self._draft_head())))
+        return self._decode[1]
+
     @property
     def trimmed(self) -> bool:
         return bool(self.config.draft_vocab_size)
@@ -294,11 +364,21 @@ class EagleHead(nn.Module):
         """[..., H] -> [..., V'] float32 over the draft vocabulary (V' = K when trimmed, else V)."""
         if not self.trimmed:
             return self.lm_head(hidden).float()
-        w = self._draft_weight
-        if w is None or w.device != hidden.device or w.dtype != self.lm_head.weight.dtype:
-            w = self._draft_weight = self.lm_head.weight.detach().index_select(0, self.d2t.to(self.lm_head.weight.device))
+        return nn.functional.linear(hidden, *self._draft_head()).float()
+
+    def _draft_head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The LM head's rows of the draft vocabulary: weight [V', H], bias [V'] | None (detached;
+        the trimmed weight is cached until the LM head or the vocabulary changes)."""
+        vocab, full = (self.d2t if self.trimmed else None), self.lm_head.weight.detach()
+        if vocab is None:
+            w = full
+        else:
+            key = (full.data_ptr(), full._version, full.dtype, vocab.data_ptr(), vocab._version)
+            if self._draft_weight is None or self._draft_weight[0] != key:
+                self._draft_weight = (key, full.index_select(0, vocab.to(full.device)))
+            w = self._draft_weight[1]
         bias = getattr(self.lm_head, "bias", None)
-        return nn.functional.linear(hidden, w, None if bias is None else bias.detach()[self.d2t]).float()
+        return w, None if bias is None else (bias.detach() if vocab is None else bias.detach()[vocab])
 
     def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary indices (any shape) -> target token ids."""
@@ -311,8 +391,7 @@ class EagleHead(nn.Module):
     def set_draft_vocab(self, d2t: torch.Tensor) -> None:
         """d2t [K] long: distinct target ids, K = config.draft_vocab_size."""
         check_draft_vocab(d2t, self.config.draft_vocab_size, self.config.vocab_size)
-        self.d2t.copy_(d2t)
-        self._draft_weight = None
+        self.d2t.copy_(d2t)  # in place: the cached weights of its rows (_draft_head) follow
 
     def head_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().contiguous() for k, v in self.state_dict().items()}
@@ -503,7 +582,7 @@ class _EagleSession:
         assert n == feats.shape[0]
         causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
         mask = tree_attention_mask(causal, self.cache.seq_len, self.dtype)
-        hidden = self.head(toks, feats, pos, mask, self.cache.hf, direct, fuse, self.global_feat)
+        hidden = self.head.decode(toks, feats, pos, mask, self.cache.hf, direct, fuse, self.global_feat)
         self.pending_feats, self.pending_next = self.pending_feats[:0], self.pending_next[:0]
         return hidden
 
@@ -541,7 +620,7 @@ class _EagleSession:
         """
         head, k, dev = self.head, self.tree.top_k, self.device
         stop = self.stop_threshold > 0
-        logp = torch.log_softmax(head.logits(root_hidden), -1)  # [F, V], F = 1: the root
+        logp = torch.log_softmax(head.decode_logits(root_hidden), -1)  # [F, V], F = 1: the root
         front_acc = torch.ones(1, device=dev)  # [F] predicted probability that each frontier node's path is accepted
         front_h = root_hidden  # [F, H] head outputs at the frontier nodes' pairs (their children's features)
         front_seen = torch.zeros(1, 0, dtype=torch.bool, device=dev)  # [F, n_tree]: tree KV entries each sees
@@ -572,8 +651,8 @@ class _EagleSession:
             ffeat = front_h.index_select(0, parent)  # [F', H]: a node's feature is its parent's output
             fpos = torch.full((n_new,), self.next_pos - 1 + d, device=dev)
             ffuse = None if fuse is None else fuse.expand(n_new)
-            front_h = head(ftoks, ffeat, fpos, mask, self.cache.hf, None, ffuse, self.global_feat)  # [F', H]
-            logp = torch.log_softmax(head.logits(front_h), -1)  # [F', V]
+            front_h = head.decode(ftoks, ffeat, fpos, mask, self.cache.hf, None, ffuse, self.global_feat)  # [F', H]
+            logp = torch.log_softmax(head.decode_logits(front_h), -1)  # [F', V]
             front_seen, front_scores = seen, cand.index_select(0, best)
         return levels
 
@@ -602,6 +681,17 @@ def t2d_map(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
     t2d = torch.full((vocab_size,), -1, dtype=torch.long)
     t2d[d2t] = torch.arange(d2t.numel())
     return t2d
+
+
+class _DecodeLinears(NamedTuple):
+    """EagleHead.decode()'s matrix products (H = hidden, I = intermediate, d = head dim)."""
+
+    fc: PackedLinear  # [2H] -> [H]
+    qkv: PackedLinear  # [H] -> [(heads + 2 kv heads) d]: q_proj | k_proj | v_proj
+    o: PackedLinear  # [heads d] -> [H]
+    gate_up: PackedLinear  # [H] -> [2I]: gate_proj | up_proj
+    down: PackedLinear  # [I] -> [H]
+    logits: PackedLinear  # [H] -> [V']: the LM head's rows of the draft vocabulary
 
 
 class _Level(NamedTuple):
