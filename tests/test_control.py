@@ -365,11 +365,13 @@ def test_measured_cost_charges_verifying_full_trees_even_when_the_drafter_found_
     tree = TreeConfig(depth=5, top_k=4, total_tokens=16)
     engine = SpecEngine(target, NgramDrafter(tree))
     inputs = encode_prompt(target, "a quick brown fox", [])
-    cost = measure_cost(engine, inputs, tokens=4, repeats=1)
+    cost = measure_cost(engine, inputs, tokens=4, repeats=3)
     assert calls == sorted({1 + factory.tree_nodes(tree, d) for d in range(1, 6)}) == [5, 9, 13, 17]  # each size timed once
+    # the charged verify is exact (faked); the steps around it are measured, so a loaded machine
+    # moves each depth's time by a few ms: the bounds leave that room, not the charge's size
     extra = cost.seconds(5) - cost.seconds(0)  # 16 nodes x 2 ms of verify, plus the n-gram's own (small) time, measured
-    assert 0.030 <= extra < 0.032 + 0.05
-    assert cost.seconds(1) - cost.seconds(0) >= 0.008 - 1e-3  # 4 nodes at depth 1
+    assert 0.032 - 0.003 <= extra < 0.032 + 0.05
+    assert cost.seconds(1) - cost.seconds(0) >= 0.008 - 0.003  # 4 nodes at depth 1
     assert len(cost.by_depth) == 5  # every depth measured
 
 

@@ -25,6 +25,7 @@ is such a re-measurement.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -134,15 +135,21 @@ def _read_s(drafter: Any, ctx: PromptContext, root: int) -> float:
 
 def read_flops(drafter: Any, ctx: PromptContext, root: int) -> int:
     """Floating-point operations of one read of the prompt rows (`_read_s`'s work), counted by
-    torch's FlopCounterMode: matrix products, plus attention, which the counter leaves out on CPU
-    (aten._scaled_dot_product_flash_attention_for_cpu), counted as QK^T and PV of every query
-    against every key (the read passes a dense mask, not a causal flag)."""
+    torch's FlopCounterMode: matrix products, plus two kinds of op the counter leaves out on CPU:
+    attention (aten._scaled_dot_product_flash_attention_for_cpu), counted as QK^T and PV of every
+    query against every key (the read passes a dense mask, not a causal flag), and the drafter's
+    products over packed weights (mkldnn._linear_pointwise: 2 x rows x in x out)."""
     from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
     def cpu_sdpa(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
         return sdpa_flop_count(query_shape, key_shape, value_shape)
 
+    def packed_linear(x_shape, *args, out_shape=None, **kwargs) -> int:  # x [..., K] -> out [..., N]
+        return 2 * math.prod(x_shape) * out_shape[-1]
+
     mapping = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: cpu_sdpa}
+    if torch.backends.mkldnn.is_available():
+        mapping[torch.ops.mkldnn._linear_pointwise] = packed_linear
     with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=mapping) as counter:
         drafter.start(ctx).propose(root, 0)
     return int(counter.get_total_flops())

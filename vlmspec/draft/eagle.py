@@ -8,7 +8,7 @@ The head reads pairs (target feature at position i, token at position i+1):
 
 h_i is trained to predict the target's feature at position i+1, so drafting feeds it back.
 Training runs `EagleHead.forward` (the HF layer as it is); drafting runs `EagleHead.decode`, the
-same layer in fewer ops over weights packed once for the CPU's bf16 matrix units, held to
+same layer in fewer ops over weights packed once for the CPU's matrix units, held to
 `forward` proposal for proposal by the tests.
 Embedding and LM head are the target's own modules, shared and frozen; only fc, the norms and
 the decoder layer are the head's weights.
@@ -316,11 +316,12 @@ class EagleHead(nn.Module):
         fuse: torch.Tensor | None = None,  # [n] bool
         global_feat: torch.Tensor | None = None,  # [H]
     ) -> torch.Tensor:  # [n, H]
-        """`forward` for drafting: one sequence, no gradients, the same numbers in fewer and cheaper
-        ops. q/k/v and gate/up run as one matrix product each, every product over a weight packed
-        once for the CPU's bf16 units (`PackedLinear`: at a level's 1-4 rows, repacking the weight
-        on each call cost more than the product), the attention straight into SDPA. Every proposal
-        is held to `forward` in tests/test_drafters.py."""
+        """`forward` for drafting: one sequence, no gradients, fewer and cheaper ops. q/k/v and
+        gate/up run as one matrix product each, every product over a weight packed once for oneDNN
+        (`PackedLinear`: at a level's 1-4 rows, repacking the weight on each call cost more than the
+        product), the attention straight into SDPA. In bf16 the numbers are `forward`'s bit for
+        bit; in fp32 equal to float rounding (oneDNN sums in another order than MKL). Every
+        proposal is held to `forward`'s in tests/test_drafters.py."""
         layer, att, mlp = self.layer, self.layer.self_attn, self.layer.mlp
         lin = self._decode_linears()
         x = self._layer_input(token_ids[None], features[None], None if direct is None else direct[None],
