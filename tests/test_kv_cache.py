@@ -1,5 +1,7 @@
 """Tier 1: KV commit keeps exactly the accepted path's entries (a gather, not a crop)."""
+import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
 from vlmspec.kv_cache import KVCache
@@ -52,3 +54,25 @@ def test_commit_then_append_continues():
     assert _rows(kv, 0)[0] == [0, 1, 2, 5, 50]
     kv.crop(3)
     assert kv.seq_len == 3
+
+
+class _Ops(TorchDispatchMode):
+    """Records every op dispatched inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("keep, gathers", [([0], False), ([0, 1, 2], False), ([0, 2, 5], True), ([1], True)])
+def test_a_path_that_is_the_tree_s_first_entries_is_cropped_not_copied(keep, gathers):
+    kv = _filled_cache(length=10)
+    with _Ops() as seen:
+        kv.commit(prefix_len=4, keep=torch.tensor(keep))
+    assert (torch.ops.aten.index_select.default in seen.ops) == gathers  # the plain step (keep [0]) moves nothing
+    want = [100 + t for t in [0, 1, 2, 3] + [4 + j for j in keep]]
+    assert kv.seq_len == 4 + len(keep) and _rows(kv, 1)[0] == want

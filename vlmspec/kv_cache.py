@@ -50,6 +50,9 @@ class KVCache:
         n_tree = self.seq_len - prefix_len
         assert n_tree >= 0 and (keep.numel() == 0 or int(keep.max()) < n_tree), (prefix_len, self.seq_len, keep)
         k = keep.numel()
+        if keep.tolist() == list(range(k)):  # the first k tree entries (a plain step, a chain's head): already in place
+            self.crop(prefix_len + k)
+            return
         rows = keep + prefix_len
         on_device: dict[torch.device, torch.Tensor] = {}  # one copy per device, not per layer
         for layer in self._layers():
