@@ -8,7 +8,7 @@ call: on this project's 2-core Zen 4 CPU a [4, 576] x [576, 3072] product takes 
 (tests/test_packed_linear.py holds them so): only when the reorder happens changes.
 
 float32 `F.linear` goes to MKL instead, which on this AMD CPU takes 350-480 us for the same
-product; oneDNN's packed weight takes about 130 us. It sums in another order, so float32 results
+product; oneDNN's packed weight takes 95-130 us. It sums in another order, so float32 results
 differ from `F.linear` by float rounding (about 1e-6 relative): fine for a drafter, whose tokens
 the target verifies, not for the target. See for yourself: `python -m vlmspec.kernels.packed_linear`.
 
