@@ -377,7 +377,7 @@ def _reference_propose(s, root, max_depth):
     return full.select(torch.tensor([0, *sorted(order)]))
 
 
-def _standalone_drafter(tree, vocab=40, hidden=32, ties=False, seed=0, draft_vocab=0):
+def _standalone_drafter(tree, vocab=40, hidden=32, ties=False, seed=0, draft_vocab=0, dtype=torch.float32):
     """An EAGLE head over its own small embedding / LM head (no target). ties=True: the LM head's
     rows come in equal pairs, so every distribution has exact ties to break."""
     torch.manual_seed(seed)
@@ -387,7 +387,7 @@ def _standalone_drafter(tree, vocab=40, hidden=32, ties=False, seed=0, draft_voc
     if ties:
         with torch.no_grad():
             lm_head.weight[1::2] = lm_head.weight[0::2][: vocab // 2]
-    head = EagleHead(cfg, embed, lm_head)
+    head = EagleHead(cfg, embed.to(dtype), lm_head.to(dtype)).to(dtype)
     if draft_vocab:
         head.set_draft_vocab(torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:draft_vocab].sort().values)
     return EagleDrafter(head, tree)
@@ -424,9 +424,7 @@ def test_propose_drafts_the_same_tree_as_the_reference(tree, ties):
 def test_propose_in_bf16_drafts_the_same_tree_as_the_reference(tree):
     """bf16 is where decode() packs its weights (PackedLinear) and fuses q/k/v and gate/up: the
     reference runs the HF layer and F.linear, and every tree must still come out identical."""
-    d = _standalone_drafter(tree, vocab=64, hidden=64, seed=tree.depth)
-    d.head.to(torch.bfloat16)
-    d.head.embed.to(torch.bfloat16), d.head.lm_head.to(torch.bfloat16)
+    d = _standalone_drafter(tree, vocab=64, hidden=64, seed=tree.depth, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(5)
     for n in (1, 9):
         prompt = PromptContext(torch.randint(64, (n,), generator=g), torch.randn(n, 64, generator=g).bfloat16())
@@ -436,9 +434,7 @@ def test_propose_in_bf16_drafts_the_same_tree_as_the_reference(tree):
 @pytest.mark.parametrize("draft_vocab", [0, 24])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_is_forward_and_follows_weights_changed_in_place(dtype, draft_vocab):
-    d = _standalone_drafter(TreeConfig(3, 2, 4), vocab=64, hidden=64, seed=1, draft_vocab=draft_vocab)
-    head = d.head.to(dtype)
-    head.embed.to(dtype), head.lm_head.to(dtype)
+    head = _standalone_drafter(TreeConfig(3, 2, 4), vocab=64, hidden=64, seed=1, draft_vocab=draft_vocab, dtype=dtype).head
     g = torch.Generator().manual_seed(0)
     n, start = 5, 7
     toks, feats = torch.randint(64, (start + n,), generator=g), torch.randn(start + n, 64, generator=g).to(dtype)

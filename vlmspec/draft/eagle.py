@@ -288,10 +288,8 @@ class EagleHead(nn.Module):
         """Training and the reference: the HF decoder layer as it is. Drafting runs `decode`."""
         batched = token_ids.ndim == 2
         if not batched:
-            token_ids, features, position_ids = token_ids[None], features[None], position_ids[None]
-            direct = None if direct is None else direct[None]
-            fuse = None if fuse is None else fuse[None]
-            global_feat = None if global_feat is None else global_feat[None]
+            token_ids, features, position_ids, direct, fuse, global_feat = _batch_of_one(
+                token_ids, features, position_ids, direct, fuse, global_feat)
         x = self._layer_input(token_ids, features, direct, fuse, global_feat)
         out = self.layer(
             x,
@@ -324,8 +322,7 @@ class EagleHead(nn.Module):
         proposal is held to `forward`'s in tests/test_drafters.py."""
         layer, att, mlp = self.layer, self.layer.self_attn, self.layer.mlp
         lin = self._decode_linears()
-        x = self._layer_input(token_ids[None], features[None], None if direct is None else direct[None],
-                              None if fuse is None else fuse[None], None if global_feat is None else global_feat[None], lin.fc)
+        x = self._layer_input(*_batch_of_one(token_ids, features, direct, fuse, global_feat), fc=lin.fc)
         n, d, heads, kv = x.shape[1], att.head_dim, self.config.num_attention_heads, self.config.num_key_value_heads
         qkv = lin.qkv(layer.input_layernorm(x)).view(1, n, heads + 2 * kv, d).transpose(1, 2)
         q, k, v = qkv.split([heads, kv, kv], dim=1)  # [1, heads | kv | kv, n, d]
@@ -682,6 +679,11 @@ def t2d_map(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
     t2d = torch.full((vocab_size,), -1, dtype=torch.long)
     t2d[d2t] = torch.arange(d2t.numel())
     return t2d
+
+
+def _batch_of_one(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """One sequence's tensors as a batch of one (a leading dimension of 1); None stays None."""
+    return tuple(None if t is None else t[None] for t in tensors)
 
 
 class _DecodeLinears(NamedTuple):
