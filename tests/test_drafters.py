@@ -12,7 +12,8 @@ from conftest import tiny_target
 from vlmspec import assets
 from vlmspec.draft import load_drafter
 from vlmspec.draft.base import DraftSession, Drafter, NoDrafter, PromptContext, TreeConfig
-from vlmspec.draft.eagle import DrafterLoadError, EagleConfig, EagleDrafter, EagleHead, _EagleSession
+from vlmspec.draft import eagle as eagle_module
+from vlmspec.draft.eagle import DrafterLoadError, EagleConfig, EagleDrafter, EagleHead, _EagleSession, _rms_norm
 from vlmspec.draft.ngram import NgramConfig, NgramDrafter
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.inputs import encode_prompt
@@ -387,7 +388,11 @@ def _standalone_drafter(tree, vocab=40, hidden=32, ties=False, seed=0, draft_voc
     if ties:
         with torch.no_grad():
             lm_head.weight[1::2] = lm_head.weight[0::2][: vocab // 2]
-    head = EagleHead(cfg, embed.to(dtype), lm_head.to(dtype)).to(dtype)
+    head = EagleHead(cfg, embed.to(dtype), lm_head.to(dtype))
+    with torch.no_grad():  # norm weights away from their initial ones, so that multiplying by them is exercised
+        for norm in (head.embed_norm, head.feat_norm, head.layer.input_layernorm, head.layer.post_attention_layernorm):
+            norm.weight.copy_(1 + 0.2 * torch.randn(hidden))
+    head = head.to(dtype)
     if draft_vocab:
         head.set_draft_vocab(torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:draft_vocab].sort().values)
     return EagleDrafter(head, tree)
@@ -465,6 +470,28 @@ def test_decode_is_forward_and_follows_weights_changed_in_place(dtype, draft_voc
         head.set_draft_vocab(torch.arange(draft_vocab) * 2)
         (h5, l5), (h6, l6) = both()
         assert same(l5, l6) and same(l5, head.lm_head(h5).float()[..., ::2][..., :draft_vocab])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_s_rotary_table_and_fused_norm_are_the_hf_modules_numbers(dtype, monkeypatch):
+    """decode() reads cos / sin from a table and runs the norms in torch's fused kernel: both must
+    give the HF modules' numbers bit for bit, at every position of the table."""
+    head = _standalone_drafter(TreeConfig(3, 2, 4), vocab=64, hidden=64, seed=2, dtype=dtype).head
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 64, generator=g).to(dtype)
+    for positions in (torch.arange(512), torch.randint(512, (6,), generator=g), torch.tensor([511, 0, 3, 3, 200, 7])):
+        n = positions.shape[0]
+        cos, sin = head._rope(x[:1].expand(n, 64), positions)
+        ref_cos, ref_sin = head.rotary(x[:1].expand(n, 64), positions)
+        assert torch.equal(cos[:, 0], ref_cos) and torch.equal(sin[:, 0], ref_sin)
+    cos, _ = head._rope(x, torch.arange(1, 7))
+    assert not torch.equal(cos[:, 0], head.rotary(x, torch.arange(6))[0])  # negative control: one position off
+    monkeypatch.setattr(eagle_module, "_ROPE_TABLE_MAX", 100)  # a longer context computes them per call
+    cos, sin = head._rope(x, torch.tensor([511, 0, 3, 3, 200, 7]))
+    assert torch.equal(cos[:, 0], ref_cos) and torch.equal(sin[:, 0], ref_sin)
+    for scale in (1e-3, 1.0, 30.0):
+        y = (torch.randn(16, 64, generator=g) * scale).to(dtype)
+        assert torch.equal(_rms_norm(head.layer.input_layernorm, y), head.layer.input_layernorm(y))
 
 
 @pytest.mark.parametrize("vis", [None, VisualConfig("none", global_feature=True)])

@@ -35,14 +35,14 @@ import json
 import logging
 from dataclasses import field, fields
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, DynamicCache, LlamaConfig, PretrainedConfig
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding, rotate_half
 
 from vlmspec.errors import DrafterLoadError
 from vlmspec.kernels.packed_linear import PackedLinear
@@ -59,6 +59,7 @@ MODEL_TYPE = "vlmspec_eagle"
 LEGACY_KEY = "drafter"  # the first format's marker: {"drafter": "eagle", <EagleConfig fields>}
 
 logger = logging.getLogger("vlmspec.draft")
+_ROPE_TABLE_MAX = 1 << 17  # positions: EagleHead.decode reads its rotary angles from a table up to this context
 
 
 def _rope_theta(text_config: Any) -> float:
@@ -247,6 +248,7 @@ class EagleHead(nn.Module):
             self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self._draft_weight: tuple[tuple, torch.Tensor] | None = None  # lm_head rows of d2t, cached (never saved)
         self._decode: tuple[tuple, _DecodeLinears] | None = None  # decode()'s packed weights, cached (never saved)
+        self._rope_table: tuple[tuple, torch.Tensor, torch.Tensor] | None = None  # decode()'s cos, sin [P, d], cached
 
     @property
     def embed(self) -> nn.Module:
@@ -263,13 +265,16 @@ class EagleHead(nn.Module):
         direct: torch.Tensor | None,  # [B, n] bool
         fuse: torch.Tensor | None,  # [B, n] bool
         global_feat: torch.Tensor | None,  # [B, H]
-        fc: Callable[[torch.Tensor], torch.Tensor] | None = None,  # self.fc, or its packed weight
+        packed: _DecodeLinears | None = None,  # decode(): fc over its packed weight, the norms fused
     ) -> torch.Tensor:  # [B, n, H]: what the decoder layer reads
         emb = self.embed(token_ids)
         features = features.to(emb.dtype)
         if global_feat is not None and fuse is not None and self.visual is not None:
             features = self.visual.fuse_global(features, global_feat, fuse)
-        x = (fc or self.fc)(torch.cat([self.embed_norm(emb), self.feat_norm(features)], dim=-1))
+        if packed is None:
+            x = self.fc(torch.cat([self.embed_norm(emb), self.feat_norm(features)], dim=-1))
+        else:
+            x = packed.fc(torch.cat([_rms_norm(self.embed_norm, emb), _rms_norm(self.feat_norm, features)], dim=-1))
         if direct is not None:
             x = torch.where(direct[..., None], features, x)
         return x
@@ -317,22 +322,42 @@ class EagleHead(nn.Module):
         """`forward` for drafting: one sequence, no gradients, fewer and cheaper ops. q/k/v and
         gate/up run as one matrix product each, every product over a weight packed once for oneDNN
         (`PackedLinear`: at a level's 1-4 rows, repacking the weight on each call cost more than the
-        product), the attention straight into SDPA. In bf16 the numbers are `forward`'s bit for
-        bit; in fp32 equal to float rounding (oneDNN sums in another order than MKL). Every
-        proposal is held to `forward`'s in tests/test_drafters.py."""
-        layer, att, mlp = self.layer, self.layer.self_attn, self.layer.mlp
+        product); the norms in torch's fused kernel, the rotary angles read from a table, q and k
+        rotated together, the attention straight into SDPA: 78 aten calls for a level of 4 rows,
+        where the HF layer makes 124 (counted under a TorchDispatchMode). In bf16 the numbers are
+        `forward`'s bit for bit; in fp32 equal to float rounding (oneDNN sums in another order than
+        MKL). Every proposal is held to `forward`'s in tests/test_drafters.py."""
+        layer, att = self.layer, self.layer.self_attn
         lin = self._decode_linears()
-        x = self._layer_input(*_batch_of_one(token_ids, features, direct, fuse, global_feat), fc=lin.fc)
-        n, d, heads, kv = x.shape[1], att.head_dim, self.config.num_attention_heads, self.config.num_key_value_heads
-        qkv = lin.qkv(layer.input_layernorm(x)).view(1, n, heads + 2 * kv, d).transpose(1, 2)
-        q, k, v = qkv.split([heads, kv, kv], dim=1)  # [1, heads | kv | kv, n, d]
-        cos, sin = self.rotary(x, position_ids[None])
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        x = self._layer_input(*_batch_of_one(token_ids, features, direct, fuse, global_feat), packed=lin)[0]  # [n, H]
+        n, d, heads, kv = x.shape[0], att.head_dim, self.config.num_attention_heads, self.config.num_key_value_heads
+        qkv = lin.qkv(_rms_norm(layer.input_layernorm, x)).view(n, heads + 2 * kv, d)
+        cos, sin = self._rope(x, position_ids)  # [n, 1, d]
+        qk = qkv[:, : heads + kv]  # [n, heads + kv, d]: HF's apply_rotary_pos_emb, on q and k at once
+        qk = qk * cos + rotate_half(qk) * sin
+        q, k, v = (t.transpose(0, 1)[None] for t in (qk[:, :heads], qk[:, heads:], qkv[:, heads + kv :]))  # [1, heads | kv, n, d]
         k, v = cache.update(k, v, att.layer_idx)
         a = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, scale=att.scaling, enable_gqa=True)
-        x = x + lin.o(a.transpose(1, 2).reshape(1, n, heads * d))  # [1, n, H]
-        gate, up = lin.gate_up(layer.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return (x + lin.down(mlp.act_fn(gate) * up))[0]
+        x = x + lin.o(a[0].transpose(0, 1).reshape(n, heads * d))  # [n, H]
+        gate, up = lin.gate_up(_rms_norm(layer.post_attention_layernorm, x)).chunk(2, dim=-1)
+        return x + lin.down(layer.mlp.act_fn(gate) * up)
+
+    def _rope(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [n, H], position_ids [n] -> cos, sin [n, 1, d]: the head's rotary module's numbers, read
+        from a table of every position the target reaches (P = max_position_embeddings), built once
+        per dtype and device. Each angle is one product, position x frequency, so a row of the
+        table equals the module's output bit for bit (tests/test_drafters.py). A context longer
+        than _ROPE_TABLE_MAX positions computes them per call."""
+        key = (x.dtype, x.device, self.rotary.inv_freq.data_ptr(), self.rotary.inv_freq._version)
+        size = self.config.max_position_embeddings
+        if size > _ROPE_TABLE_MAX:
+            cos, sin = self.rotary(x, position_ids)
+        else:
+            if self._rope_table is None or self._rope_table[0] != key:
+                cos, sin = self.rotary(x[:1], torch.arange(size, device=x.device))
+                self._rope_table = (key, cos, sin)
+            cos, sin = self._rope_table[1][position_ids], self._rope_table[2][position_ids]
+        return cos[:, None], sin[:, None]
 
     @torch.no_grad()
     def decode_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -679,6 +704,12 @@ def t2d_map(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
     t2d = torch.full((vocab_size,), -1, dtype=torch.long)
     t2d[d2t] = torch.arange(d2t.numel())
     return t2d
+
+
+def _rms_norm(norm: LlamaRMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """`norm(x)` in torch's fused kernel: 4 ops where LlamaRMSNorm runs 8, the same numbers (the
+    float32 sum of squares, then the weight times the result in x's dtype; tests/test_drafters.py)."""
+    return norm.weight * nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype)
 
 
 def _batch_of_one(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
