@@ -149,6 +149,10 @@ def test_reuse_needs_the_same_steps_config_and_target(tmp_path):
     assert not finished_run(tmp_path, cfg, "def"), "trained on another target"
     assert not finished_run(tmp_path, DistillConfig(steps=8), "abc"), "another step count"
     assert not finished_run(tmp_path, DistillConfig(steps=7, lr=5e-4), "abc"), "another config"
+    older = {k: v for k, v in asdict(cfg).items() if k != "text_style"}  # recorded before DistillConfig had the field
+    (tmp_path / "train_summary.json").write_text(json.dumps({"step": 7, "config": older}))
+    assert finished_run(tmp_path, cfg, "abc"), "a field added since, at its default, trains as the run did"
+    assert not finished_run(tmp_path, DistillConfig(steps=7, text_style="varied"), "abc"), "... and not otherwise"
 
 
 def test_divergences_are_located_and_their_top2_margin_measured_in_ulps():

@@ -275,12 +275,16 @@ def target_fingerprint(target: Target) -> str:
 
 def finished_run(run_dir: Path, cfg: DistillConfig, fingerprint: str) -> bool:
     """`run_dir` holds a drafter trained to the end with exactly `cfg` (train_summary.json) on the
-    target of `fingerprint` (a run without the record is not reused)."""
+    target of `fingerprint` (a run without the record is not reused). A field that DistillConfig
+    gained after the run was recorded matches when `cfg` leaves it at its default: the run was
+    trained the way that default trains."""
     summary, teacher = run_dir / "train_summary.json", run_dir / TEACHER
     if not (summary.is_file() and teacher.is_file() and (run_dir / "drafter").is_dir()):
         return False
     saved = json.loads(summary.read_text())
-    return (saved.get("step") == cfg.steps and saved.get("config") == json.loads(json.dumps(asdict(cfg)))
+    wanted, defaults = json.loads(json.dumps(asdict(cfg))), json.loads(json.dumps(asdict(DistillConfig())))
+    recorded = {**{k: v for k, v in wanted.items() if k not in saved.get("config", {}) and v == defaults[k]}, **saved.get("config", {})}
+    return (saved.get("step") == cfg.steps and recorded == wanted
             and json.loads(teacher.read_text()).get("sha256") == fingerprint)
 
 
