@@ -47,9 +47,10 @@ def test_bench_end_to_end_tiny(tmp_path, capsys):
     assert (out / "results.png").stat().st_size > 0
 
 
-def test_ablation_runs_end_to_end_tiny(tmp_path, capsys):
+def test_ablation_runs_end_to_end_tiny(tmp_path, capsys, monkeypatch):
     """`vlmspec bench ablate` trains each chosen variant, measures it, writes md / json / png."""
-    from vlmspec.bench.ablation import suite
+    from vlmspec.bench import ablation
+    from vlmspec.bench.ablation import PARTIAL, suite
     from vlmspec.testing.tiny import build_tiny
 
     assert len(suite("loss")) == 6 and len(suite("vision")) == 15
@@ -86,6 +87,16 @@ def test_ablation_runs_end_to_end_tiny(tmp_path, capsys):
     assert [r["reused_run"] for r in report["rows"]] == [False, False] and [r["reused_run"] for r in again["rows"]] == [True, True]
     for a, b in zip(report["rows"], again["rows"]):
         assert a["per_prompt_t0"] == b["per_prompt_t0"] and a["per_prompt_t1"] == b["per_prompt_t1"] and a["train_s"] == b["train_s"]
+    assert not (out / PARTIAL).exists(), "a finished suite leaves its report, not the rows so far"
+
+    # interrupted before its report: the rows measured so far are on disk
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ablation, "prefill_at_scale", interrupted)
+    assert main(args + ["--reuse", "--rounds", "2"]) == 130  # Ctrl-C's exit status
+    partial = json.loads((out / PARTIAL).read_text())
+    assert partial["complete"] is False and [r["per_prompt_t0"] for r in partial["rows"]] == [r["per_prompt_t0"] for r in report["rows"]]
 
 
 def test_bootstrap_interval_and_vision_goals_on_constructed_rows():

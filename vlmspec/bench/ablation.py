@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from vlmspec import factory
+from vlmspec.bench.harness import write_json
 from vlmspec.data import toyworld
 from vlmspec.data.heldout import Conversation, heldout
 from vlmspec.draft import NoDrafter, TreeConfig
@@ -273,6 +274,9 @@ def target_fingerprint(target: Target) -> str:
     return hashlib.sha256(w.numpy().tobytes()).hexdigest()
 
 
+PARTIAL = "ablation.partial.json"  # the rows measured so far, while a suite runs
+
+
 def finished_run(run_dir: Path, cfg: DistillConfig, fingerprint: str) -> bool:
     """`run_dir` holds a drafter trained to the end with exactly `cfg` (train_summary.json) on the
     target of `fingerprint` (a run without the record is not reused). A field that DistillConfig
@@ -290,14 +294,15 @@ def finished_run(run_dir: Path, cfg: DistillConfig, fingerprint: str) -> bool:
 
 def run(target: Target, which: str, steps: int, n_per_task: int, runs: Path, base: DistillConfig, max_new_tokens: int = 96,
         only: list[str] | None = None, n_select: int = 0, reuse: bool = False, rounds: int = 21, blocks: int = 8,
-        pause_s: float = 5.0) -> list[dict[str, Any]]:
+        pause_s: float = 5.0, partial: Path | None = None) -> list[dict[str, Any]]:
     """Train and measure every variant of the suite (their run folders go under `runs`);
     `n_select` > 0 also measures tau at T=0 on that many selection prompts per task (val split).
     reuse: a variant whose run folder already holds a finished run with the same config, on the
     same target weights, is loaded, not retrained (e.g. to re-measure, or after an interrupted
     ablation).
     The prefill at 576 image tokens is timed at the end, all variants round-robin (`blocks` blocks
-    of `rounds` rounds, `pause_s` apart)."""
+    of `rounds` rounds, `pause_s` apart). partial: a JSON file rewritten with the rows measured so
+    far after each variant (an interrupted suite keeps its figures; its runs resume with `reuse`)."""
     from tqdm import tqdm
 
     prompts = heldout("drafter-eval", n_per_task, per_task=True)
@@ -336,6 +341,8 @@ def run(target: Target, which: str, steps: int, n_per_task: int, runs: Path, bas
             **({"tau_select": chosen["tau"], "per_prompt_select": chosen["per_prompt"]} if chosen else {}),
         })
         r = rows[-1]
+        if partial is not None:
+            write_json(partial, {"suite": which, "complete": False, "rows": rows})
         tqdm.write(f"{v.name}: tau T=0 {r['tau_t0']:.2f}, T=1 {r['tau_t1']:.2f}, prefill {r['drafter_prefill_ms']:.2f} ms, "
                    f"x{r['speedup_t0']:.2f}" + (" (reused run)" if reused else ""))
     scale = prefill_at_scale(target, drafters, rounds, blocks=blocks, pause_s=pause_s)
@@ -556,8 +563,9 @@ def ablate(target: Target, opts: AblateOptions, out: Path, command: str = "") ->
                          draft_vocab=opts.draft_vocab)
     runs = Path(opts.runs or f"runs/ablate-{opts.suite}")
     rows = run(target, opts.suite, opts.steps, opts.n, runs, base, opts.max_new_tokens, list(opts.only) or None, opts.n_select,
-               opts.reuse, opts.rounds, opts.blocks, opts.pause_s)
+               opts.reuse, opts.rounds, opts.blocks, opts.pause_s, partial=Path(out) / PARTIAL)
     env = {"target": target.name, "threads": torch.get_num_threads(), "torch": torch.__version__, "prompts": opts.n * len(toyworld.TASKS),
            "selection_prompts": opts.n_select * len(toyworld.TASKS), "command": command}
     write_report(rows, opts.suite, Path(out), env)
+    (Path(out) / PARTIAL).unlink(missing_ok=True)  # ablation.json has every row now
     return rows
