@@ -286,9 +286,10 @@ def finished_run(run_dir: Path, cfg: DistillConfig, fingerprint: str) -> bool:
     if not (summary.is_file() and teacher.is_file() and (run_dir / "drafter").is_dir()):
         return False
     saved = json.loads(summary.read_text())
+    recorded = saved.get("config", {})
     wanted, defaults = json.loads(json.dumps(asdict(cfg))), json.loads(json.dumps(asdict(DistillConfig())))
-    recorded = {**{k: v for k, v in wanted.items() if k not in saved.get("config", {}) and v == defaults[k]}, **saved.get("config", {})}
-    return (saved.get("step") == cfg.steps and recorded == wanted
+    added_since = {k: v for k, v in wanted.items() if k not in recorded and v == defaults[k]}
+    return (saved.get("step") == cfg.steps and {**added_since, **recorded} == wanted
             and json.loads(teacher.read_text()).get("sha256") == fingerprint)
 
 
