@@ -315,7 +315,7 @@ def test_ablation_variants_train_in_the_targets_answer_style_and_draft_vocabular
 
     seen = {}
 
-    def fake_run(target, suite, steps, n, runs, base, *rest):
+    def fake_run(target, suite, steps, n, runs, base, *rest, **options):
         seen["base"] = base
         return []
 
