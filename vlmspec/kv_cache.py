@@ -3,7 +3,8 @@
 After a tree-verify forward the cache holds [committed prefix (P) | N tree entries]. Only the
 entries of the accepted path (root first) may stay, in path order, right after the prefix.
 `commit` gathers them: the accepted nodes are generally not a contiguous run of the tree, so
-a crop would keep the wrong entries.
+a crop would keep the wrong entries. Only when they are the tree's first entries (a plain step,
+a chain's head) is a crop the same thing, and then it crops.
 """
 
 from __future__ import annotations

@@ -348,11 +348,11 @@ class EagleHead(nn.Module):
         per dtype and device. Each angle is one product, position x frequency, so a row of the
         table equals the module's output bit for bit (tests/test_drafters.py). A context longer
         than _ROPE_TABLE_MAX positions computes them per call."""
-        key = (x.dtype, x.device, self.rotary.inv_freq.data_ptr(), self.rotary.inv_freq._version)
         size = self.config.max_position_embeddings
         if size > _ROPE_TABLE_MAX:
             cos, sin = self.rotary(x, position_ids)
         else:
+            key = (x.dtype, x.device, self.rotary.inv_freq.data_ptr(), self.rotary.inv_freq._version)
             if self._rope_table is None or self._rope_table[0] != key:
                 cos, sin = self.rotary(x[:1], torch.arange(size, device=x.device))
                 self._rope_table = (key, cos, sin)
