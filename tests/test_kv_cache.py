@@ -1,10 +1,13 @@
 """Tier 1: KV commit keeps exactly the accepted path's entries (a gather, not a crop)."""
+import inspect
+import warnings
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
-from vlmspec.kv_cache import KVCache
+from vlmspec.kv_cache import KVCache, cache_kwarg
 
 
 def _filled_cache(n_layers=2, length=10):
@@ -76,3 +79,45 @@ def test_a_path_that_is_the_tree_s_first_entries_is_cropped_not_copied(keep, gat
     assert (torch.ops.aten.index_select.default in seen.ops) == gathers  # the plain step (keep [0]) moves nothing
     want = [100 + t for t in [0, 1, 2, 3] + [4 + j for j in keep]]
     assert kv.seq_len == 4 + len(keep) and _rows(kv, 1)[0] == want
+
+
+def test_cache_keyword_follows_the_forward_signature():
+    class Renamed(torch.nn.Module):
+        def forward(self, x, cache=None):
+            return x
+
+    class Before(torch.nn.Module):
+        def forward(self, x, past_key_values=None, **kwargs):
+            return x
+
+    c = DynamicCache()
+    assert cache_kwarg(Renamed(), c) == {"cache": c}
+    assert cache_kwarg(Before(), c) == {"past_key_values": c}
+
+
+def _cache_warnings(call):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        call()
+    return [str(w.message) for w in seen if "past_key_values" in str(w.message)]
+
+
+@pytest.mark.parametrize("arch", ["llava", "qwen2_5_vl", "idefics3"])
+def test_target_forwards_pass_the_cache_without_the_deprecated_keyword(arch):
+    from conftest import tiny_target
+    from vlmspec.inputs import encode_prompt
+    from vlmspec.testing.tiny import tiny_image
+    from vlmspec.tree import DraftTree
+
+    target = tiny_target(arch)
+    inputs = encode_prompt(target, "what is this?", [tiny_image(1)])
+
+    def prefill_and_verify():
+        state, out = target.prefill(inputs)
+        target.forward_tree(state, DraftTree.chain(int(out.logits.argmax()), [5, 7]))
+
+    assert _cache_warnings(prefill_and_verify) == []
+    if "cache" in inspect.signature(type(target.model).forward).parameters:
+        # negative control: the old keyword does warn on this transformers, so the check above can fail
+        ids = inputs["input_ids"]
+        assert _cache_warnings(lambda: target.model(input_ids=ids[:, :1], past_key_values=DynamicCache(), use_cache=True))

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from vlmspec.kernels import tree_attention as ta
+from vlmspec.kv_cache import cache_kwarg
 from vlmspec.tree import ancestor_mask, tree_attention_mask
 
 # ---------------------------------------------------------------------------------------------
@@ -106,7 +107,7 @@ def _tree_logits(model, prefix_ids: torch.Tensor, tree_tokens: torch.Tensor, par
 
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=prefix_ids[None], past_key_values=cache, use_cache=True)
+        model(input_ids=prefix_ids[None], **cache_kwarg(model, cache), use_cache=True)
         p = prefix_ids.shape[0]
         dev = prefix_ids.device
         amask = ancestor_mask(parents.cpu())
@@ -114,7 +115,7 @@ def _tree_logits(model, prefix_ids: torch.Tensor, tree_tokens: torch.Tensor, par
         mask4d = tree_attention_mask(amask.to(dev), p, torch.float32)
         out = model(
             input_ids=tree_tokens[None], attention_mask=mask4d, position_ids=(p + depth)[None],
-            past_key_values=cache, use_cache=True,
+            **cache_kwarg(model, cache), use_cache=True,
         )
     return out.logits[0]
 

@@ -9,11 +9,26 @@ a chain's head) is a crop the same thing, and then it crops.
 
 from __future__ import annotations
 
+import functools
+import inspect
+from typing import Any, Callable
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from vlmspec.transfer import to_device
+
+
+def cache_kwarg(module: torch.nn.Module, cache: DynamicCache | None) -> dict[str, Any]:
+    """`{keyword: cache}` for a call of `module`: transformers 5 renamed forward's `past_key_values`
+    to `cache` (the old name warns, and goes in 5.40); a model that predates the rename takes the old one."""
+    return {_cache_keyword(type(module).forward): cache}
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(forward: Callable[..., Any]) -> str:
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 class KVCache:

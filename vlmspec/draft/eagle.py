@@ -48,7 +48,7 @@ from vlmspec.errors import DrafterLoadError
 from vlmspec.kernels.packed_linear import PackedLinear
 from vlmspec.transfer import to_device
 from vlmspec.draft.base import DraftSession, PromptContext, TreeConfig
-from vlmspec.kv_cache import KVCache
+from vlmspec.kv_cache import KVCache, cache_kwarg
 from vlmspec.target import Target
 from vlmspec.vision_compress import VisualAdaptor, VisualConfig
 from vlmspec.tree import DraftTree, tree_attention_mask
@@ -300,7 +300,7 @@ class EagleHead(nn.Module):
             x,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=cache,
+            **cache_kwarg(self.layer, cache),
             use_cache=cache is not None,
             position_embeddings=self.rotary(x, position_ids),
         )

@@ -23,7 +23,7 @@ import torch
 from transformers import DynamicCache
 
 from vlmspec.errors import ConfigError
-from vlmspec.kv_cache import KVCache
+from vlmspec.kv_cache import KVCache, cache_kwarg
 from vlmspec.target.model import Target
 
 _PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
@@ -78,7 +78,7 @@ class ExitView:
         h = dec.embed_tokens(ids)  # [1, 1, H]
         rope = dec.rotary_emb(h, position_ids=pos)
         for layer in dec.layers[:exit_layer]:  # one query over a cache: no mask needed
-            h = layer(h, attention_mask=None, position_ids=pos, past_key_values=cache, use_cache=True, position_embeddings=rope)
+            h = layer(h, attention_mask=None, position_ids=pos, **cache_kwarg(layer, cache), use_cache=True, position_embeddings=rope)
         return dec.norm(h)[0, 0]
 
     def head_weights(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

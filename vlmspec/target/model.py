@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from vlmspec.errors import ContextLengthError
-from vlmspec.kv_cache import KVCache
+from vlmspec.kv_cache import KVCache, cache_kwarg
 from vlmspec.transfer import to_device
 from vlmspec.tree import DraftTree, tree_attention_mask
 from vlmspec.vision_compress.capture import capture, image_token_id, last_layer_attention
@@ -140,7 +140,7 @@ class Target:
             kwargs["position_ids"] = position_ids
         with capture(self.model, attention=visual) if visual else nullcontext() as cap:
             out = self.model(
-                **kwargs, past_key_values=cache.hf, use_cache=True, output_hidden_states=True, logits_to_keep=1, return_dict=True
+                **kwargs, **cache_kwarg(self.model, cache.hf), use_cache=True, output_hidden_states=True, logits_to_keep=1, return_dict=True
             )
         state = TargetState(cache=cache, seq_len=length, rope_delta=delta)
         assert cache.seq_len == length, (cache.seq_len, length)
@@ -175,7 +175,7 @@ class Target:
             input_ids=to_device(tree.tokens[None], self.device),
             attention_mask=mask,
             position_ids=self.tree_position_ids(state, tree.depth),
-            past_key_values=state.cache.hf,
+            **cache_kwarg(self.model, state.cache.hf),
             use_cache=True,
             output_hidden_states=True,
             return_dict=True,
