@@ -125,6 +125,32 @@ def test_gated_loss_sends_gradient_to_the_gate_and_every_learnable_compressor():
         assert any(g is not None and g.abs().sum() > 0 for g in grads), name
 
 
+def test_resampler_queries_are_sized_for_the_targets_image_and_old_configs_keep_64():
+    """At 576 image tokens and 4x the resampler needs 144 queries: `sized_for` gives them (never
+    fewer than a config has), a config without the field (an older drafter) keeps its 64, and an
+    image past a resampler's queries is refused with what to do."""
+    hidden, n = 32, 576
+    small = VisualConfig("resampler", 4)
+    assert small.max_queries == 64 and VisualConfig.from_dict({"compressor": "resampler", "ratio": 4.0}) == small
+    sized = small.sized_for(n)
+    assert sized.max_queries == 144 and VisualConfig.from_dict(sized.to_dict()) == sized
+    assert VisualConfig("resampler", 16).sized_for(n).max_queries == 64, "36 queries fit in 64"
+    assert VisualConfig("resampler", 4, max_queries=200).sized_for(n).max_queries == 200
+    assert small.sized_for(None) == small
+    assert VisualConfig("pool", 4).sized_for(n).max_queries == 64, "no resampler, nothing to size"
+    gated = VisualConfig("gate", 4).sized_for(n)
+    assert gated.max_queries == 144
+    adaptor = VisualAdaptor(gated, hidden)
+    assert adaptor.compressors["resampler"].queries.shape == (144, hidden)
+    x = torch.randn(n, hidden)
+    out, anchors = adaptor.compressors["resampler"](x, 4.0)
+    assert out.shape == (144, hidden) and anchors.shape == (144,)
+    with pytest.raises(ValueError, match="needs 144 at 4x: use a drafter trained at this image size"):
+        VisualAdaptor(small, hidden).compressors["resampler"](x, 4.0)
+    with pytest.raises(ValueError, match="max_queries"):
+        VisualConfig("resampler", 4, max_queries=0)
+
+
 def test_image_spans_edge_cases():
     cases = {(): [], (True,): [(0, 1)], (False,): [], (True,) * 5: [(0, 5)], (True, False, True): [(0, 1), (2, 3)],
              (False, True, True, False, False, True): [(1, 3), (5, 6)]}
@@ -236,12 +262,16 @@ def test_every_variant_drafts_in_bfloat16():
 
 def test_variants_train_save_and_load(tmp_path):
     target = tiny_target("llava")
-    for vis in (VisualConfig("gate", 4, decouple=True, global_feature=True, gate_cost=0.1), VisualConfig("attention", 16)):
+    assert target.image_tokens == 16
+    for vis in (VisualConfig("gate", 4, decouple=True, global_feature=True, gate_cost=0.1), VisualConfig("attention", 16),
+                VisualConfig("resampler", 2, max_queries=4)):  # 16 image tokens at 2x need 8: training sizes it
         out = tmp_path / vis.compressor
         cfg = DistillConfig(steps=4, batch_size=4, lr=3e-3, warmup=1, eval_every=10**6, eval_n=1, ckpt_every=4, visual=vis.to_dict())
         trained = train_drafter(target, "toyworld", out, cfg, progress=False)
         loaded = EagleDrafter.load(out / "drafter", target)
-        assert loaded.head.config.visual == vis and loaded.needs_visual
+        assert loaded.head.config.visual == vis.sized_for(target.image_tokens) and loaded.needs_visual
+        if vis.compressor == "resampler":
+            assert loaded.head.visual.compressors["resampler"].queries.shape[0] == 8 != vis.max_queries
         a, b = trained.head.state_dict(), loaded.head.state_dict()
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         inputs = encode_prompt(target, "how many?", [tiny_image(5)])

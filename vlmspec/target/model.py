@@ -90,6 +90,12 @@ class Target:
         return int(getattr(self.text_config, "max_position_embeddings", 1 << 30))
 
     @property
+    def image_tokens(self) -> int | None:
+        """Tokens one image takes in the prompt, where the config fixes it (None: it varies by image)."""
+        n = getattr(self.model.config, "image_seq_length", None)
+        return int(n) if isinstance(n, int) and n > 0 else None
+
+    @property
     def uses_mrope(self) -> bool:
         return self._rope_index_fn is not None
 

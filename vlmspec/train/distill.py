@@ -528,7 +528,7 @@ def warm_start(head: EagleHead, target: Target, folder: str | Path) -> None:
     init = EagleDrafter.load(folder, target).head  # checked against the target, loaded strictly
     want, have = head.config, init.config
     diff = [f"{name}: {getattr(have, name)!r} (--init-from) != {getattr(want, name)!r} (this run)"
-            for name in ("draft_vocab_size", "acceptance_head", "extra")  # the shape follows the target, checked on load
+            for name in ("draft_vocab_size", "acceptance_head", "visual")  # the shape follows the target, checked on load
             if getattr(have, name) != getattr(want, name)]
     if diff:
         raise DataError(f"--init-from {folder}: a drafter of another kind ({'; '.join(diff)}); "
@@ -564,7 +564,7 @@ def train_drafter(
     ecfg = EagleConfig.from_target(target)
     ecfg.draft_vocab_size = cfg.draft_vocab
     ecfg.acceptance_head = cfg.acceptance_head
-    vis = VisualConfig.from_dict(cfg.visual)
+    vis = VisualConfig.from_dict(cfg.visual).sized_for(target.image_tokens)  # the resampler's queries cover one image
     if not vis.is_plain:
         ecfg.extra["visual"] = vis.to_dict()
     head = EagleHead(ecfg, target.input_embeddings(), target.output_embeddings(), target.attention)

@@ -18,12 +18,12 @@ rows only; training keeps the length and masks dropped keys, which is the same c
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from torch import nn
 
-from vlmspec.vision_compress.compressors import FIXED, Gate, Resampler, build, kept_tokens
+from vlmspec.vision_compress.compressors import FIXED, Gate, Resampler, build, keep_count, kept_tokens
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ class VisualConfig:
     global_feature: bool = False
     gate_choices: tuple[str, ...] = ("uniform", "attention", "pool", "conv", "resampler", "text_only")
     gate_cost: float = 0.0  # training: weight of the gate's expected kept fraction
+    max_queries: int = 64  # the resampler's learnable queries: it reads images of up to max_queries x ratio tokens
 
     def __post_init__(self) -> None:
         if self.compressor not in ("none", "gate", *FIXED):
@@ -43,6 +44,19 @@ class VisualConfig:
         bad = [c for c in self.gate_choices if c not in FIXED]
         if bad or not self.gate_choices:
             raise ValueError(f"gate_choices must be a non-empty subset of {FIXED}, got {self.gate_choices}")
+        if not (isinstance(self.max_queries, int) and self.max_queries >= 1):
+            raise ValueError(f"max_queries must be an int >= 1, got {self.max_queries!r}")
+
+    @property
+    def uses_resampler(self) -> bool:
+        return self.compressor == "resampler" or (self.compressor == "gate" and "resampler" in self.gate_choices)
+
+    def sized_for(self, image_tokens: int | None) -> "VisualConfig":
+        """This config with enough resampler queries for an image of `image_tokens` tokens (never
+        fewer than it has: a trained drafter's weights keep their shape). None: unknown, unchanged."""
+        if not self.uses_resampler or image_tokens is None:
+            return self
+        return replace(self, max_queries=max(self.max_queries, keep_count(image_tokens, self.ratio)))
 
     @property
     def is_plain(self) -> bool:
@@ -111,7 +125,7 @@ class VisualAdaptor(nn.Module):
         self.cfg = cfg
         names = cfg.gate_choices if cfg.compressor == "gate" else (() if cfg.compressor == "none" else (cfg.compressor,))
         self.names = tuple(names)
-        self.compressors = nn.ModuleDict({n: build(n, hidden, cfg.ratio) for n in names})
+        self.compressors = nn.ModuleDict({n: build(n, hidden, cfg.ratio, cfg.max_queries) for n in names})
         self.gate = Gate(hidden, len(names)) if cfg.compressor == "gate" else None
         if cfg.global_feature:
             self.global_query = Resampler(hidden, max_queries=1)

@@ -150,7 +150,9 @@ class Resampler(Compressor):
         n = x.shape[0]
         m = keep_count(n, ratio)
         if m > self.queries.shape[0]:
-            raise ValueError(f"resampler has {self.queries.shape[0]} queries, {m} needed; raise max_queries or the ratio")
+            raise ValueError(f"the resampler has {self.queries.shape[0]} queries and this image of {n} tokens needs {m} at "
+                             f"{ratio:g}x: use a drafter trained at this image size (`vlmspec train` sizes the resampler "
+                             "from the target's image tokens) or a higher ratio")
         anchors = uniform_anchors(n, m, x.device)
         q = self.queries[:m].to(x.dtype) + x[anchors]  # [m, H]: each query starts at its anchor's token
         return cross_attention(q, self.norm(x), self.attn) + x[anchors], anchors
@@ -170,7 +172,7 @@ def kept_tokens(name: str, n: int, ratio: float) -> int:
     return keep_count(n, ratio)
 
 
-def build(name: str, hidden: int, ratio: float) -> Compressor:
+def build(name: str, hidden: int, ratio: float, max_queries: int = 64) -> Compressor:
     if name == "uniform":
         return UniformPrune()
     if name == "attention":
@@ -180,7 +182,7 @@ def build(name: str, hidden: int, ratio: float) -> Compressor:
     if name == "conv":
         return StridedConv(hidden, ratio)
     if name == "resampler":
-        return Resampler(hidden)
+        return Resampler(hidden, max_queries)
     if name == "text_only":
         return TextOnly()
     raise ValueError(f"unknown compressor {name!r}; expected one of {FIXED}")
