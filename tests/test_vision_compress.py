@@ -279,6 +279,20 @@ def test_variants_train_save_and_load(tmp_path):
         assert SpecEngine(target, loaded).generate(inputs, gc).token_ids == SpecEngine(target, NoDrafter()).generate(inputs, gc).token_ids
 
 
+def test_a_resampler_with_too_few_queries_for_the_targets_images_is_refused_at_load(tmp_path):
+    """Tiny llava's images take 16 tokens: a resampler of 4 queries at 2x reads 8 and is refused
+    when loaded, saying why; the same drafter sized for the target loads (the control)."""
+    from vlmspec.draft.eagle import DrafterLoadError
+
+    target = tiny_target("llava")
+    small = VisualConfig("resampler", 2, max_queries=4)
+    _variant(target, small).save(tmp_path / "small")
+    with pytest.raises(DrafterLoadError, match="resampler reads images of up to 8 tokens at 2x and this target's take 16"):
+        EagleDrafter.load(tmp_path / "small", target)
+    _variant(target, small.sized_for(target.image_tokens)).save(tmp_path / "sized")
+    assert EagleDrafter.load(tmp_path / "sized", target).head.visual.compressors["resampler"].queries.shape[0] == 8
+
+
 def test_prefill_at_llava_scale_is_timed_round_robin_and_none_past_a_resamplers_capacity():
     from vlmspec.bench.ablation import prefill_at_scale
 

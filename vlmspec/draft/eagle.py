@@ -186,6 +186,10 @@ class EagleConfig(PretrainedConfig):
             for name in ("hidden_size", "vocab_size", "max_position_embeddings", "rope_theta")
             if getattr(self, name) != getattr(want, name)
         ]
+        vis = self.visual
+        if vis.sized_for(target.image_tokens) != vis:  # its resampler has fewer queries than one image needs
+            problems.append(f"its resampler reads images of up to {vis.max_queries * vis.ratio:g} tokens at {vis.ratio:g}x "
+                            f"and this target's take {target.image_tokens}")
         if problems:
             raise DrafterLoadError(
                 "this drafter was trained for a different target (" + "; ".join(problems) + "). "
