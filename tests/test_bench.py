@@ -164,6 +164,14 @@ def test_reuse_needs_the_same_steps_config_and_target(tmp_path):
     (tmp_path / "train_summary.json").write_text(json.dumps({"step": 7, "config": older}))
     assert finished_run(tmp_path, cfg, "abc"), "a field added since, at its default, trains as the run did"
     assert not finished_run(tmp_path, DistillConfig(steps=7, text_style="varied"), "abc"), "... and not otherwise"
+    # the same for a field VisualConfig gained since (the suite's variants carry their visual dict in full)
+    from vlmspec.vision_compress import VisualConfig
+
+    vis = VisualConfig("resampler", 4).to_dict()
+    old_vis = {k: v for k, v in vis.items() if k != "max_queries"}
+    (tmp_path / "train_summary.json").write_text(json.dumps({"step": 7, "config": {**asdict(cfg), "visual": old_vis}}))
+    assert finished_run(tmp_path, DistillConfig(steps=7, visual=vis), "abc"), "max_queries at its default: the run's 64 queries"
+    assert not finished_run(tmp_path, DistillConfig(steps=7, visual={**vis, "max_queries": 144}), "abc"), "... and not otherwise"
 
 
 def test_divergences_are_located_and_their_top2_margin_measured_in_ulps():

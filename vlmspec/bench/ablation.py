@@ -277,6 +277,14 @@ def target_fingerprint(target: Target) -> str:
 PARTIAL = "ablation.partial.json"  # the rows measured so far, while a suite runs
 
 
+def _visual_in_full(config: dict[str, Any]) -> dict[str, Any]:
+    """A recorded DistillConfig with its visual variant written out in full (VisualConfig's fields
+    added since the record at their defaults: the variant was built with those)."""
+    if not config.get("visual"):
+        return config
+    return {**config, "visual": VisualConfig.from_dict(config["visual"]).to_dict()}
+
+
 def finished_run(run_dir: Path, cfg: DistillConfig, fingerprint: str) -> bool:
     """`run_dir` holds a drafter trained to the end with exactly `cfg` (train_summary.json) on the
     target of `fingerprint` (a run without the record is not reused). A field that DistillConfig
@@ -286,8 +294,8 @@ def finished_run(run_dir: Path, cfg: DistillConfig, fingerprint: str) -> bool:
     if not (summary.is_file() and teacher.is_file() and (run_dir / "drafter").is_dir()):
         return False
     saved = json.loads(summary.read_text())
-    recorded = saved.get("config", {})
-    wanted, defaults = json.loads(json.dumps(asdict(cfg))), json.loads(json.dumps(asdict(DistillConfig())))
+    recorded = _visual_in_full(saved.get("config", {}))
+    wanted, defaults = _visual_in_full(json.loads(json.dumps(asdict(cfg)))), json.loads(json.dumps(asdict(DistillConfig())))
     added_since = {k: v for k, v in wanted.items() if k not in recorded and v == defaults[k]}
     return (saved.get("step") == cfg.steps and {**added_since, **recorded} == wanted
             and json.loads(teacher.read_text()).get("sha256") == fingerprint)
