@@ -93,13 +93,10 @@ def drafter_prefill_ms(target: Target, drafter: Any, prompts: list[Conversation]
 def _over_capacity(drafter: Any, n_image: int) -> str | None:
     """The compressor of `drafter` that cannot take `n_image` tokens (a resampler has a fixed
     number of queries, e.g. 64 < 576 / 4), or None."""
-    from vlmspec.vision_compress.compressors import Resampler, keep_count
-
     visual = getattr(getattr(drafter, "head", None), "visual", None)
-    if visual is None:
+    if visual is None or visual.cfg.sized_for(n_image) == visual.cfg:
         return None
-    return next((name for name, c in visual.compressors.items()
-                 if isinstance(c, Resampler) and keep_count(n_image, visual.cfg.ratio) > c.queries.shape[0]), None)
+    return "resampler"  # the one compressor with a capacity (VisualConfig.sized_for)
 
 
 def scale_prompt(target: Target, n_image: int = 576, n_text: int = 48) -> tuple[PromptContext, int]:
