@@ -25,7 +25,7 @@ from typing import Any, Iterator
 import torch
 
 from vlmspec.control import Controller, Policy, Speculation, SpeculationOptions
-from vlmspec.draft.base import Drafter, PromptContext, TreeConfig
+from vlmspec.draft.base import Drafter, NoDrafter, PromptContext, TreeConfig
 from vlmspec.sampling import SamplingParams, next_token
 from vlmspec.stats import SpecStats
 from vlmspec.target import Target, TargetState
@@ -170,6 +170,8 @@ class _Request:
 
 class SpecEngine:
     def __init__(self, target: Target, drafter: Drafter, speculation: Speculation | None = None) -> None:
+        if not isinstance(drafter, NoDrafter):
+            target.check_rollback()  # a model with conv / recurrent state: plain decoding only, said at load
         self.target = target
         self.drafter = drafter
         self.speculation = speculation or Speculation()  # default policy + cost model (read-only)

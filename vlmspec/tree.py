@@ -110,6 +110,36 @@ def tree_attention_mask(tree_mask: torch.Tensor, prefix_len: int, dtype: torch.d
     """
     n = tree_mask.shape[0]
     allowed = torch.cat([torch.ones(n, prefix_len, dtype=torch.bool, device=tree_mask.device), tree_mask], dim=1)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=tree_mask.device)
+    return additive_mask(allowed, dtype)
+
+
+def windowed_tree_mask(tree_mask: torch.Tensor, prefix_len: int, depth: torch.Tensor, kind: str, window: int | None) -> torch.Tensor:
+    """[N, prefix_len + N] bool: the ancestor mask cut by a layer's own window, for N tree queries.
+
+    A node at depth d stands at sequence index prefix_len + d (the index it takes once its path is
+    committed), and so does each of its ancestors; a prefix entry j stands at j. Kinds, as
+    transformers' own masks define them for one-token steps:
+      'full_attention'    every committed entry and every ancestor;
+      'sliding_attention' only keys with q - k < window;
+      'chunked_attention' only keys in the query's own chunk of `window` (k // window == q // window).
+    tree_mask: [N, N] bool ancestor-or-self mask; depth: [N] long.
+    """
+    n = tree_mask.shape[0]
+    allowed = torch.cat([torch.ones(n, prefix_len, dtype=torch.bool, device=tree_mask.device), tree_mask], dim=1)
+    if kind == "full_attention":
+        return allowed
+    assert window is not None and window > 0, (kind, window)
+    q = prefix_len + depth.to(tree_mask.device)  # [N]
+    k = torch.cat([torch.arange(prefix_len, device=tree_mask.device), q])  # [P + N]
+    if kind == "sliding_attention":
+        return allowed & (q[:, None] - k[None, :] < window)
+    if kind == "chunked_attention":
+        return allowed & (k[None, :] // window == q[:, None] // window)
+    raise ValueError(f"no tree mask for layers of kind {kind!r}")
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[N, K] bool -> [1, 1, N, K] additive mask (0 where allowed, dtype min elsewhere)."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None]

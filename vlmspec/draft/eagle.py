@@ -149,13 +149,14 @@ class EagleConfig(PretrainedConfig):
     def from_target(cls, target: Target) -> "EagleConfig":
         tc = target.text_config
         heads = int(tc.num_attention_heads)
+        ffn = getattr(tc, "intermediate_size", None) or getattr(tc, "moe_intermediate_size", None)  # MoE decoders: the expert's
         return cls(
             hidden_size=int(tc.hidden_size),
             vocab_size=int(tc.vocab_size),
             num_attention_heads=heads,
             num_key_value_heads=int(getattr(tc, "num_key_value_heads", heads) or heads),
             head_dim=int(getattr(tc, "head_dim", None) or tc.hidden_size // heads),
-            intermediate_size=int(tc.intermediate_size),
+            intermediate_size=int(ffn or 4 * tc.hidden_size),
             max_position_embeddings=target.max_positions,
             rope_theta=_rope_theta(tc),
             rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),

@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from vlmspec.errors import ContextLengthError
-from vlmspec.kv_cache import KVCache, cache_kwarg
+from vlmspec.errors import ConfigError, ContextLengthError
+from vlmspec.kv_cache import ATTENTION_KINDS, KVCache, blocker_message, cache_kwarg, layer_kinds, rollback_blockers
 from vlmspec.transfer import to_device
-from vlmspec.tree import DraftTree, tree_attention_mask
+from vlmspec.tree import DraftTree, additive_mask, windowed_tree_mask
 from vlmspec.vision_compress.capture import capture, image_token_id, last_layer_attention
 
 
@@ -52,6 +52,18 @@ def _text_config(config: Any) -> Any:
     return get() if get is not None else config
 
 
+def _windows(kinds: list[str], kwargs: list[dict[str, Any]]) -> dict[str, int]:
+    """{kind: window} for the sliding and chunked layers; one window per kind (the models' masks have one)."""
+    out: dict[str, int] = {}
+    for i, (kind, kw) in enumerate(zip(kinds, kwargs)):
+        if kind in ("sliding_attention", "chunked_attention"):
+            window = int(kw["sliding_window"])
+            if out.setdefault(kind, window) != window:
+                raise ConfigError(f"layer {i} ({kind}) has window {window} but an earlier one has {out[kind]}: "
+                                  "tree verification needs one window per layer kind")
+    return out
+
+
 class Target:
     """A Hugging Face image-text-to-text model plus its processor, batch size 1."""
 
@@ -66,6 +78,11 @@ class Target:
         gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         eos = gen_eos if gen_eos is not None else getattr(_text_config(model.config), "eos_token_id", None)
         self.eos_token_ids: set[int] = set() if eos is None else set(eos if isinstance(eos, list) else [eos])
+        kinds, kwargs = layer_kinds(model.config)
+        self.layer_kinds: list[str] = kinds  # per decoder layer: 'full_attention', 'sliding_attention', 'conv', ...
+        self.windows = _windows(kinds, kwargs)  # {'sliding_attention': W, 'chunked_attention': C} where present
+        # kinds whose state a rejected draft cannot be taken out of: plain decoding only (check_rollback)
+        self.rollback_blockers = rollback_blockers(kinds)
 
     # ---------------------------------------------------------------- properties
     @property
@@ -102,6 +119,11 @@ class Target:
     @property
     def tokenizer(self) -> Any:
         return getattr(self.processor, "tokenizer", self.processor)
+
+    def check_rollback(self) -> None:
+        """Raise ConfigError, saying what works instead, when speculative drafts cannot be rolled back."""
+        if self.rollback_blockers:
+            raise ConfigError(blocker_message(self.name, self.rollback_blockers))
 
     def input_embeddings(self) -> torch.nn.Module:
         return self.model.get_input_embeddings()
@@ -140,7 +162,7 @@ class Target:
                 f"prompt is {length} tokens but the model's context is {self.max_positions}: shorten the prompt or use fewer images"
             )
         position_ids, delta = self._prefill_positions(inputs)
-        cache = KVCache()
+        cache = KVCache.for_model(self.model.config)
         kwargs = dict(inputs)
         if position_ids is not None:
             kwargs["position_ids"] = position_ids
@@ -168,15 +190,31 @@ class Target:
             return pos[None].expand(3, 1, -1)
         return pos
 
+    def tree_masks(self, state: TargetState, tree: DraftTree) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The additive masks of a tree forward, [1, 1, N, seq_len + N] each: one for all layers when
+        every layer is of one kind, else one per layer kind (the form transformers' models that mix
+        kinds take), each cut by that kind's window. Built on the host, copied without a
+        host sync on CUDA."""
+        ancestors = tree.ancestor_mask()
+
+        def mask(kind: str) -> torch.Tensor:
+            allowed = windowed_tree_mask(ancestors, state.seq_len, tree.depth, kind, self.windows.get(kind))
+            return to_device(additive_mask(allowed, self.dtype), self.device)
+
+        kinds = sorted({k for k in self.layer_kinds if k in ATTENTION_KINDS}) or ["full_attention"]
+        if len(kinds) == 1:  # one kind for every layer: one tensor (what a model with one mask function takes)
+            return mask(kinds[0])
+        return {kind: mask(kind) for kind in kinds}
+
     @torch.no_grad()
     def forward_tree(self, state: TargetState, tree: DraftTree) -> ForwardOut:
         """All N tree nodes in one forward over the cached prefix. Appends N KV entries: call
         `commit` afterwards. logits [N, V]: row i is the distribution after node i."""
         if state.seq_len + int(tree.depth.max()) + 1 > self.max_positions:
             raise ContextLengthError(f"tree reaches past the context of {self.max_positions} tokens")
-        # a lone root is a plain decode step: the causal default is exact and takes the fast kernels
-        # built on the host, copied without a host sync on CUDA
-        mask = None if tree.size == 1 else to_device(tree_attention_mask(tree.ancestor_mask(), state.seq_len, self.dtype), self.device)
+        # a lone root is a plain decode step: the model's own causal (and windowed) masks are exact
+        # and take the fast kernels
+        mask = None if tree.size == 1 else self.tree_masks(state, tree)
         out = self.model(
             input_ids=to_device(tree.tokens[None], self.device),
             attention_mask=mask,

@@ -1,0 +1,249 @@
+"""The coverage matrix: every image-text-to-text family, lossless or refused, never silently wrong.
+
+For each family (`vlmspec.testing.families`) a tiny random build runs through the engine with the
+three drafters (`none`, `ngram`, a random EAGLE head) on a text prompt of 20 random tokens (past
+the builds' 8-token sliding windows and attention chunks) and, where a tiny processor exists, an
+image prompt; 24 greedy tokens each must equal HF `generate`'s. Then one tree (the reference
+continuation with a wrong sibling in front of every right token) is verified in one forward and
+its path's logits compared with the same tokens run as plain steps (max gap <= 1e-4, fp32).
+
+A row's status:
+  lossless    every prompt, every drafter, and the logit check;
+  plain only  plain decoding is exact, and the speculative drafters are refused with vlmspec's
+              message (a decoder whose state cannot be rolled back);
+  refused     vlmspec refuses the model with its own message;
+  not built   no tiny model of the family can be built here (the reason says why: not vlmspec's doing);
+  FAILED      a token differs, a logit gap is over the bound, or vlmspec raised a raw exception.
+
+    python -m vlmspec.testing.coverage              # the table, to stdout
+    python -m vlmspec.testing.coverage --write      # and into docs/families.md and the README's list
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from vlmspec.draft.base import NoDrafter, TreeConfig
+from vlmspec.draft.eagle import EagleDrafter
+from vlmspec.draft.ngram import NgramDrafter
+from vlmspec.engine import GenerationConfig, SpecEngine
+from vlmspec.errors import VlmspecError
+from vlmspec.target import Target
+from vlmspec.testing.families import SPECIAL_ZONE, VOCAB, NotBuildable, build_family, families, tiny_config
+from vlmspec.tree import DraftTree
+
+NEW_TOKENS = 24
+PROMPT_TOKENS = 20
+MAX_LOGIT_GAP = 1e-4
+TREE = TreeConfig(depth=4, top_k=3, total_tokens=10)
+STATUSES = ("lossless", "plain only", "refused", "not built", "FAILED")
+
+# a tiny processor per family, when one can be built (image prompts); None: text prompts only
+ProcessorFactory = Callable[[str, Any], Any]
+
+
+@dataclass
+class Row:
+    family: str
+    status: str
+    detail: str = ""
+    prompts: list[str] = field(default_factory=list)  # the prompts run ("text", "image")
+    max_gap: float | None = None  # the logit check's largest gap over the prompts
+    seconds: float = 0.0
+
+
+class _Failed(Exception):
+    """A check that did not hold (the message says which)."""
+
+
+def text_prompt(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB - SPECIAL_ZONE, (1, PROMPT_TOKENS), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def hf_greedy(model: torch.nn.Module, inputs: dict[str, Any], n: int = NEW_TOKENS) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def decoy_tree(root: int, continuation: list[int], vocab: int) -> tuple[DraftTree, list[int]]:
+    """root -> (decoy, right) at every level, the right token continuing: the tree and its right path's nodes."""
+    tokens, parents, path, node = [root], [-1], [0], 0
+    for tok in continuation:
+        tokens += [(tok + 1) % vocab, tok]
+        parents += [node, node]
+        node = len(tokens) - 1
+        path.append(node)
+    return DraftTree(torch.tensor(tokens), torch.tensor(parents)), path
+
+
+def logit_gap(target: Target, inputs: dict[str, Any], ref: list[int], depth: int = 5) -> float:
+    """Max |tree logits - plain-step logits| over the right path of a decoy tree of `depth` levels."""
+    state, _ = target.prefill(inputs)
+    tree, path = decoy_tree(ref[0], ref[1 : depth + 1], target.vocab_size)
+    tree_logits = target.forward_tree(state, tree).logits[path]  # [depth + 1, V]
+    state, _ = target.prefill(inputs)
+    plain = []
+    for tok in ref[: depth + 1]:
+        plain.append(target.forward_tree(state, DraftTree.root_only(tok)).logits[0])
+        target.commit(state, [0])
+    return float((tree_logits - torch.stack(plain)).abs().max())
+
+
+def _drafters(target: Target) -> dict[str, Callable[[], Any]]:
+    """The three drafters, each made when its turn comes (a refusal of one does not stop the others)."""
+    return {"none": NoDrafter, "ngram": lambda: NgramDrafter(TREE), "eagle": lambda: EagleDrafter.random_init(target, TREE, seed=1)}
+
+
+def check_prompt(target: Target, inputs: dict[str, Any], label: str) -> tuple[list[str], float | None]:
+    """Run one prompt through every drafter; returns (refusal messages, logit gap or None when refused).
+    Raises _Failed on a differing token or logit, VlmspecError when plain decoding itself is refused."""
+    ref = hf_greedy(target.model, inputs)
+    refusals: list[str] = []
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    for name, make in _drafters(target).items():
+        try:
+            engine = SpecEngine(target, make())
+        except VlmspecError as exc:
+            if name == "none":
+                raise
+            refusals.append(str(exc))
+            continue
+        got = engine.generate(inputs, config).token_ids
+        if got != ref:
+            first = next(i for i, (a, b) in enumerate(zip(got, ref)) if a != b)
+            raise _Failed(f"{label} prompt, drafter {name}: token {first} differs from HF generate")
+    if refusals:
+        return refusals, None
+    gap = logit_gap(target, inputs, ref)
+    if not gap <= MAX_LOGIT_GAP:
+        raise _Failed(f"{label} prompt: tree vs plain-step logit gap {gap:.2e} > {MAX_LOGIT_GAP:g}")
+    return refusals, gap
+
+
+def check_family(family: str, processor_factory: ProcessorFactory | None = None, image: Any = None) -> Row:
+    """One row of the matrix (see the module docstring)."""
+    t0 = time.perf_counter()
+    row = Row(family, "FAILED")
+    try:
+        config = tiny_config(family)
+        processor = None
+        if processor_factory is not None and image is not None:
+            try:
+                processor = processor_factory(family, config)  # may set the config's image token ids
+            except NotBuildable:
+                processor = None
+        model = build_family(family, config)
+        prompts = {"text": text_prompt()}
+        if processor is not None:
+            prompts["image"] = _image_inputs(processor, image)
+        for inputs in prompts.values():  # HF itself must run the build before vlmspec is judged on it
+            try:
+                hf_greedy(model, inputs, 2)
+            except (TypeError, ValueError, RuntimeError, IndexError, AttributeError, KeyError) as exc:
+                raise NotBuildable(f"HF generate fails on the tiny build: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}") from exc
+        target = Target(model, processor, name=family)
+        gaps, refusals = [], []
+        for label, inputs in prompts.items():
+            r, gap = check_prompt(target, inputs, label)
+            refusals += r
+            if gap is not None:
+                gaps.append(gap)
+            row.prompts.append(label)
+        row.max_gap = max(gaps) if gaps else None
+        row.status, row.detail = ("plain only", refusals[0]) if refusals else ("lossless", "")
+    except NotBuildable as exc:
+        row.status, row.detail = "not built", str(exc)
+    except VlmspecError as exc:
+        row.status, row.detail = "refused", str(exc)
+    except _Failed as exc:
+        row.detail = str(exc)
+    except Exception as exc:  # noqa: BLE001  (the matrix records a raw exception as a failure, with its type)
+        row.detail = f"raw {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+    row.seconds = time.perf_counter() - t0
+    return row
+
+
+def _image_inputs(processor: Any, image: Any) -> dict[str, Any]:
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "describe the image"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    return dict(processor(text=[text], images=[image], return_tensors="pt"))
+
+
+def run_matrix(names: list[str] | None = None, processor_factory: ProcessorFactory | None = None, image: Any = None,
+               progress: bool = False) -> list[Row]:
+    rows = []
+    for name in names or families():
+        rows.append(check_family(name, processor_factory, image))
+        if progress:
+            r = rows[-1]
+            print(f"{r.family:28s} {r.status:10s} {r.seconds:5.1f}s {r.detail[:100]}", file=sys.stderr, flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------- the docs
+def table(rows: list[Row]) -> str:
+    """The matrix as a Markdown table, one row per family."""
+    lines = ["| family | status | prompts | max logit gap | note |", "|---|---|---|---:|---|"]
+    for r in rows:
+        gap = f"{r.max_gap:.1e}" if r.max_gap is not None else ""
+        note = r.detail.replace("|", "\\|")
+        lines.append(f"| {r.family} | {r.status} | {', '.join(r.prompts)} | {gap} | {note} |")
+    return "\n".join(lines)
+
+
+def summary(rows: list[Row]) -> str:
+    """One line per status with its families (the README's list)."""
+    out = []
+    for status in STATUSES:
+        names = [r.family for r in rows if r.status == status]
+        if names:
+            out.append(f"- **{status}** ({len(names)}): {', '.join(names)}")
+    return "\n".join(out)
+
+
+BEGIN, END = "<!-- families:begin (generated by python -m vlmspec.testing.coverage --write) -->", "<!-- families:end -->"
+
+
+def replace_block(text: str, block: str) -> str:
+    """`text` with the generated block between BEGIN and END replaced by `block`."""
+    head, sep, rest = text.partition(BEGIN)
+    if not sep:
+        raise ValueError(f"no {BEGIN!r} marker")
+    _, sep, tail = rest.partition(END)
+    if not sep:
+        raise ValueError(f"no {END!r} marker")
+    return f"{head}{BEGIN}\n{block}\n{END}{tail}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vlmspec.testing.coverage", description=__doc__.split("\n")[0])
+    parser.add_argument("families", nargs="*", help="families to check (default: all)")
+    parser.add_argument("--write", action="store_true", help="write docs/families.md and the README's list")
+    args = parser.parse_args(argv)
+    from vlmspec.testing.tiny import tiny_image
+    from vlmspec.testing.tiny_processors import build_processor
+
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    rows = run_matrix(args.families or None, build_processor, tiny_image(0), progress=True)
+    print(table(rows))
+    if args.write:
+        root = Path(__file__).resolve().parents[2]
+        page = root / "docs" / "families.md"
+        page.write_text(replace_block(page.read_text(), table(rows)))
+        readme = root / "README.md"
+        readme.write_text(replace_block(readme.read_text(), summary(rows)))
+    return 1 if any(r.status == "FAILED" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

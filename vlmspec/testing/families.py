@@ -1,0 +1,185 @@
+"""Tiny random builds of every image-text-to-text family transformers ships, for the coverage matrix.
+
+``tiny_family(family)`` takes the family's own default config (``CONFIG_MAPPING[family]()``), shrinks
+it in place (`shrink`: hidden 64, two decoder layers that keep one layer of every kind the family
+has, four heads, a 1,024-token vocabulary with the special-token ids moved into its top, sliding
+windows and attention chunks of 8 so that a 20-token prompt already runs past them) and builds the
+model from it with random weights, fp32, on the CPU. Nothing is downloaded.
+
+What a build cannot do here is said with `NotBuildable` (the reason is the matrix's row), never
+hidden: a family whose default config does not build, or that is not a decoder the engine can
+drive (encoder-decoder families).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from transformers import CONFIG_MAPPING, AutoModelForImageTextToText
+from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+VOCAB = 1024  # tiny vocabulary; special-token ids are moved into [VOCAB - 64, VOCAB)
+SPECIAL_ZONE = 64
+WINDOW = 8  # sliding windows and attention chunks: a 20-token prompt is already past them
+MROPE_HALF_DIM = 8  # head_dim 16 -> M-RoPE sections sum to 8
+
+# integer config fields set to a tiny value wherever they appear (text, vision, audio sub-configs)
+SIZES = {
+    "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "num_heads": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "num_experts": 4,
+    "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "projection_dim": 64,
+    "vision_output_dim": 64, "out_hidden_size": 64, "text_hidden_size": 64, "embed_dim": 64, "d_model": 64,
+}
+DEPTHS = ("depth", "num_layers")  # vision towers' layer counts
+# families whose modelling code splits M-RoPE by sections their default config leaves out
+MROPE_FAMILIES = {"qwen2_vl": (2, 3, 3), "qwen2_5_vl": (2, 3, 3), "glm4v": (2, 3, 3), "glm46v": (2, 3, 3),
+                  "glm4v_moe": (1, 1, 2), "glm_ocr": (2, 3, 3), "glmga": (2, 3, 3), "paddleocr_vl": (2, 3, 3)}
+# the decoder layers a tiny build keeps, where the default config has fewer kinds than the real models
+LAYER_KINDS = {"lfm2_vl": ("conv", "full_attention")}
+
+
+class NotBuildable(Exception):
+    """A family this machine cannot build a tiny model of (the message says why)."""
+
+
+def families() -> list[str]:
+    """Every image-text-to-text family (config model_type) of the installed transformers, sorted."""
+    return sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+
+def _kept_layers(layer_types: list[str] | None, n: int) -> list[int]:
+    """Indices of the decoder layers to keep: the first of each kind (at least two layers)."""
+    if layer_types is None or len(layer_types) != n:
+        return list(range(min(2, n)))
+    first: dict[str, int] = {}
+    for i, kind in enumerate(layer_types):
+        first.setdefault(kind, i)
+    keep = sorted(first.values())
+    if len(keep) < 2 and n >= 2:
+        keep = sorted({*keep, next(i for i in range(n) if i not in keep)})
+    return keep
+
+
+def _shrink_mrope(config: Any, family: str) -> None:
+    """M-RoPE sections summing to head_dim // 2; families whose models read sections the default config
+    leaves out get them set (their modelling code has its own full-size default)."""
+    for field in ("rope_parameters", "rope_scaling"):
+        rope = getattr(config, field, None)
+        if not isinstance(rope, dict):
+            continue
+        section = rope.get("mrope_section")
+        if isinstance(section, list):
+            new = [max(1, round(x * MROPE_HALF_DIM / sum(section))) for x in section]
+            new[-1] += MROPE_HALF_DIM - sum(new)
+            rope["mrope_section"] = new
+        elif family in MROPE_FAMILIES and field == "rope_parameters":
+            rope["mrope_section"] = list(MROPE_FAMILIES[family])
+
+
+def shrink(config: Any, family: str = "") -> Any:
+    """Shrink `config` and its sub-configs in place (see the module docstring); returns it."""
+    n = getattr(config, "num_hidden_layers", None)
+    if family in LAYER_KINDS and isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = list(LAYER_KINDS[family]) + config.layer_types[len(LAYER_KINDS[family]):]
+        n = config.num_hidden_layers = len(config.layer_types)
+    for key, value in SIZES.items():
+        current = getattr(config, key, None)
+        if isinstance(current, int) and not isinstance(current, bool):
+            setattr(config, key, value)
+    if isinstance(getattr(config, "sliding_window", None), int):
+        config.sliding_window = WINDOW
+    if isinstance(getattr(config, "attention_chunk_size", None), int):
+        config.attention_chunk_size = WINDOW
+    if isinstance(n, int):
+        keep = _kept_layers(getattr(config, "layer_types", None), n)
+        for key, value in list(vars(config).items()):  # every per-layer list keeps the same layers
+            if isinstance(value, (list, tuple)) and len(value) == n and key != "architectures":
+                setattr(config, key, type(value)(value[i] for i in keep))
+        config.num_hidden_layers = len(keep)
+    for key in DEPTHS:
+        if isinstance(getattr(config, key, None), int):
+            setattr(config, key, 2)
+    _shrink_mrope(config, family)
+    for name in getattr(config, "sub_configs", {}):
+        sub = getattr(config, name, None)
+        if sub is not None and hasattr(sub, "to_dict"):
+            shrink(sub, family)
+    if isinstance(getattr(config, "vocab_size", None), int) and config.vocab_size > VOCAB:
+        config.vocab_size = VOCAB
+    return config
+
+
+def remap_special_ids(config: Any, moved: dict[int, int] | None = None) -> dict[int, int]:
+    """Move every special-token id (fields named *_token_id, *_token_index, *_token_ids) that would fall
+    outside the tiny vocabulary into its top zone, the same old id to the same new one across
+    sub-configs. Returns {old id: new id}."""
+    moved = {} if moved is None else moved
+
+    def new_id(old: int) -> int:
+        if old < VOCAB - SPECIAL_ZONE:
+            return old
+        if old not in moved:
+            moved[old] = VOCAB - 1 - len(moved)
+            assert len(moved) <= SPECIAL_ZONE
+        return moved[old]
+
+    for key, value in list(vars(config).items()):
+        if not key.endswith(("token_id", "token_index", "token_ids")):
+            continue
+        if isinstance(value, int) and not isinstance(value, bool):
+            setattr(config, key, new_id(value))
+        elif isinstance(value, list) and all(isinstance(v, int) for v in value):
+            setattr(config, key, [new_id(v) for v in value])
+    for name in getattr(config, "sub_configs", {}):
+        sub = getattr(config, name, None)
+        if sub is not None and hasattr(sub, "to_dict"):
+            remap_special_ids(sub, moved)
+    return moved
+
+
+def tiny_config(family: str) -> Any:
+    """The family's default config, shrunk, special ids inside the vocabulary (NotBuildable if it has none)."""
+    if family not in CONFIG_MAPPING:
+        raise NotBuildable(f"transformers has no config class for {family!r}")
+    try:
+        config = CONFIG_MAPPING[family]()
+        shrink(config, family)
+        remap_special_ids(config)
+    except Exception as exc:  # noqa: BLE001  (a family's own config code raises any type; the row records it)
+        raise NotBuildable(f"its default config does not shrink: {type(exc).__name__}: {_first_line(exc)}") from exc
+    if getattr(config, "is_encoder_decoder", False):
+        raise NotBuildable("encoder-decoder (not a decoder-only chat model)")
+    return config
+
+
+def build_family(family: str, config: Any | None = None, seed: int = 0) -> torch.nn.Module:
+    """A random-weight model of `family` (fp32, eval, SDPA where the family has it, else eager)."""
+    config = copy.deepcopy(config) if config is not None else tiny_config(family)
+    prev = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float32)
+        with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+            torch.manual_seed(seed)
+            try:
+                model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+            except ValueError as exc:
+                if "sdpa" not in str(exc).lower() and "scaled_dot_product" not in str(exc).lower():
+                    raise
+                model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    except Exception as exc:  # noqa: BLE001  (as above: the family's modelling code, not vlmspec)
+        raise NotBuildable(f"the shrunk config does not build: {type(exc).__name__}: {_first_line(exc)}") from exc
+    finally:
+        torch.set_default_dtype(prev)
+    if not hasattr(model, "generate"):
+        raise NotBuildable(f"{type(model).__name__} has no generate (not a text generator)")
+    return model.eval()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else "")[:160]
+
+
+__all__ = ["NotBuildable", "VOCAB", "WINDOW", "build_family", "families", "remap_special_ids", "shrink", "tiny_config"]
