@@ -171,7 +171,7 @@ class _Request:
 class SpecEngine:
     def __init__(self, target: Target, drafter: Drafter, speculation: Speculation | None = None) -> None:
         if not isinstance(drafter, NoDrafter):
-            target.check_rollback()  # a model with conv / recurrent state: plain decoding only, said at load
+            target.check_speculative()  # e.g. conv / recurrent state: plain decoding only, said at load
         self.target = target
         self.drafter = drafter
         self.speculation = speculation or Speculation()  # default policy + cost model (read-only)

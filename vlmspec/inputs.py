@@ -168,17 +168,48 @@ def user_turn(prompt: str, n_images: int = 0) -> list[dict[str, Any]]:
 
 def encode_messages(target: Any, messages: list[dict[str, Any]], images: list[Image.Image] | None = None) -> dict[str, Any]:
     """Chat-template messages + their images (in order) -> the processor's tensors on the target's
-    device: input_ids [1, L], attention_mask [1, L], pixel tensors, grids, ..."""
+    device, cleaned for the forward (`model_inputs`): input_ids [1, L], attention_mask [1, L], pixel
+    tensors, grids, ..."""
     processor, images = target.processor, list(images or [])
-    tokenizer = getattr(processor, "tokenizer", processor)
-    if getattr(processor, "chat_template", None) is None and getattr(tokenizer, "chat_template", None) is None:
-        raise TargetLoadError(f"{target.name}: the processor has no chat template; cannot build a prompt")
-    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    text = render_chat(target, messages)
     kwargs: dict[str, Any] = {"text": [text], "return_tensors": "pt"}
     if images:
         kwargs["images"] = [im.convert("RGB") for im in images]
-    inputs = processor(**kwargs)
-    return {k: v.to(target.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    return model_inputs(target, processor(**kwargs))
+
+
+def render_chat(target: Any, messages: list[dict[str, Any]]) -> str:
+    """The conversation through the target's chat template, wherever it is kept (the processor's,
+    else the tokenizer's); a model with none is refused, saying how to give it one."""
+    processor = target.processor
+    tokenizer = getattr(processor, "tokenizer", processor)
+    for owner in (processor, tokenizer):
+        if getattr(owner, "chat_template", None):
+            return owner.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    raise TargetLoadError(f"{target.name}: neither its processor nor its tokenizer has a chat template, so no prompt can be "
+                          "built: save one as chat_template.jinja in the model folder (transformers reads it from there)")
+
+
+# processor outputs the forward must not see: `labels` would make the model compute a loss
+DROPPED_INPUTS = ("labels",)
+
+
+def model_inputs(target: Any, inputs: Any) -> dict[str, Any]:
+    """A processor's output as the target's forward takes it, cleaned in this one place: keys the
+    forward must not see dropped, tensors moved to the target's device, floating tensors (pixels) cast
+    to the target's dtype (a processor may return bf16 pixels for an fp32 model, or the reverse)."""
+    rows = inputs["input_ids"].shape[0]
+    if rows != 1:
+        raise InputError(f"{target.name}'s processor made {rows} prompts of one conversation (ShieldGemma 2 makes one per "
+                         "policy): vlmspec answers one prompt per request", code="unsupported_prompt")
+    out: dict[str, Any] = {}
+    for key, value in inputs.items():
+        if key in DROPPED_INPUTS:
+            continue
+        if isinstance(value, torch.Tensor):
+            value = value.to(target.device, dtype=target.dtype if value.is_floating_point() else None)
+        out[key] = value
+    return out
 
 
 def encode_prompt(target: Any, prompt: str, images: list[Image.Image] | None = None) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from vlmspec.errors import ConfigError, ContextLengthError
+from vlmspec.errors import ConfigError, ContextLengthError, InputError
 from vlmspec.kv_cache import ATTENTION_KINDS, KVCache, blocker_message, cache_kwarg, layer_kinds, rollback_blockers
 from vlmspec.transfer import to_device
 from vlmspec.tree import DraftTree, additive_mask, windowed_tree_mask
@@ -50,6 +50,10 @@ class ForwardOut:
 def _text_config(config: Any) -> Any:
     get = getattr(config, "get_text_config", None)
     return get() if get is not None else config
+
+
+# families whose models number positions from other than 0 (transformers computes them so itself)
+POSITION_OFFSETS = {"paligemma": 1}
 
 
 def _windows(kinds: list[str], kwargs: list[dict[str, Any]]) -> dict[str, int]:
@@ -83,6 +87,10 @@ class Target:
         self.windows = _windows(kinds, kwargs)  # {'sliding_attention': W, 'chunked_attention': C} where present
         # kinds whose state a rejected draft cannot be taken out of: plain decoding only (check_rollback)
         self.rollback_blockers = rollback_blockers(kinds)
+        # where the model's own position count starts (PaliGemma counts from 1: a shift RoPE cannot
+        # see in the tokens, but one the logits carry at float rounding)
+        self.position_offset = POSITION_OFFSETS.get(str(getattr(model.config, "model_type", "")), 0)
+        self._position_problem: str | None = None  # checked once, when a speculative drafter first asks
 
     # ---------------------------------------------------------------- properties
     @property
@@ -120,10 +128,37 @@ class Target:
     def tokenizer(self) -> Any:
         return getattr(self.processor, "tokenizer", self.processor)
 
-    def check_rollback(self) -> None:
-        """Raise ConfigError, saying what works instead, when speculative drafts cannot be rolled back."""
+    def check_speculative(self) -> None:
+        """Raise ConfigError, saying what works instead, when drafts verified as a tree would not be
+        exact: decoder state a rejected draft cannot be rolled back out of, or position ids the model
+        computes its own way (a tree forward must give each node its own). Plain decoding needs neither."""
         if self.rollback_blockers:
             raise ConfigError(blocker_message(self.name, self.rollback_blockers))
+        tc = self.text_config
+        if getattr(tc, "attn_temperature_tuning", False) and 0 in (getattr(tc, "no_rope_layers", None) or []):
+            raise ConfigError(f"{self.name}: its layers without RoPE scale attention by a token's index in the forward, "
+                              "not by its position, so tree nodes would be scaled as if laid out in a row. Use --drafter none "
+                              "(plain decoding, exact) with this model.")
+        if self._position_problem is None:
+            self._position_problem = self._probe_positions()
+        if self._position_problem:
+            raise ConfigError(f"{self.name}: {self._position_problem}, so the per-node positions of a draft tree "
+                              "cannot be given to it. Use --drafter none (plain decoding, exact) with this model.")
+
+    @torch.no_grad()
+    def _probe_positions(self) -> str:
+        """'' when 4 tokens with explicit position ids 0..3 give the logits the model gives them on its
+        own, else what differs (e.g. positions offset by the padding index, as M2M100 / Kosmos count)."""
+        ids = torch.arange(1, 5, device=self.device)[None]  # [1, 4]
+        try:
+            own = self.model(input_ids=ids, use_cache=False, return_dict=True).logits
+            given = self.model(input_ids=ids, position_ids=self.tree_position_ids(TargetState(KVCache(), 0), torch.arange(4)),
+                               use_cache=False, return_dict=True).logits
+        except (TypeError, ValueError, RuntimeError) as exc:  # e.g. a model that runs only with an image
+            return f"the model does not run a text-only check of its position ids ({type(exc).__name__}: {str(exc)[:120]})"
+        if torch.allclose(own.float(), given.float(), rtol=1e-3, atol=1e-3):
+            return ""
+        return "the model computes its own position ids (explicit ids 0..3 change its logits)"
 
     def input_embeddings(self) -> torch.nn.Module:
         return self.model.get_input_embeddings()
@@ -167,9 +202,12 @@ class Target:
         if position_ids is not None:
             kwargs["position_ids"] = position_ids
         with capture(self.model, attention=visual) if visual else nullcontext() as cap:
-            out = self.model(
-                **kwargs, **cache_kwarg(self.model, cache.hf), use_cache=True, output_hidden_states=True, logits_to_keep=1, return_dict=True
-            )
+            try:
+                out = self.model(
+                    **kwargs, **cache_kwarg(self.model, cache.hf), use_cache=True, output_hidden_states=True, logits_to_keep=1, return_dict=True
+                )
+            except ValueError as exc:  # the model's own check of its inputs (e.g. one that runs only with an image)
+                raise InputError(f"{self.name} cannot run this prompt: {exc}", code="unsupported_prompt") from exc
         state = TargetState(cache=cache, seq_len=length, rope_delta=delta)
         assert cache.seq_len == length, (cache.seq_len, length)
         result = ForwardOut(out.logits[0, -1:].float(), out.hidden_states[-1][0])
@@ -185,7 +223,7 @@ class Target:
 
         depth: [N] -> [1, N] (1-D RoPE) or [3, 1, N] (M-RoPE).
         """
-        pos = to_device(state.seq_len + state.rope_delta + depth, self.device)[None]
+        pos = to_device(state.seq_len + state.rope_delta + self.position_offset + depth, self.device)[None]
         if self.uses_mrope:
             return pos[None].expand(3, 1, -1)
         return pos
@@ -218,7 +256,9 @@ class Target:
         out = self.model(
             input_ids=to_device(tree.tokens[None], self.device),
             attention_mask=mask,
-            position_ids=self.tree_position_ids(state, tree.depth),
+            # a plain step takes the model's own next position (models count positions their own way);
+            # a tree gives every node its own (check_speculative: only where the two agree)
+            position_ids=self.tree_position_ids(state, tree.depth) if tree.size > 1 or self.uses_mrope else None,
             **cache_kwarg(self.model, state.cache.hf),
             use_cache=True,
             output_hidden_states=True,

@@ -78,8 +78,23 @@ def _shrink_mrope(config: Any, family: str) -> None:
             rope["mrope_section"] = list(MROPE_FAMILIES[family])
 
 
+def _fit_vision_taps(config: Any) -> None:
+    """Vision towers whose projector width depends on their own layer taps (Mllama: hidden x (1 + taps);
+    Llama 4: the pixel-shuffle MLP maps hidden / ratio^2 to the projector)."""
+    if isinstance(getattr(config, "intermediate_layers_indices", None), list) and isinstance(getattr(config, "vision_output_dim", None), int):
+        config.intermediate_layers_indices = list(range(config.num_hidden_layers))
+        config.vision_output_dim = config.hidden_size * (1 + len(config.intermediate_layers_indices))
+        if isinstance(getattr(config, "num_global_layers", None), int):
+            config.num_global_layers = 2
+    if isinstance(getattr(config, "pixel_shuffle_ratio", None), float) and isinstance(getattr(config, "projector_input_dim", None), int):
+        config.intermediate_size = int(config.hidden_size / config.pixel_shuffle_ratio**2)
+        config.projector_input_dim = config.projector_output_dim = config.vision_output_dim = config.hidden_size
+
+
 def shrink(config: Any, family: str = "") -> Any:
     """Shrink `config` and its sub-configs in place (see the module docstring); returns it."""
+    if getattr(config, "model_type", None) == "timm_wrapper":  # a timm tower keeps its real feature width
+        return config
     n = getattr(config, "num_hidden_layers", None)
     if family in LAYER_KINDS and isinstance(getattr(config, "layer_types", None), list):
         config.layer_types = list(LAYER_KINDS[family]) + config.layer_types[len(LAYER_KINDS[family]):]
@@ -102,6 +117,7 @@ def shrink(config: Any, family: str = "") -> Any:
         if isinstance(getattr(config, key, None), int):
             setattr(config, key, 2)
     _shrink_mrope(config, family)
+    _fit_vision_taps(config)
     for name in getattr(config, "sub_configs", {}):
         sub = getattr(config, name, None)
         if sub is not None and hasattr(sub, "to_dict"):

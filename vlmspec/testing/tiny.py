@@ -142,20 +142,26 @@ def _chat_template(arch: str) -> str:
     )
 
 
-def build_tokenizer(arch: str) -> PreTrainedTokenizerFast:
-    """Deterministic byte-level BPE trained on a tiny built-in corpus, with the arch's specials."""
-    spec = _special_tokens(arch)
+def trained_bpe(vocab_size: int = BPE_VOCAB) -> Tokenizer:
+    """A deterministic byte-level BPE trained on the built-in corpus, no special tokens yet."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=BPE_VOCAB,
+        vocab_size=vocab_size,
         min_frequency=1,
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[],
     )
     tok.train_from_iterator(_CORPUS, trainer=trainer)
+    return tok
+
+
+def build_tokenizer(arch: str) -> PreTrainedTokenizerFast:
+    """Deterministic byte-level BPE trained on a tiny built-in corpus, with the arch's specials."""
+    spec = _special_tokens(arch)
+    tok = trained_bpe()
     # Special tokens are appended at the top of the vocabulary (like real checkpoints).
     tok.add_special_tokens(spec["ordered"])
     named = spec["named"]

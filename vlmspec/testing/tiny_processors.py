@@ -3,7 +3,7 @@
 ``build_processor(family, config)`` returns the family's own ``ProcessorMixin`` subclass (e.g.
 ``Gemma3Processor``, ``Qwen2VLProcessor``) wired to
 
-* a small byte-level BPE tokenizer trained in process on :data:`vlmspec.testing.tiny._CORPUS`
+* a small byte-level BPE tokenizer trained in process (`vlmspec.testing.tiny.trained_bpe`)
   (:data:`BPE_VOCAB` entries) plus every special token the processor needs, appended on top;
 * the family's own image processor (and video processor where the processor requires one), built
   from its class defaults and shrunk so that a small image (e.g. 48x48 or 64x64 RGB) becomes a
@@ -43,19 +43,20 @@ import dataclasses
 import functools
 import importlib
 import inspect
-import math
 import re
+import types
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 from PIL import Image
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast, ProcessorMixin
 from transformers.models.auto import image_processing_auto, processing_auto
 
-from vlmspec.testing.tiny import _CORPUS
+from vlmspec.testing.families import NotBuildable
+from vlmspec.testing.tiny import trained_bpe
 
 try:  # not every transformers build ships video processors
     from transformers.models.auto import video_processing_auto
@@ -79,10 +80,6 @@ _TOKENIZER_ATTR = re.compile(r"tokenizer\.(\w+_token)\b")
 # ``hasattr(tokenizer, "x_token")`` / ``getattr(tokenizer, "x_token", default)``: optional, the processor has a default.
 _TOKENIZER_OPTIONAL = re.compile(r"""(?:hasattr|getattr)\(\s*(?:self\.)?tokenizer\s*,\s*["'](\w+_token)["']""")
 _CONFIG_TOKEN_ATTR = re.compile(r"^_?(\w+?)_token_(?:id|index)$")
-
-
-class NotBuildable(Exception):
-    """The family has no tiny offline processor; ``str(exc)`` is a one-line reason."""
 
 
 # --------------------------------------------------------------------------------------
@@ -148,7 +145,11 @@ _TOKENIZER_TOKEN_VALUES = {
         "eof_token": "<|extra_201|>",
     },
     "mllama": {"image_token": "<|image|>"},
-    "lighton_ocr": {"image_token": "<|image_pad|>", "image_break_token": "<|vision_pad|>", "image_end_token": "<|vision_end|>"},
+    "lighton_ocr": {
+        "image_token": "<|image_pad|>",
+        "image_break_token": "<|vision_pad|>",
+        "image_end_token": "<|vision_end|>",
+    },
     "paddleocr_vl": {"image_token": "<|IMAGE_PLACEHOLDER|>"},
     "perception_lm": {"image_token": "<|image|>", "video_token": "<|video|>"},
 }
@@ -177,8 +178,8 @@ _IMAGE_PLACEHOLDER = {
     "glm5_next": "<|begin_of_image|><|image|><|end_of_image|>",
 }
 
-# Config token attributes whose token string is not ``<processor|tokenizer>.<base>_token``.
-# Values name a processor/tokenizer attribute (``attr:<name>``) or give the literal token string.
+# Config token attributes whose token string is not ``<processor|tokenizer>.<base>_token``: the
+# literal token string (used only when the tokenizer has it).
 _CONFIG_TOKEN_SOURCES = {
     "vision_start_token_id": "<|vision_start|>",
     "vision_end_token_id": "<|vision_end|>",
@@ -194,18 +195,7 @@ _CONFIG_TOKEN_SOURCES = {
 # --------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=1)
 def _trained_bpe_json() -> str:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=BPE_VOCAB,
-        min_frequency=1,
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=[],
-    )
-    tok.train_from_iterator(_CORPUS, trainer=trainer)
-    return tok.to_str()
+    return trained_bpe(BPE_VOCAB).to_str()
 
 
 def _chat_template(image_placeholder: str) -> str:
@@ -408,7 +398,7 @@ def _default_geometry(config, image_processor) -> dict:
     return {}
 
 
-@_geometry("llava", "vipllava", "fast_vlm", "video_llava", "llava_next_video")
+@_geometry("llava", "vipllava", "video_llava")
 def _llava_geometry(config, image_processor) -> dict:
     size = _shrink_square_tower(config, 4)
     _set_size(image_processor, size)
@@ -475,7 +465,8 @@ def _aya_geometry(config, image_processor) -> dict:
     _set_size(image_processor, size)
     image_processor.max_patches = 2
     # the processor multiplies patch_size by downsample_factor itself
-    return {"img_size": size, "patch_size": _int(_vision(config).patch_size), "downsample_factor": config.downsample_factor}
+    patch = _int(_vision(config).patch_size)
+    return {"img_size": size, "patch_size": patch, "downsample_factor": config.downsample_factor}
 
 
 @_geometry("cohere2_vision")
@@ -514,6 +505,43 @@ def _janus_geometry(config, image_processor) -> dict:
     return {"num_image_tokens": 16}
 
 
+@_geometry("fast_vlm")
+def _fast_vlm_geometry(config, image_processor) -> dict:
+    """FastViT (timm) downsamples by 64 and has no image_size: 128px images -> 2x2 tokens."""
+    _set_size(image_processor, 128)
+    config.image_seq_length = 4
+    return {"patch_size": 64, "vision_feature_select_strategy": "full", "num_additional_image_tokens": 0}
+
+
+@_geometry("ovis2")
+def _ovis2_geometry(config, image_processor) -> dict:
+    size = _shrink_square_tower(config, 4)
+    _set_size(image_processor, size)
+    return {"image_seq_length": 16 // getattr(_vision(config), "hidden_stride", 1) ** 2}
+
+
+def _chameleon_image_token_names(n: int) -> list[str]:
+    """Chameleon's BPE names of VQ codes: ``IMGIMG`` + code digits as letters A-J + ``Z``."""
+    return ["IMGIMG" + "".join(chr(ord("A") + int(d)) for d in str(i)) + "Z" for i in range(n)]
+
+
+_CHAMELEON_CODES = 32  # VQ codebook entries (each needs a token in the 1k vocabulary)
+
+# Extra (non-special) tokens a family's tokenizer must contain: family -> list of token strings.
+_EXTRA_VOCAB = {"chameleon": _chameleon_image_token_names(_CHAMELEON_CODES)}
+
+
+@_geometry("chameleon")
+def _chameleon_geometry(config, image_processor) -> dict:
+    """VQ-GAN tokenizer shrunk to 32px images, 8x downsampling -> 4x4 = 16 image tokens."""
+    vq = config.vq_config
+    vq.resolution, vq.channel_multiplier, vq.num_res_blocks = 32, [1, 2, 2, 2], 1
+    vq.base_channels, vq.latent_channels, vq.embed_dim = 32, 32, 32  # GroupNorm uses 32 groups
+    vq.num_embeddings = _CHAMELEON_CODES
+    _set_size(image_processor, vq.resolution)
+    return {"image_seq_length": 16}
+
+
 # --------------------------------------------------------------------------------------
 # Building
 # --------------------------------------------------------------------------------------
@@ -538,6 +566,19 @@ def _family_patches(family: str) -> Iterator[None]:
             module.num2words = saved
     else:
         yield
+
+
+def _float32_image_processor(image_processor) -> None:
+    """Llama 4's image processor normalizes in bfloat16; the tiny models are float32."""
+    for base in type(image_processor).__mro__[1:]:
+        if "rescale_and_normalize" in vars(base):
+            method = vars(base)["rescale_and_normalize"]
+            image_processor.rescale_and_normalize = types.MethodType(method, image_processor)
+            return
+
+
+# Per-family tweaks of the built image processor (after geometry): family -> fn(image_processor).
+_IMAGE_PROCESSOR_FIXUPS = {"llama4": _float32_image_processor}
 
 
 def _kwargs_from_config(processor_cls: type, config, taken: dict) -> dict:
@@ -577,7 +618,11 @@ def _sub_processor(attr: str, family: str, processor_cls: type, config, image_pr
 
 
 # image-processor attribute <- vision-config attribute, copied when both exist
-_PROCESSOR_FROM_VISION = {"patch_size": "patch_size", "merge_size": "spatial_merge_size", "temporal_patch_size": "temporal_patch_size"}
+_PROCESSOR_FROM_VISION = {
+    "patch_size": "patch_size",
+    "merge_size": "spatial_merge_size",
+    "temporal_patch_size": "temporal_patch_size",
+}
 
 
 def _sync_from_vision(processor, config) -> None:
@@ -618,9 +663,9 @@ def _special_ids(tokenizer) -> set[int]:
 def _image_feature_token_id(processor, image_size: int) -> int:
     """Id of the token the processor repeats once per image feature (the model's ``image_token_id``)."""
     prompt = processor.apply_chat_template(_probe_messages(), add_generation_prompt=True)
-    inputs = processor(text=[prompt], images=[tiny_test_image(image_size)], return_tensors="np")
+    inputs = processor(text=[prompt], images=[tiny_test_image(image_size)], return_tensors="pt")
     specials = _special_ids(processor.tokenizer)
-    counts = Counter(int(i) for i in np.asarray(inputs["input_ids"]).ravel() if int(i) in specials)
+    counts = Counter(int(i) for i in inputs["input_ids"].reshape(-1).tolist() if int(i) in specials)
     if not counts:
         raise NotBuildable("processed image prompt contains no special image token")
     return counts.most_common(1)[0][0]
@@ -657,6 +702,8 @@ def _sync_config(config, processor, image_token_id: int) -> None:
     for cfg in {id(c): c for c in (config, config.get_text_config())}.values():
         for base in ("bos", "eos", "pad"):
             setattr(cfg, f"{base}_token_id", getattr(tokenizer, f"{base}_token_id"))
+    if hasattr(config, "vocabulary_map"):  # Chameleon / Emu3 map VQ codes to BPE ids through it
+        config.vocabulary_map = dict(tokenizer.get_vocab())
     for name in ("image_token_id", "image_token_index"):
         if hasattr(config, name):
             setattr(config, name, image_token_id)
@@ -675,20 +722,25 @@ def build_processor(family: str, config, *, image_size: int = 48) -> ProcessorMi
     processor_cls = _processor_class(family)
     named, extra = _processor_tokens(processor_cls, family)
     vocab_size = config.get_text_config().vocab_size
-    tokenizer = build_tokenizer(named, extra, vocab_size)
+    tokenizer = build_tokenizer(named, extra + _EXTRA_VOCAB.get(family, []), vocab_size)
     image_processor = _image_processor_class(family)()
     _shrink_pixels(image_processor, config)
     kwargs = _GEOMETRY.get(family, _default_geometry)(config, image_processor)
+    if family in _IMAGE_PROCESSOR_FIXUPS:
+        _IMAGE_PROCESSOR_FIXUPS[family](image_processor)
     kwargs.update(_kwargs_from_config(processor_cls, config, kwargs))
     subs = {}
     for attr in processor_cls.get_attributes():
-        subs[attr] = tokenizer if attr == "tokenizer" else _sub_processor(attr, family, processor_cls, config, image_processor)
+        if attr == "tokenizer":
+            subs[attr] = tokenizer
+        else:
+            subs[attr] = _sub_processor(attr, family, processor_cls, config, image_processor)
     with _family_patches(family):
         processor = processor_cls(**subs, **kwargs)
     if len(processor.tokenizer) > vocab_size:
         raise NotBuildable(f"processor grew the tokenizer to {len(processor.tokenizer)} > vocab_size {vocab_size}")
     placeholder = _IMAGE_PLACEHOLDER.get(family)
-    for attr in ("image_placeholder_token", "fake_image_token", "image_token"):
+    for attr in ("image_placeholder_token", "image_token"):
         placeholder = placeholder or getattr(processor, attr, None)
     if not isinstance(placeholder, str):
         raise NotBuildable(f"{processor_cls.__name__} exposes no image placeholder token")
