@@ -80,6 +80,12 @@ def _matrix() -> tuple:
 # the moment it passes (the test below says so); any other failure fails the test.
 OPEN_FAILURES = {
     "minicpmv4_7": "image prompt: plain decoding differs from HF generate at token 2 (a linear-attention decoder)",
+    # the test tooling's tiny processor raises instead of saying NotBuildable (vlmspec/testing/tiny_processors.py)
+    "fuyu": "tiny processor: KeyError '|SPEAKER|'",
+    "granite_docling": "tiny processor: config has no scale_factor",
+    "hunyuan_vl": "tiny processor: needs its own image placeholder template",
+    "molmo2": "tiny processor: image size comes out 0x0",
+    "perception_lm": "tiny processor: a patch size is None",
 }
 
 
