@@ -79,7 +79,6 @@ def _matrix() -> tuple:
 # found by the matrix and not yet fixed: shown as FAILED in docs/families.md. A family leaves this list
 # the moment it passes (the test below says so); any other failure fails the test.
 OPEN_FAILURES = {
-    "minicpmv4_7": "image prompt: plain decoding differs from HF generate at token 2 (a linear-attention decoder)",
     # the test tooling's tiny processor raises instead of saying NotBuildable (vlmspec/testing/tiny_processors.py)
     "fuyu": "tiny processor: KeyError '|SPEAKER|'",
     "granite_docling": "tiny processor: config has no scale_factor",

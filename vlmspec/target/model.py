@@ -15,6 +15,7 @@ prompts (`vlmspec.inputs`) live next to this class, not in it.
 
 from __future__ import annotations
 
+import inspect
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -79,6 +80,7 @@ class Target:
         self.dtype = next(model.parameters()).dtype
         base = getattr(model, "model", None)
         self._rope_index_fn = getattr(base, "get_rope_index", None)  # Qwen2-VL family: 3-axis M-RoPE
+        self._rope_index_args = None if self._rope_index_fn is None else set(inspect.signature(self._rope_index_fn).parameters)
         gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         eos = gen_eos if gen_eos is not None else getattr(_text_config(model.config), "eos_token_id", None)
         self.eos_token_ids: set[int] = set() if eos is None else set(eos if isinstance(eos, list) else [eos])
@@ -168,20 +170,17 @@ class Target:
 
     # ---------------------------------------------------------------- forwards
     def _prefill_positions(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, int]:
-        """M-RoPE: [3, 1, L] position ids and the rope delta; other models: (None, 0)."""
+        """M-RoPE: the prompt's position ids [3, 1, L] and its rope delta, from the model's own
+        `get_rope_index` given whichever of the processor's outputs it takes (image grids for
+        Qwen-VL, target sizes for MiniCPM-V, ...); other models: (None, 0)."""
         if not self.uses_mrope:
             return None, 0
+        assert self._rope_index_args is not None
         ids = inputs["input_ids"]
-        grid = inputs.get("image_grid_thw")
-        if grid is None:
-            pos = torch.arange(ids.shape[1], device=ids.device).view(1, 1, -1).expand(3, 1, -1)
-            return pos, 0
-        pos, delta = self._rope_index_fn(
-            ids,
-            mm_token_type_ids=inputs.get("mm_token_type_ids"),
-            image_grid_thw=grid,
-            attention_mask=inputs.get("attention_mask"),
-        )
+        kwargs = {k: v for k, v in inputs.items() if k in self._rope_index_args and k != "input_ids"}
+        if not set(kwargs) - {"attention_mask", "mm_token_type_ids"}:  # no image or video: every axis counts tokens
+            return torch.arange(ids.shape[1], device=ids.device).view(1, 1, -1).expand(3, 1, -1), 0
+        pos, delta = self._rope_index_fn(ids, **kwargs)
         return pos, int(delta.reshape(-1)[0])
 
     @torch.no_grad()

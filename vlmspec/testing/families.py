@@ -31,8 +31,14 @@ SIZES = {
     "num_heads": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "num_experts": 4,
     "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "projection_dim": 64,
     "vision_output_dim": 64, "out_hidden_size": 64, "text_hidden_size": 64, "embed_dim": 64, "d_model": 64,
+    "hidden_size_per_layer_input": 16, "index_n_heads": 4,
 }
-DEPTHS = ("depth", "num_layers")  # vision towers' layer counts
+DEPTHS = ("depth", "num_layers")
+# multi-head latent attention dimensions, divided by one factor (`_shrink_mla`) that brings the rotary
+# part to MLA_ROPE_DIM (or v_head_dim to twice that)
+MLA_DIMS = ("head_dim", "qk_rope_head_dim", "qk_nope_head_dim", "qk_head_dim", "v_head_dim", "kv_lora_rank",
+            "q_lora_rank", "index_head_dim")
+MLA_ROPE_DIM = 8  # vision towers' layer counts
 # families whose modelling code splits M-RoPE by sections their default config leaves out
 MROPE_FAMILIES = {"qwen2_vl": (2, 3, 3), "qwen2_5_vl": (2, 3, 3), "glm4v": (2, 3, 3), "glm46v": (2, 3, 3),
                   "glm4v_moe": (1, 1, 2), "glm_ocr": (2, 3, 3), "glmga": (2, 3, 3), "paddleocr_vl": (2, 3, 3)}
@@ -49,13 +55,16 @@ def families() -> list[str]:
     return sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
 
-def _kept_layers(layer_types: list[str] | None, n: int) -> list[int]:
-    """Indices of the decoder layers to keep: the first of each kind (at least two layers)."""
-    if layer_types is None or len(layer_types) != n:
+def _kept_layers(layer_types: list[str] | None, n: int, overrides: dict[int, dict[str, Any]] | None = None) -> list[int]:
+    """Indices of the decoder layers to keep: the first of each kind (at least two layers). A layer's kind
+    is its layer type and, in a heterogeneous config, which attributes its per-layer overrides set."""
+    overrides = overrides or {}
+    if (layer_types is None or len(layer_types) != n) and not overrides:
         return list(range(min(2, n)))
-    first: dict[str, int] = {}
-    for i, kind in enumerate(layer_types):
-        first.setdefault(kind, i)
+    types = layer_types if layer_types is not None and len(layer_types) == n else [None] * n
+    first: dict[Any, int] = {}
+    for i, kind in enumerate(types):
+        first.setdefault((kind, frozenset(overrides.get(i, {}))), i)
     keep = sorted(first.values())
     if len(keep) < 2 and n >= 2:
         keep = sorted({*keep, next(i for i in range(n) if i not in keep)})
@@ -91,10 +100,42 @@ def _fit_vision_taps(config: Any) -> None:
         config.projector_input_dim = config.projector_output_dim = config.vision_output_dim = config.hidden_size
 
 
+def _ints(config: Any) -> dict[str, int]:
+    return {k: v for k, v in vars(config).items() if isinstance(v, int) and not isinstance(v, bool)}
+
+
+def _shrink_mla(config: Any, before: dict[str, int]) -> None:
+    """Multi-head latent attention (DeepSeek-V3 style: a kv_lora_rank): every head and rank dimension is
+    divided by one factor, so that the relations between them (head_dim == qk_rope_head_dim,
+    qk_head_dim == nope + rope, a partial rotary factor, the indexer's head) still hold."""
+    if not isinstance(before.get("kv_lora_rank"), int):
+        return
+    factors = [before.get("qk_rope_head_dim", 0) / MLA_ROPE_DIM, before.get("v_head_dim", 0) / (2 * MLA_ROPE_DIM)]
+    factor = max(1.0, min((f for f in factors if f > 0), default=1.0))
+    for key in MLA_DIMS:
+        if isinstance(before.get(key), int) and before[key] > 0:
+            setattr(config, key, max(1, round(before[key] / factor)))
+
+
+def _scaled_override(value: Any, old: Any, new: Any) -> Any:
+    """A per-layer override of an attribute the shrink changed (global old -> new): the same ratio to the
+    new global, kept within [new / 2, 2 * new] (so an expert count stays >= experts per token)."""
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (value, old, new)) or old == new or old <= 0:
+        return value
+    return min(2 * new, max(-(-new // 2), round(new * value / old)))
+
+
 def shrink(config: Any, family: str = "") -> Any:
-    """Shrink `config` and its sub-configs in place (see the module docstring); returns it."""
+    """Shrink `config` and its sub-configs in place (see the module docstring); returns it.
+
+    A heterogeneous config (transformers' `per_layer_config`: layers overriding e.g. head_dim or the head
+    count) is shrunk as a homogeneous one; the kept layers then get their overrides back, scaled like
+    their global values (`_scaled_override`), so the tiny build stays heterogeneous."""
     if getattr(config, "model_type", None) == "timm_wrapper":  # a timm tower keeps its real feature width
         return config
+    spec = config.__dict__.pop("_heterogeneity_spec", None)
+    overrides = dict(spec.per_layer_overrides) if spec is not None else {}
+    before = _ints(config)
     n = getattr(config, "num_hidden_layers", None)
     if family in LAYER_KINDS and isinstance(getattr(config, "layer_types", None), list):
         config.layer_types = list(LAYER_KINDS[family]) + config.layer_types[len(LAYER_KINDS[family]):]
@@ -103,16 +144,29 @@ def shrink(config: Any, family: str = "") -> Any:
         current = getattr(config, key, None)
         if isinstance(current, int) and not isinstance(current, bool):
             setattr(config, key, value)
+    heads, kv_heads = before.get("num_attention_heads"), before.get("num_key_value_heads")
+    if isinstance(kv_heads, int) and kv_heads in (1, heads):  # multi-query and multi-head attention stay so
+        config.num_key_value_heads = 1 if kv_heads == 1 else config.num_attention_heads
+    for key, value in before.items():  # per-layer-input embeddings (Gemma 3n, Gemma 4) and the like
+        if key.startswith("vocab_size") and value > VOCAB:
+            setattr(config, key, VOCAB)
+    _shrink_mla(config, before)
     if isinstance(getattr(config, "sliding_window", None), int):
         config.sliding_window = WINDOW
     if isinstance(getattr(config, "attention_chunk_size", None), int):
         config.attention_chunk_size = WINDOW
     if isinstance(n, int):
-        keep = _kept_layers(getattr(config, "layer_types", None), n)
+        keep = _kept_layers(getattr(config, "layer_types", None), n, overrides)
         for key, value in list(vars(config).items()):  # every per-layer list keeps the same layers
             if isinstance(value, (list, tuple)) and len(value) == n and key != "architectures":
                 setattr(config, key, type(value)(value[i] for i in keep))
         config.num_hidden_layers = len(keep)
+        if overrides:
+            after = _ints(config)
+            config.per_layer_config = {
+                j: {k: _scaled_override(v, before.get(k), after.get(k)) for k, v in overrides[i].items()}
+                for j, i in enumerate(keep) if i in overrides
+            }
     for key in DEPTHS:
         if isinstance(getattr(config, key, None), int):
             setattr(config, key, 2)
