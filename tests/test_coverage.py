@@ -139,7 +139,7 @@ def test_conv_state_refuses_drafters_but_decodes_plain():
 
 def test_own_position_ids_refuse_drafters():
     target = Target(build_family("kosmos-2.5"), None, name="kosmos")
-    with pytest.raises(ConfigError, match="computes its own position ids"):
+    with pytest.raises(ConfigError, match="computes its own position ids or masks"):
         SpecEngine(target, NgramDrafter())
     control = Target(build_family("llava"), None, name="llava")
     SpecEngine(control, NgramDrafter())  # positions agree: accepted
@@ -203,3 +203,29 @@ def test_tree_masks_per_kind_on_a_mixed_model():
     single = Target(build_family("llava"), None, name="llava")
     s2, _ = single.prefill(coverage.text_prompt())
     assert isinstance(single.tree_masks(s2, tree), torch.Tensor)  # one kind: one tensor
+
+
+def _paligemma2():
+    """PaliGemma over a Gemma 2 decoder (sliding and full layers): its wrapper builds one mask per kind
+    itself, and takes neither a dict of masks nor one mask for both (the real PaliGemma 2)."""
+    from transformers import CONFIG_MAPPING, PaliGemmaForConditionalGeneration
+
+    from vlmspec.testing.families import remap_special_ids, shrink
+
+    config = tiny_config("paligemma")
+    config.text_config = shrink(CONFIG_MAPPING["gemma2"](), "gemma2")
+    remap_special_ids(config)
+    torch.manual_seed(0)
+    return PaliGemmaForConditionalGeneration(config).eval()
+
+
+def test_masks_a_wrapper_does_not_take_refuse_drafters():
+    target = Target(_paligemma2(), None, name="paligemma2-tiny")
+    assert {"sliding_attention", "full_attention"} <= set(target.layer_kinds)
+    with pytest.raises(ConfigError, match="does not take a tree's per-layer masks.*--drafter none"):
+        SpecEngine(target, NgramDrafter())
+    inputs = coverage.text_prompt()  # plain decoding lets the wrapper build its own masks: exact
+    got = SpecEngine(target, NoDrafter()).generate(inputs, GenerationConfig(max_new_tokens=12, ignore_eos=True)).token_ids
+    assert got == coverage.hf_greedy(target.model, inputs, 12)
+    control = Target(build_family("paligemma"), None, name="paligemma")  # Gemma 1: one kind, one mask tensor
+    SpecEngine(control, NgramDrafter())

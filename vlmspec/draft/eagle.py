@@ -148,18 +148,28 @@ class EagleConfig(PretrainedConfig):
     @classmethod
     def from_target(cls, target: Target) -> "EagleConfig":
         tc = target.text_config
-        heads = int(tc.num_attention_heads)
-        ffn = getattr(tc, "intermediate_size", None) or getattr(tc, "moe_intermediate_size", None)  # MoE decoders: the expert's
+
+        def attr(name: str) -> Any:
+            """The text config's field; where its layers differ in it (Gemma 4's per-layer configs,
+            Gemma 3n's per-layer lists), the first layer's."""
+            try:
+                value = getattr(tc, name, None)
+            except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
+                value = getattr(tc.per_layer_config[0], name, None)
+            return value[0] if isinstance(value, (list, tuple)) else value
+
+        heads = int(attr("num_attention_heads"))
+        ffn = attr("intermediate_size") or attr("moe_intermediate_size")  # MoE decoders: the expert's
         return cls(
             hidden_size=int(tc.hidden_size),
             vocab_size=int(tc.vocab_size),
             num_attention_heads=heads,
-            num_key_value_heads=int(getattr(tc, "num_key_value_heads", heads) or heads),
-            head_dim=int(getattr(tc, "head_dim", None) or tc.hidden_size // heads),
+            num_key_value_heads=int(attr("num_key_value_heads") or heads),
+            head_dim=int(attr("head_dim") or tc.hidden_size // heads),
             intermediate_size=int(ffn or 4 * tc.hidden_size),
             max_position_embeddings=target.max_positions,
             rope_theta=_rope_theta(tc),
-            rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(attr("rms_norm_eps") or 1e-6),
             target_model_type=str(getattr(target.model.config, "model_type", "")),
         )
 

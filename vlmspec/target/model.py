@@ -48,6 +48,13 @@ class ForwardOut:
     attention: torch.Tensor | None = None  # [L] last layer's head-averaged attention of the last token
 
 
+def last_hidden(hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The decoder's last hidden states [B, L, H] from a forward's `hidden_states`. Gemma 3n keeps
+    AltUp streams there, [S, B, L, H]: its main stream, 0, is the one the others are predicted from."""
+    h = hidden_states[-1]
+    return h[0] if h.ndim == 4 else h
+
+
 def _text_config(config: Any) -> Any:
     get = getattr(config, "get_text_config", None)
     return get() if get is not None else config
@@ -92,7 +99,7 @@ class Target:
         # where the model's own position count starts (PaliGemma counts from 1: a shift RoPE cannot
         # see in the tokens, but one the logits carry at float rounding)
         self.position_offset = POSITION_OFFSETS.get(str(getattr(model.config, "model_type", "")), 0)
-        self._position_problem: str | None = None  # checked once, when a speculative drafter first asks
+        self._tree_problem: str | None = None  # checked once, when a speculative drafter first asks
 
     # ---------------------------------------------------------------- properties
     @property
@@ -141,26 +148,38 @@ class Target:
             raise ConfigError(f"{self.name}: its layers without RoPE scale attention by a token's index in the forward, "
                               "not by its position, so tree nodes would be scaled as if laid out in a row. Use --drafter none "
                               "(plain decoding, exact) with this model.")
-        if self._position_problem is None:
-            self._position_problem = self._probe_positions()
-        if self._position_problem:
-            raise ConfigError(f"{self.name}: {self._position_problem}, so the per-node positions of a draft tree "
-                              "cannot be given to it. Use --drafter none (plain decoding, exact) with this model.")
+        if self._tree_problem is None:
+            self._tree_problem = self._probe_tree_inputs()
+        if self._tree_problem:
+            raise ConfigError(f"{self.name}: {self._tree_problem}, so a draft tree cannot be verified in one forward. "
+                              "Use --drafter none (plain decoding, exact) with this model.")
 
     @torch.no_grad()
-    def _probe_positions(self) -> str:
-        """'' when 4 tokens with explicit position ids 0..3 give the logits the model gives them on its
-        own, else what differs (e.g. positions offset by the padding index, as M2M100 / Kosmos count)."""
-        ids = torch.arange(1, 5, device=self.device)[None]  # [1, 4]
+    def _probe_tree_inputs(self) -> str:
+        """'' when three tokens verified as one chain (explicit position ids, masks per layer kind) give
+        the logits of the same tokens as the model's own plain steps, else what goes wrong: positions
+        it counts its own way (M2M100 / Kosmos), or masks its wrapper does not take (PaliGemma 2).
+        The bound is loose enough for bf16 rounding; what it catches is far larger, or an exception."""
+        prompt = {"input_ids": torch.tensor([[1, 2]], device=self.device)}
+        prompt["attention_mask"] = torch.ones_like(prompt["input_ids"])
         try:
-            own = self.model(input_ids=ids, use_cache=False, return_dict=True).logits
-            given = self.model(input_ids=ids, position_ids=self.tree_position_ids(TargetState(KVCache(), 0), torch.arange(4)),
-                               use_cache=False, return_dict=True).logits
+            state, _ = self.prefill(prompt)
+            steps = []
+            for tok in (3, 4, 5):
+                steps.append(self.forward_tree(state, DraftTree.root_only(tok)).logits[0])
+                self.commit(state, [0])
+            state, _ = self.prefill(prompt)
         except (TypeError, ValueError, RuntimeError) as exc:  # e.g. a model that runs only with an image
-            return f"the model does not run a text-only check of its position ids ({type(exc).__name__}: {str(exc)[:120]})"
-        if torch.allclose(own.float(), given.float(), rtol=1e-3, atol=1e-3):
+            return f"the model does not run a text-only check of a tree forward ({type(exc).__name__}: {str(exc)[:120]})"
+        try:
+            chain = self.forward_tree(state, DraftTree.chain(3, [4, 5])).logits
+        except (TypeError, ValueError, RuntimeError, AttributeError, KeyError) as exc:
+            return f"the model does not take a tree's per-layer masks and position ids ({type(exc).__name__}: {str(exc)[:120]})"
+        plain = torch.stack(steps)
+        tol = (1e-3 if self.dtype == torch.float32 else 5e-2) * max(1.0, float(plain.abs().max()))
+        if float((chain - plain).abs().max()) <= tol:
             return ""
-        return "the model computes its own position ids (explicit ids 0..3 change its logits)"
+        return "the model computes its own position ids or masks (a chain given explicitly changes its logits)"
 
     def input_embeddings(self) -> torch.nn.Module:
         return self.model.get_input_embeddings()
@@ -209,7 +228,7 @@ class Target:
                 raise InputError(f"{self.name} cannot run this prompt: {exc}", code="unsupported_prompt") from exc
         state = TargetState(cache=cache, seq_len=length, rope_delta=delta)
         assert cache.seq_len == length, (cache.seq_len, length)
-        result = ForwardOut(out.logits[0, -1:].float(), out.hidden_states[-1][0])
+        result = ForwardOut(out.logits[0, -1:].float(), last_hidden(out.hidden_states)[0])
         if visual:
             mask = ids[0] == image_token_id(self.model)
             result.image_mask = mask
@@ -263,7 +282,7 @@ class Target:
             output_hidden_states=True,
             return_dict=True,
         )
-        return ForwardOut(out.logits[0].float(), out.hidden_states[-1][0])
+        return ForwardOut(out.logits[0].float(), last_hidden(out.hidden_states)[0])
 
     def commit(self, state: TargetState, path: list[int]) -> None:
         """Keep the KV entries of the accepted path (root first) and drop the rest of the tree."""

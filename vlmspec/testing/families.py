@@ -6,6 +6,14 @@ has, four heads, a 1,024-token vocabulary with the special-token ids moved into 
 windows and attention chunks of 8 so that a 20-token prompt already runs past them) and builds the
 model from it with random weights, fp32, on the CPU. Nothing is downloaded.
 
+The shrink is generic; what it keeps consistent: multi-head and multi-query attention stay so; widths
+copied from a tower under another name (a projector's in/out dims) shrink with it; multi-head latent
+attention dims are divided by one factor (`_shrink_mla`); heterogeneous configs (`per_layer_config`)
+keep one layer per kind of override, the overrides scaled with their globals; layers named by index
+(SAM's ``global_attn_indexes``) and vision-feature taps follow the kept layers; VQ image tokenizers get
+32 base channels; discrete codes that live in the text vocabulary get a small codebook below the
+special-token zone; a text-only default (no ``vision_config``) gets its family's default tower.
+
 What a build cannot do here is said with `NotBuildable` (the reason is the matrix's row), never
 hidden: a family whose default config does not build, or that is not a decoder the engine can
 drive (encoder-decoder families).
@@ -22,6 +30,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_
 
 VOCAB = 1024  # tiny vocabulary; special-token ids are moved into [VOCAB - 64, VOCAB)
 SPECIAL_ZONE = 64
+CODE_ZONE, CODEBOOK = 768, 64  # discrete image / audio codes that live in the text vocabulary: [768, 768 + 64k)
 WINDOW = 8  # sliding windows and attention chunks: a 20-token prompt is already past them
 MROPE_HALF_DIM = 8  # head_dim 16 -> M-RoPE sections sum to 8
 
@@ -31,8 +40,10 @@ SIZES = {
     "num_heads": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "num_experts": 4,
     "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "projection_dim": 64,
     "vision_output_dim": 64, "out_hidden_size": 64, "text_hidden_size": 64, "embed_dim": 64, "d_model": 64,
-    "hidden_size_per_layer_input": 16, "index_n_heads": 4,
+    "hidden_size_per_layer_input": 16, "index_n_heads": 4, "mm_embed_dim": 64, "output_proj_dims": 64,
+    "linear_num_heads": 4, "linear_head_dim": 16, "mlp_dim": 128,
 }
+WIDTHS = ("hidden_size", "text_hidden_size", "out_hidden_size", "embed_dim", "d_model", "projection_dim", "vision_output_dim")
 DEPTHS = ("depth", "num_layers")
 # multi-head latent attention dimensions, divided by one factor (`_shrink_mla`) that brings the rotary
 # part to MLA_ROPE_DIM (or v_head_dim to twice that)
@@ -117,6 +128,50 @@ def _shrink_mla(config: Any, before: dict[str, int]) -> None:
             setattr(config, key, max(1, round(before[key] / factor)))
 
 
+def _shrink_conv_autoencoder(config: Any) -> None:
+    """VQ / VAE image tokenizers (base_channels x channel_multiplier conv stages): 32 base channels (their
+    GroupNorms use 32 groups), multipliers capped at 2 with the same number of stages (so the same
+    downsampling), one residual block per stage."""
+    config.base_channels = 32
+    config.channel_multiplier = type(config.channel_multiplier)(min(2, m) for m in config.channel_multiplier)
+    if isinstance(getattr(config, "num_res_blocks", None), int):
+        config.num_res_blocks = 1
+    if isinstance(getattr(config, "latent_channels", None), int) and config.latent_channels > 32:
+        config.latent_channels = 32
+
+
+def _fit_codebooks(config: Any) -> None:
+    """Discrete image / audio codes embedded in the text vocabulary at ``<modality>_token_offset`` (Apertus
+    1.5): each modality's codebook shrinks to CODEBOOK codes, laid out one after another from CODE_ZONE,
+    below the special-token zone."""
+    start = CODE_ZONE
+    for _, key in sorted((v, k) for k, v in vars(config).items() if k.endswith("_token_offset") and isinstance(v, int)):
+        modality = key.removesuffix("_token_offset")
+        sub = getattr(config, "vision_config" if modality == "image" else f"{modality}_config", None)
+        if isinstance(getattr(sub, "codebook_size", None), int):
+            sub.codebook_size = CODEBOOK
+            setattr(config, key, start)
+            start += CODEBOOK
+
+
+def _fit_feature_layers(config: Any) -> None:
+    """Vision-feature taps (``vision_feature_layer``: an index or a list of them into the tower's hidden
+    states) clamped into the shrunk tower's range, as many taps as before (the projector's width counts them)."""
+    depth = getattr(getattr(config, "vision_config", None), "num_hidden_layers", None)
+    if not isinstance(depth, int):
+        return
+
+    def clamp(i: int) -> int:
+        return max(i, -(depth + 1)) if i < 0 else min(i, depth)
+
+    for cfg in [config] + [getattr(config, name, None) for name in getattr(config, "sub_configs", {})]:
+        value = getattr(cfg, "vision_feature_layer", None) if cfg is not None else None
+        if isinstance(value, int) and not isinstance(value, bool):
+            cfg.vision_feature_layer = clamp(value)
+        elif isinstance(value, (list, tuple)) and all(isinstance(i, int) for i in value):
+            cfg.vision_feature_layer = type(value)(clamp(i) for i in value)
+
+
 def _scaled_override(value: Any, old: Any, new: Any) -> Any:
     """A per-layer override of an attribute the shrink changed (global old -> new): the same ratio to the
     new global, kept within [new / 2, 2 * new] (so an expert count stays >= experts per token)."""
@@ -125,7 +180,18 @@ def _scaled_override(value: Any, old: Any, new: Any) -> Any:
     return min(2 * new, max(-(-new // 2), round(new * value / old)))
 
 
-def shrink(config: Any, family: str = "") -> Any:
+def _widths(config: Any) -> set[int]:
+    """The hidden widths (original) of `config` and its sub-configs: a field of another name that holds one of
+    them (a projector's input or output width) is shrunk with them."""
+    out = {v for k, v in _ints(config).items() if k in WIDTHS and v >= 256}
+    for name in getattr(config, "sub_configs", {}):
+        sub = getattr(config, name, None)
+        if sub is not None and hasattr(sub, "to_dict"):
+            out |= _widths(sub)
+    return out
+
+
+def shrink(config: Any, family: str = "", widths: set[int] | None = None) -> Any:
     """Shrink `config` and its sub-configs in place (see the module docstring); returns it.
 
     A heterogeneous config (transformers' `per_layer_config`: layers overriding e.g. head_dim or the head
@@ -133,6 +199,7 @@ def shrink(config: Any, family: str = "") -> Any:
     their global values (`_scaled_override`), so the tiny build stays heterogeneous."""
     if getattr(config, "model_type", None) == "timm_wrapper":  # a timm tower keeps its real feature width
         return config
+    widths = _widths(config) if widths is None else widths
     spec = config.__dict__.pop("_heterogeneity_spec", None)
     overrides = dict(spec.per_layer_overrides) if spec is not None else {}
     before = _ints(config)
@@ -144,6 +211,15 @@ def shrink(config: Any, family: str = "") -> Any:
         current = getattr(config, key, None)
         if isinstance(current, int) and not isinstance(current, bool):
             setattr(config, key, value)
+    if "head_dim" in vars(config) and config.head_dim is None and isinstance(getattr(config, "num_attention_heads", None), int):
+        config.head_dim = SIZES["head_dim"]  # what hidden // heads gives; some modelling code reads it unguarded
+    for key, value in before.items():
+        if key in SIZES or value < 256:
+            continue
+        if key.endswith("intermediate_size"):  # shared_experts_intermediate_size, ... (not spelled as in SIZES)
+            setattr(config, key, SIZES["moe_intermediate_size"] if "expert" in key or "moe" in key else SIZES["intermediate_size"])
+        elif value in widths and (key.endswith("_dim") or "hidden_size" in key):  # a width copied from a tower
+            setattr(config, key, SIZES["hidden_size"])
     heads, kv_heads = before.get("num_attention_heads"), before.get("num_key_value_heads")
     if isinstance(kv_heads, int) and kv_heads in (1, heads):  # multi-query and multi-head attention stay so
         config.num_key_value_heads = 1 if kv_heads == 1 else config.num_attention_heads
@@ -151,12 +227,23 @@ def shrink(config: Any, family: str = "") -> Any:
         if key.startswith("vocab_size") and value > VOCAB:
             setattr(config, key, VOCAB)
     _shrink_mla(config, before)
+    if isinstance(before.get("base_channels"), int) and isinstance(getattr(config, "channel_multiplier", None), (list, tuple)):
+        _shrink_conv_autoencoder(config)
+    if isinstance(getattr(config, "num_kv_shared_layers", None), int):  # layers reading an earlier layer's cache
+        config.num_kv_shared_layers = 0  # (Gemma 3n): two kept layers leave no earlier layer of their kind to share
     if isinstance(getattr(config, "sliding_window", None), int):
         config.sliding_window = WINDOW
     if isinstance(getattr(config, "attention_chunk_size", None), int):
         config.attention_chunk_size = WINDOW
     if isinstance(n, int):
-        keep = _kept_layers(getattr(config, "layer_types", None), n, overrides)
+        marked = {k: v for k, v in vars(config).items() if k.endswith(("_indexes", "_indices")) and not k.startswith("intermediate")
+                  and isinstance(v, (list, tuple)) and v and all(isinstance(i, int) and 0 <= i < n for i in v)}
+        kinds = getattr(config, "layer_types", None)
+        if kinds is None and marked:  # layers named by index (SAM's global_attn_indexes) are a kind of their own
+            kinds = [tuple(k for k, v in marked.items() if i in v) for i in range(n)]
+        keep = _kept_layers(kinds, n, overrides)
+        for key, value in marked.items():
+            setattr(config, key, type(value)(j for j, i in enumerate(keep) if i in value))
         for key, value in list(vars(config).items()):  # every per-layer list keeps the same layers
             if isinstance(value, (list, tuple)) and len(value) == n and key != "architectures":
                 setattr(config, key, type(value)(value[i] for i in keep))
@@ -175,9 +262,11 @@ def shrink(config: Any, family: str = "") -> Any:
     for name in getattr(config, "sub_configs", {}):
         sub = getattr(config, name, None)
         if sub is not None and hasattr(sub, "to_dict"):
-            shrink(sub, family)
+            shrink(sub, family, widths)
     if isinstance(getattr(config, "vocab_size", None), int) and config.vocab_size > VOCAB:
         config.vocab_size = VOCAB
+    _fit_codebooks(config)
+    _fit_feature_layers(config)
     return config
 
 
@@ -215,6 +304,8 @@ def tiny_config(family: str) -> Any:
         raise NotBuildable(f"transformers has no config class for {family!r}")
     try:
         config = CONFIG_MAPPING[family]()
+        if getattr(config, "vision_config", False) is None and "vision_config" in getattr(config, "sub_configs", {}):
+            config.vision_config = config.sub_configs["vision_config"]()  # a text-only default (Gemma 4): add the tower
         shrink(config, family)
         remap_special_ids(config)
     except Exception as exc:  # noqa: BLE001  (a family's own config code raises any type; the row records it)

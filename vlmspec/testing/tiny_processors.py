@@ -76,6 +76,8 @@ _TURN_TOKENS = ["<|im_start|>", "<|im_end|>"]
 _STANDARD_TOKEN_ATTRS = {"bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token"}
 
 _SPECIAL_LITERAL = re.compile(r"""["'](<[^<>\s"'(){}\\]{1,48}>|\[[A-Z_]{2,24}\])["']""")
+# ``vocab["|SPEAKER|"]``: a token the processor looks up in the tokenizer's vocabulary by its literal
+_VOCAB_LOOKUP = re.compile(r"""vocab\[\s*["']([^"'\s]{1,48})["']\s*\]""")
 _TOKENIZER_ATTR = re.compile(r"tokenizer\.(\w+_token)\b")
 # ``hasattr(tokenizer, "x_token")`` / ``getattr(tokenizer, "x_token", default)``: optional, the processor has a default.
 _TOKENIZER_OPTIONAL = re.compile(r"""(?:hasattr|getattr)\(\s*(?:self\.)?tokenizer\s*,\s*["'](\w+_token)["']""")
@@ -99,6 +101,11 @@ _NOT_CHAT = {
     "evolla": "protein-text model, no images",
     "pi0": "robotics action model, no generate()",
     "idefics": "perceiver-resampler model with its own processor layout",
+}
+
+# Families whose vision tower does not shrink (text prompts only).
+_NO_TINY_VISION = {
+    "gemma3n": "its MobileNetV5 vision tower (timm) keeps its full width (2,048) and takes ~40 s per image on a CPU",
 }
 
 # Families whose processor / image processor is registered under another family (or not at all).
@@ -156,6 +163,9 @@ _TOKENIZER_TOKEN_VALUES = {
 _TOKEN_VALUE_GROUPS = {
     "gemma3": "gemma",
     "gemma3n": "gemma",
+    "gemma4": "gemma",
+    "gemma4_unified": "gemma",
+    "diffusion_gemma": "gemma",
     "shieldgemma2": "gemma",
     "t5gemma2": "gemma",
     "qianfan_ocr": "internvl",
@@ -176,6 +186,7 @@ _IMAGE_PLACEHOLDER = {
     "glm46v": "<|begin_of_image|><|image|><|end_of_image|>",
     "glmga": "<|begin_of_image|><|image|><|end_of_image|>",
     "glm5_next": "<|begin_of_image|><|image|><|end_of_image|>",
+    "fuyu": "",  # FuyuProcessor puts the image in front of the prompt itself
 }
 
 # Config token attributes whose token string is not ``<processor|tokenizer>.<base>_token``: the
@@ -312,12 +323,13 @@ def _processor_tokens(processor_cls: type, family: str) -> tuple[dict[str, str],
     values = _TOKENIZER_TOKEN_VALUES.get(_TOKEN_VALUE_GROUPS.get(family, family), {})
     named: dict[str, str] = dict(_BASE_SPECIALS)
     optional = set(_TOKENIZER_OPTIONAL.findall(source))
-    for name in sorted(set(_TOKENIZER_ATTR.findall(source))):
-        if name in _STANDARD_TOKEN_ATTRS or name in optional or name.startswith("add_"):
+    for name in sorted(set(_TOKENIZER_ATTR.findall(source)) | (optional & set(values))):
+        if name in _STANDARD_TOKEN_ATTRS or (name in optional and name not in values) or name.startswith("add_"):
             continue
         named[name] = values.get(name) or init_defaults.get(name) or f"<|{name.removesuffix('_token')}|>"
     extra = [v for k, v in init_defaults.items() if k.endswith("_token") and v.startswith(("<", "["))]
     extra += _SPECIAL_LITERAL.findall(source)
+    extra += _VOCAB_LOOKUP.findall(source)
     extra += [v for v in values.values() if v not in named.values()]
     return named, list(dict.fromkeys(t for t in extra if t not in named.values()))
 
@@ -415,6 +427,15 @@ def _gemma3_geometry(config, image_processor) -> dict:
     return {"image_seq_length": config.mm_tokens_per_image}
 
 
+@_geometry("gemma4", "gemma4_unified", "diffusion_gemma")
+def _gemma4_geometry(config, image_processor) -> dict:
+    """Patches are pooled by pooling_kernel_size^2 into soft tokens; 70 is the smallest budget the image
+    processor accepts (630 patches)."""
+    if hasattr(image_processor, "max_soft_tokens"):
+        image_processor.max_soft_tokens = 70
+    return {"image_seq_length": 70}
+
+
 @_geometry("paligemma")
 def _paligemma_geometry(config, image_processor) -> dict:
     size = _shrink_square_tower(config, 4)
@@ -496,6 +517,13 @@ def _idefics3_geometry(config, image_processor) -> dict:
     return {"image_seq_len": seq}
 
 
+@_geometry("fuyu")
+def _fuyu_geometry(config, image_processor) -> dict:
+    """Fuyu has no vision tower: images are padded to ``size`` and cut into ``patch_size`` patches."""
+    _set_size(image_processor, 2 * config.patch_size)  # 2x2 patches (+ a newline token per row)
+    return {}
+
+
 @_geometry("janus", "deepseek_vl")
 def _janus_geometry(config, image_processor) -> dict:
     size = _shrink_square_tower(config, 4)
@@ -503,6 +531,38 @@ def _janus_geometry(config, image_processor) -> dict:
     if hasattr(_vision(config), "num_image_tokens"):
         _vision(config).num_image_tokens = 16
     return {"num_image_tokens": 16}
+
+
+@_geometry("deepseek_vl_hybrid")
+def _deepseek_vl_hybrid_geometry(config, image_processor) -> dict:
+    """A 4x4-patch low-res tower plus a SAM high-res tower on 4x larger images (its features are resized
+    to the low-res grid): 16 image tokens."""
+    _janus_geometry(config, image_processor)
+    size = _int(_vision(config).image_size)
+    high = config.high_res_vision_config
+    high.image_size, high.window_size = 4 * size, 4
+    _set_size(image_processor, 4 * size, attrs=("high_res_size",))
+    return {"num_image_tokens": 16}
+
+
+@_geometry("got_ocr2")
+def _got_ocr2_geometry(config, image_processor) -> dict:
+    """SAM tower of 16x16 patches (windows of 4), then two stride-2 convolutions: 4x4 = 16 image tokens."""
+    size = _shrink_square_tower(config, 16)
+    _vision(config).window_size = 4
+    _set_size(image_processor, size)
+    return {}
+
+
+@_geometry("aria")
+def _aria_geometry(config, image_processor) -> dict:
+    """The processor's call defaults pin images to 980px squares: 70px patches make that 14x14, and the
+    projector's cross-attention maps those 196 patches to 4 queries."""
+    size = image_processor.max_image_size
+    _vision(config).patch_size, _vision(config).image_size = size // 14, size
+    config.projector_patch_to_query_dict = {14 * 14: 4}
+    config.max_value_projector_patch_to_query_dict = 4
+    return {"size_conversion": {size: 4}}
 
 
 @_geometry("fast_vlm")
@@ -527,8 +587,13 @@ def _chameleon_image_token_names(n: int) -> list[str]:
 
 _CHAMELEON_CODES = 32  # VQ codebook entries (each needs a token in the 1k vocabulary)
 
+_EMU3_CODES = 32  # Emu3's VQ codes, each a ``<|visual token NNNNNN|>`` token of the tokenizer
+
 # Extra (non-special) tokens a family's tokenizer must contain: family -> list of token strings.
-_EXTRA_VOCAB = {"chameleon": _chameleon_image_token_names(_CHAMELEON_CODES)}
+_EXTRA_VOCAB = {
+    "chameleon": _chameleon_image_token_names(_CHAMELEON_CODES),
+    "emu3": ["<|extra_200|>"] + [f"<|visual token {i:06d}|>" for i in range(_EMU3_CODES)],  # end of row + codes
+}
 
 
 @_geometry("chameleon")
@@ -540,6 +605,16 @@ def _chameleon_geometry(config, image_processor) -> dict:
     vq.num_embeddings = _CHAMELEON_CODES
     _set_size(image_processor, vq.resolution)
     return {"image_seq_length": 16}
+
+
+@_geometry("emu3")
+def _emu3_geometry(config, image_processor) -> dict:
+    """VQ-VAE tokenizer downsampling by 8: 32px images -> 4x4 codes (+ an end-of-row token per row)."""
+    config.vq_config.codebook_size = _EMU3_CODES
+    side = 4 * image_processor.spatial_factor
+    image_processor.min_pixels = image_processor.max_pixels = side * side
+    image_processor.size = {"min_pixels": side * side, "max_pixels": side * side}
+    return {}
 
 
 # --------------------------------------------------------------------------------------
@@ -579,6 +654,11 @@ def _float32_image_processor(image_processor) -> None:
 
 # Per-family tweaks of the built image processor (after geometry): family -> fn(image_processor).
 _IMAGE_PROCESSOR_FIXUPS = {"llama4": _float32_image_processor}
+# Per-family settings of the built processor that its constructor does not take: family -> {attribute: value}.
+_PROCESSOR_SETTINGS = {
+    "got_ocr2": {"num_image_tokens": 16},  # a call-time default (class attribute) in GOT-OCR 2
+    "cosmos3_edge": {"return_mm_token_type_ids": True},  # its model requires them; the processor's default is off
+}
 
 
 def _kwargs_from_config(processor_cls: type, config, taken: dict) -> dict:
@@ -715,10 +795,24 @@ def build_processor(family: str, config, *, image_size: int = 48) -> ProcessorMi
     ``config`` (the family's shrunk model config) is updated in place: special-token ids, vision
     geometry (see the module docstring). ``image_size`` is the side of the probe image used to find
     the image-feature token; any small image works with the built processor.
-    Raises :class:`NotBuildable` when the family has no tiny offline processor.
+    Raises :class:`NotBuildable` when the family has no tiny offline processor, including when the
+    family's own processor code fails on the tiny parts (its exception, type and first line, is the reason).
     """
+    try:
+        return _build_processor(family, config, image_size)
+    except NotBuildable:
+        raise
+    except Exception as exc:  # noqa: BLE001  (the family's own processor code raises any type; the reason records it)
+        text = str(exc).strip()
+        first = (text.splitlines()[0] if text else "")[:160]
+        raise NotBuildable(f"its processor does not build offline: {type(exc).__name__}: {first}") from exc
+
+
+def _build_processor(family: str, config, image_size: int) -> ProcessorMixin:
     if family in _NOT_CHAT:
         raise NotBuildable(_NOT_CHAT[family])
+    if family in _NO_TINY_VISION:
+        raise NotBuildable(_NO_TINY_VISION[family])
     processor_cls = _processor_class(family)
     named, extra = _processor_tokens(processor_cls, family)
     vocab_size = config.get_text_config().vocab_size
@@ -737,11 +831,13 @@ def build_processor(family: str, config, *, image_size: int = 48) -> ProcessorMi
             subs[attr] = _sub_processor(attr, family, processor_cls, config, image_processor)
     with _family_patches(family):
         processor = processor_cls(**subs, **kwargs)
+    for name, value in _PROCESSOR_SETTINGS.get(family, {}).items():
+        setattr(processor, name, value)
     if len(processor.tokenizer) > vocab_size:
         raise NotBuildable(f"processor grew the tokenizer to {len(processor.tokenizer)} > vocab_size {vocab_size}")
     placeholder = _IMAGE_PLACEHOLDER.get(family)
     for attr in ("image_placeholder_token", "image_token"):
-        placeholder = placeholder or getattr(processor, attr, None)
+        placeholder = placeholder if placeholder is not None else getattr(processor, attr, None)
     if not isinstance(placeholder, str):
         raise NotBuildable(f"{processor_cls.__name__} exposes no image placeholder token")
     processor.chat_template = _chat_template(placeholder)

@@ -48,6 +48,7 @@ from vlmspec.inputs import encode_prompt
 from vlmspec.sampling import SamplingParams
 from vlmspec.stats import SpecStats
 from vlmspec.target import Target
+from vlmspec.target.model import last_hidden
 from vlmspec.text import generate_text
 from vlmspec.train.common import clipped_step, save_checkpoint_dir, warmup_cosine
 from vlmspec.train.magpie import INSTRUCTION_OPENERS, MagpieConfig, Pair, as_conversation, cached_pairs
@@ -293,7 +294,7 @@ def teacher(target: Target, batch: dict[str, torch.Tensor], visual: bool = False
             "prompt_len": prompt_len,
             "attention": last_layer_attention(target.model, cap, (prompt_len - 1).clamp(min=0)),
         }
-    return out.hidden_states[-1], out.logits, captured
+    return last_hidden(out.hidden_states), out.logits, captured
 
 
 # ------------------------------------------------------------------------------------ data
