@@ -76,29 +76,16 @@ def _matrix() -> tuple:
     return tuple(coverage.run_matrix(None, build_processor, tiny_image(0)))
 
 
-# found by the matrix and not yet fixed: shown as FAILED in docs/families.md. A family leaves this list
-# the moment it passes (the test below says so); any other failure fails the test.
-OPEN_FAILURES = {
-    # the test tooling's tiny processor raises instead of saying NotBuildable (vlmspec/testing/tiny_processors.py)
-    "fuyu": "tiny processor: KeyError '|SPEAKER|'",
-    "granite_docling": "tiny processor: config has no scale_factor",
-    "hunyuan_vl": "tiny processor: needs its own image placeholder template",
-    "molmo2": "tiny processor: image size comes out 0x0",
-    "perception_lm": "tiny processor: a patch size is None",
-}
-
-
 def test_every_family_lossless_or_refused():
     rows = _matrix()
-    failed = {r.family: r.detail for r in rows if r.status == "FAILED"}
-    new = {f: d for f, d in failed.items() if f not in OPEN_FAILURES}
-    assert not new, "\n".join(f"{f}: {d}" for f, d in new.items())
-    fixed = set(OPEN_FAILURES) - set(failed)
-    assert not fixed, f"{sorted(fixed)} pass now: take them out of OPEN_FAILURES"
+    failed = [f"{r.family}: {r.detail}" for r in rows if r.status == "FAILED"]
+    assert not failed, "\n".join(failed)
     by_status = {r.family: r.status for r in rows}
-    for family in ("llava", "qwen2_5_vl", "idefics3", "gemma3", "aya_vision", "mllama", "smolvlm"):
+    for family in ("llava", "qwen2_5_vl", "idefics3", "gemma3", "gemma4", "aya_vision", "mllama", "smolvlm", "paligemma"):
         assert by_status[family] == "lossless", family
-    assert by_status["lfm2_vl"] == "plain only"
+    assert by_status["lfm2_vl"] == by_status["minicpmv4_7"] == "plain only"
+    # image prompts ran wherever a tiny processor builds, among them the sliding-window families
+    assert {"gemma3", "aya_vision", "qwen2_5_vl"} <= {r.family for r in rows if "image" in r.prompts}
     assert all(r.max_gap is not None and r.max_gap <= coverage.MAX_LOGIT_GAP for r in rows if r.status == "lossless")
     # a refusal is vlmspec's own sentence, saying what to do
     for r in rows:

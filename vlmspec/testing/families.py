@@ -32,7 +32,6 @@ VOCAB = 1024  # tiny vocabulary; special-token ids are moved into [VOCAB - 64, V
 SPECIAL_ZONE = 64
 CODE_ZONE, CODEBOOK = 768, 64  # discrete image / audio codes that live in the text vocabulary: [768, 768 + 64k)
 WINDOW = 8  # sliding windows and attention chunks: a 20-token prompt is already past them
-MROPE_HALF_DIM = 8  # head_dim 16 -> M-RoPE sections sum to 8
 
 # integer config fields set to a tiny value wherever they appear (text, vision, audio sub-configs)
 SIZES = {
@@ -44,15 +43,16 @@ SIZES = {
     "linear_num_heads": 4, "linear_head_dim": 16, "mlp_dim": 128,
 }
 WIDTHS = ("hidden_size", "text_hidden_size", "out_hidden_size", "embed_dim", "d_model", "projection_dim", "vision_output_dim")
-DEPTHS = ("depth", "num_layers")
+DEPTHS = ("depth", "num_layers")  # vision towers' layer counts
 # multi-head latent attention dimensions, divided by one factor (`_shrink_mla`) that brings the rotary
 # part to MLA_ROPE_DIM (or v_head_dim to twice that)
 MLA_DIMS = ("head_dim", "qk_rope_head_dim", "qk_nope_head_dim", "qk_head_dim", "v_head_dim", "kv_lora_rank",
             "q_lora_rank", "index_head_dim")
-MLA_ROPE_DIM = 8  # vision towers' layer counts
+MLA_ROPE_DIM = 8
 # families whose modelling code splits M-RoPE by sections their default config leaves out
-MROPE_FAMILIES = {"qwen2_vl": (2, 3, 3), "qwen2_5_vl": (2, 3, 3), "glm4v": (2, 3, 3), "glm46v": (2, 3, 3),
-                  "glm4v_moe": (1, 1, 2), "glm_ocr": (2, 3, 3), "glmga": (2, 3, 3), "paddleocr_vl": (2, 3, 3)}
+# (proportions: their real checkpoints' [16, 24, 24])
+MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "glm4v", "glm46v", "glm4v_moe", "glm_ocr", "glmga", "paddleocr_vl")
+MROPE_PROPORTIONS = (2, 3, 3)
 # the decoder layers a tiny build keeps, where the default config has fewer kinds than the real models
 LAYER_KINDS = {"lfm2_vl": ("conv", "full_attention")}
 
@@ -83,19 +83,23 @@ def _kept_layers(layer_types: list[str] | None, n: int, overrides: dict[int, dic
 
 
 def _shrink_mrope(config: Any, family: str) -> None:
-    """M-RoPE sections summing to head_dim // 2; families whose models read sections the default config
-    leaves out get them set (their modelling code has its own full-size default)."""
+    """M-RoPE sections summing to the rotary half-dimension (head_dim x partial_rotary_factor / 2);
+    families whose models read sections the default config leaves out get them set (their modelling
+    code has its own full-size default)."""
     for field in ("rope_parameters", "rope_scaling"):
         rope = getattr(config, field, None)
         if not isinstance(rope, dict):
             continue
         section = rope.get("mrope_section")
-        if isinstance(section, list):
-            new = [max(1, round(x * MROPE_HALF_DIM / sum(section))) for x in section]
-            new[-1] += MROPE_HALF_DIM - sum(new)
-            rope["mrope_section"] = new
-        elif family in MROPE_FAMILIES and field == "rope_parameters":
-            rope["mrope_section"] = list(MROPE_FAMILIES[family])
+        if not isinstance(section, list):
+            if family not in MROPE_FAMILIES or field != "rope_parameters":
+                continue
+            section = list(MROPE_PROPORTIONS)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        half = int(head_dim * rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)) // 2
+        new = [max(1, round(x * half / sum(section))) for x in section]
+        new[-1] += half - sum(new)
+        rope["mrope_section"] = new
 
 
 def _fit_vision_taps(config: Any) -> None:
