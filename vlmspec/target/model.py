@@ -94,7 +94,9 @@ class Target:
         kinds, kwargs = layer_kinds(model.config)
         self.layer_kinds: list[str] = kinds  # per decoder layer: 'full_attention', 'sliding_attention', 'conv', ...
         self.windows = _windows(kinds, kwargs)  # {'sliding_attention': W, 'chunked_attention': C} where present
-        # kinds whose state a rejected draft cannot be taken out of: plain decoding only (check_rollback)
+        # the attention kinds a tree forward masks, each its own way (one kind: one mask tensor)
+        self._mask_kinds = sorted({k for k in kinds if k in ATTENTION_KINDS}) or ["full_attention"]
+        # kinds whose state a rejected draft cannot be taken out of: plain decoding only (check_speculative)
         self.rollback_blockers = rollback_blockers(kinds)
         # where the model's own position count starts (PaliGemma counts from 1: a shift RoPE cannot
         # see in the tokens, but one the logits carry at float rounding)
@@ -139,8 +141,9 @@ class Target:
 
     def check_speculative(self) -> None:
         """Raise ConfigError, saying what works instead, when drafts verified as a tree would not be
-        exact: decoder state a rejected draft cannot be rolled back out of, or position ids the model
-        computes its own way (a tree forward must give each node its own). Plain decoding needs neither."""
+        exact: decoder state a rejected draft cannot be rolled back out of, attention scaled by token
+        index, or a model that counts positions its own way or does not take the tree's masks (a
+        one-time check, `_probe_tree_inputs`). Plain decoding needs none of this."""
         if self.rollback_blockers:
             raise ConfigError(blocker_message(self.name, self.rollback_blockers))
         tc = self.text_config
@@ -257,10 +260,9 @@ class Target:
             allowed = windowed_tree_mask(ancestors, state.seq_len, tree.depth, kind, self.windows.get(kind))
             return to_device(additive_mask(allowed, self.dtype), self.device)
 
-        kinds = sorted({k for k in self.layer_kinds if k in ATTENTION_KINDS}) or ["full_attention"]
-        if len(kinds) == 1:  # one kind for every layer: one tensor (what a model with one mask function takes)
-            return mask(kinds[0])
-        return {kind: mask(kind) for kind in kinds}
+        if len(self._mask_kinds) == 1:  # one kind for every layer: one tensor (what a model with one mask function takes)
+            return mask(self._mask_kinds[0])
+        return {kind: mask(kind) for kind in self._mask_kinds}
 
     @torch.no_grad()
     def forward_tree(self, state: TargetState, tree: DraftTree) -> ForwardOut:

@@ -313,7 +313,7 @@ def tiny_config(family: str) -> Any:
         shrink(config, family)
         remap_special_ids(config)
     except Exception as exc:  # noqa: BLE001  (a family's own config code raises any type; the row records it)
-        raise NotBuildable(f"its default config does not shrink: {type(exc).__name__}: {_first_line(exc)}") from exc
+        raise NotBuildable(f"its default config does not shrink: {type(exc).__name__}: {first_line(exc)}") from exc
     if getattr(config, "is_encoder_decoder", False):
         raise NotBuildable("encoder-decoder (not a decoder-only chat model)")
     return config
@@ -334,7 +334,7 @@ def build_family(family: str, config: Any | None = None, seed: int = 0) -> torch
                     raise
                 model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32, attn_implementation="eager")
     except Exception as exc:  # noqa: BLE001  (as above: the family's modelling code, not vlmspec)
-        raise NotBuildable(f"the shrunk config does not build: {type(exc).__name__}: {_first_line(exc)}") from exc
+        raise NotBuildable(f"the shrunk config does not build: {type(exc).__name__}: {first_line(exc)}") from exc
     finally:
         torch.set_default_dtype(prev)
     if not hasattr(model, "generate"):
@@ -342,9 +342,9 @@ def build_family(family: str, config: Any | None = None, seed: int = 0) -> torch
     return model.eval()
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return (text.splitlines()[0] if text else "")[:160]
 
 
-__all__ = ["NotBuildable", "VOCAB", "WINDOW", "build_family", "families", "remap_special_ids", "shrink", "tiny_config"]
+__all__ = ["NotBuildable", "VOCAB", "WINDOW", "build_family", "families", "first_line", "remap_special_ids", "shrink", "tiny_config"]
