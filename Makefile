@@ -16,7 +16,7 @@ MODELS_BUILT := $(BASE_MODEL)/config.json $(if $(wildcard $(MODEL_PARTS)),$(MODE
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: setup test test-all serve demo clean
+.PHONY: setup test test-all serve demo clean gpu-check
 
 setup: $(STAMP) $(MODELS_BUILT)
 
@@ -50,6 +50,11 @@ DEMO_IMAGE  ?= assets/images/toyworld_scene.png
 DEMO_PROMPT ?= Describe the picture.
 demo: setup
 	$(VENV)/bin/vlmspec generate --image $(DEMO_IMAGE) --prompt "$(DEMO_PROMPT)" --max-new-tokens 128
+
+# on a CUDA machine (python3 with PyTorch, no install, no network): GPU tests, CUDA benches, one table
+# under 8 minutes (scripts/gpu-check.sh); without CUDA it says so and exits 0
+gpu-check:
+	bash scripts/gpu-check.sh $(OUT)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

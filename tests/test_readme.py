@@ -52,3 +52,16 @@ def test_make_targets_and_docs_links_exist():
             assert re.search(rf"^{line.split()[1]}:", makefile, flags=re.MULTILINE), line
     for link in re.findall(r"\]\((docs/[^)]+|assets/[^)]+)\)", README):
         assert (ROOT / link).exists(), link
+
+
+def test_gpu_check_skips_cleanly_without_cuda(tmp_path):
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine runs the check itself")
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu-check.sh"), str(tmp_path / "out")], capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable}, timeout=120)
+    assert run.returncode == 0 and "no CUDA device here" in run.stdout, run.stdout + run.stderr

