@@ -11,7 +11,7 @@ from vlmspec.draft.eagle import EagleDrafter
 from vlmspec.draft.ngram import NgramDrafter
 from vlmspec.draft.self_spec import SelfSpecDrafter
 from vlmspec.engine import GenerationConfig, SpecEngine
-from vlmspec.factory import measure_cost
+from vlmspec.cost import measure_cost
 from vlmspec.inputs import encode_prompt
 from vlmspec.sampling import SamplingParams
 from vlmspec.testing.tiny import tiny_image
@@ -352,7 +352,7 @@ def test_with_policy_measures_a_cost_model_only_for_a_drafter_that_drafts():
 def test_measured_cost_charges_verifying_full_trees_even_when_the_drafter_found_nothing(monkeypatch):
     """n-gram on a prompt without repeats proposes one-node trees while the cost is measured; the
     model still charges each drafted level what verifying a full tree of that depth costs."""
-    from vlmspec import factory
+    from vlmspec import cost as cost_module
 
     calls = []
 
@@ -360,13 +360,13 @@ def test_measured_cost_charges_verifying_full_trees_even_when_the_drafter_found_
         calls.extend(sizes)
         return {n: 2.0 * (n - 1) for n in sizes}
 
-    monkeypatch.setattr(factory, "time_tree_extras", fake_tree_extras)
+    monkeypatch.setattr(cost_module, "time_tree_extras", fake_tree_extras)
     target = tiny_target("llava")
     tree = TreeConfig(depth=5, top_k=4, total_tokens=16)
     engine = SpecEngine(target, NgramDrafter(tree))
     inputs = encode_prompt(target, "a quick brown fox", [])
     cost = measure_cost(engine, inputs, tokens=4, repeats=3)
-    assert calls == sorted({1 + factory.tree_nodes(tree, d) for d in range(1, 6)}) == [5, 9, 13, 17]  # each size timed once
+    assert calls == sorted({1 + cost_module.tree_nodes(tree, d) for d in range(1, 6)}) == [5, 9, 13, 17]  # each size timed once
     # the charged verify is exact (faked); the steps around it are measured, so a loaded machine
     # moves each depth's time by a few ms: the bounds leave that room, not the charge's size
     extra = cost.seconds(5) - cost.seconds(0)  # 16 nodes x 2 ms of verify, plus the n-gram's own (small) time, measured
@@ -379,13 +379,13 @@ def test_measured_cost_times_the_nodes_an_eagle_tree_actually_verifies(monkeypat
     """EAGLE-2 fills its node budget from depth 2 on (depth 2 of a top-2 tree: 2 + 2 x 2 = 6 nodes,
     more than the 4 of `tree_nodes`): the engine's own steps time the trees it verified, and nothing
     is added (the verify-only timing is for drafters that proposed less than `tree_nodes`)."""
-    from vlmspec import factory
+    from vlmspec import cost as cost_module
 
     calls = []
-    monkeypatch.setattr(factory, "time_tree_extras", lambda target, prefix, sizes, rounds, warmup: calls.extend(sizes) or {n: 2.0 * (n - 1) for n in sizes})
+    monkeypatch.setattr(cost_module, "time_tree_extras", lambda target, prefix, sizes, rounds, warmup: calls.extend(sizes) or {n: 2.0 * (n - 1) for n in sizes})
     target = tiny_target("llava")
     tree = TreeConfig(depth=3, top_k=2, total_tokens=6)
     cost = measure_cost(SpecEngine(target, EagleDrafter.random_init(target, tree, seed=3)), encode_prompt(target, "a quick brown fox", []),
                         tokens=4, repeats=1)
     assert calls == []
-    assert factory.tree_nodes(tree, 2) == 4 and len(cost.by_depth) == 3
+    assert cost_module.tree_nodes(tree, 2) == 4 and len(cost.by_depth) == 3

@@ -26,7 +26,7 @@ costs a retry every few dozen steps, not every few, and a dearer retry comes les
 back off: each retry in a row that emits fewer tokens per second than a plain step would doubles
 the wait before the next (up to 2 ** `max_backoff` = 16 times), and a drafted step that pays resets
 it, so a drafter that never pays on a long request is retried 16 times less often than it was. The cost model is measured at start-up through the
-engine itself (`vlmspec.factory.measure_cost`) or given; only ratios of its times matter. It is
+engine itself (`vlmspec.cost.measure_cost`) or given; only ratios of its times matter. It is
 measured on a short text prompt, so each request corrects it with its own step times (the engine
 passes them to `observe`): a drafted step's cost is scaled by the ratio of the drafted steps'
 measured seconds to the model's (decayed mean), a plain step's by the plain steps' own ratio.

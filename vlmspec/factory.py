@@ -9,7 +9,7 @@ The CLI, the server and the benchmarks build engines here and nowhere else:
 Resolution rules: no model -> the aligned real target when it is built (`vlmspec build-target`
 with the trained parts), else the committed toy; "toy" -> the toy; drafter "auto" -> the EAGLE drafter shipped for that model (the toy's, the
 default model's), else n-gram; "eagle" -> that drafter (the name the service shows for it); device None -> CUDA when available; dtype "auto" -> bfloat16 on CUDA, float32 on CPU;
-policy "goodput" (the default) -> the engine's cost model is measured at build (`measure_cost`,
+policy "goodput" (the default) -> the engine's cost model is measured at build (`vlmspec.cost.measure_cost`,
 three rounds of 16 tokens at every depth from 0 to the tree's on a short text prompt, about 20 s in fp32 here for a depth-5 tree, growing with the depth) unless the drafter never drafts.
 Bad choices raise `ConfigError` with a message that says what to pass instead.
 """
@@ -22,14 +22,14 @@ from pathlib import Path
 import torch
 
 from vlmspec import assets
-from vlmspec.control import POLICIES, CostModel, FixedPolicy, Speculation
+from vlmspec.control import POLICIES, CostModel, Speculation
+from vlmspec.cost import COST_PROMPT, measure_cost
 from vlmspec.draft import NoDrafter, TreeConfig, default_tree, load_drafter
 from vlmspec.draft.base import Drafter
-from vlmspec.engine import GenerationConfig, SpecEngine
+from vlmspec.engine import SpecEngine
 from vlmspec.errors import ConfigError
 from vlmspec.inputs import encode_prompt
 from vlmspec.target import Target, load_target
-from vlmspec.target.timing import time_tree_extras
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BUNDLED_DRAFTER_NAME = "eagle"
@@ -49,7 +49,6 @@ class EngineSpec:
 
 
 # the prompt the cost model is measured on at build (step times hardly depend on the prompt)
-COST_PROMPT = "Write a short story about a lighthouse keeper."
 
 
 def resolve_device(device: str | None) -> str:
@@ -160,46 +159,3 @@ def with_policy(engine: SpecEngine, policy: str, cost: CostModel | None = None) 
 def plain_engine(engine: SpecEngine) -> SpecEngine:
     """Plain decoding through the same engine code over the same target (the oracle, the baseline)."""
     return SpecEngine(engine.target, NoDrafter())
-
-
-def tree_nodes(tree: TreeConfig, depth: int) -> int:
-    """Drafted nodes of a `tree` cut at `depth` levels with top_k new nodes per level (the n-gram
-    drafter's branches; the fewest an EAGLE-2 tree of that depth verifies)."""
-    return min(tree.total_tokens, depth * tree.top_k)
-
-
-def measure_cost(engine: SpecEngine, inputs: dict, depths: tuple[int, ...] | None = None, tokens: int = 16, repeats: int = 3,
-                 prefix: int = 256) -> CostModel:
-    """The cost model of the goodput policy: seconds per engine step at each drafted depth (default
-    every depth from 0 to the drafter's full depth, or the default tree's for a drafter without
-    one), fitted into a `CostModel` (its table holds each measured depth).
-
-    Each depth's step is timed through the engine on `inputs` (greedy, `tokens` new tokens, the
-    fastest of `repeats` rounds over all depths, so a drifting machine moves them together): the
-    drafter and the verify of the trees it really proposed (an EAGLE-2 tree fills its whole budget
-    from depth 2 on). A drafter that proposed fewer nodes per step than `tree_nodes` there (n-gram
-    on a fresh text finds nothing to propose) would look free to the policy, so the verify cost of
-    the missing nodes is added, timed on the target directly (`time_tree_extras`, a `prefix`-token
-    context, the one-token step and each tree back to back)."""
-    tree = engine.drafter.tree or TreeConfig()
-    depths = tuple(sorted({0, *(depths or range(tree.depth + 1))}))
-    best = dict.fromkeys(depths, float("inf"))  # [depth]: fastest seconds per step
-    nodes = dict.fromkeys(depths, float("inf"))  # [depth]: fewest nodes drafted per step at that depth (mean of a run)
-    for _ in range(repeats):
-        for depth in depths:
-            gen = engine.stream(inputs, GenerationConfig(max_new_tokens=max(tokens, depth + 2), ignore_eos=True, policy=FixedPolicy(depth)))
-            drafted = [e.num_drafted for e in gen if e.depth == depth]  # steps at this depth (not the prefill, not the capped last ones)
-            r = gen.result
-            assert r is not None
-            best[depth] = min(best[depth], sum(v for k, v in r.timings.items() if k != "prefill") / max(r.stats.num_drafts, 1))
-            nodes[depth] = min(nodes[depth], sum(drafted) / max(len(drafted), 1))
-    short = {d: (1 + round(nodes[d]), 1 + tree_nodes(tree, d)) for d in depths if d > 0 and nodes[d] < tree_nodes(tree, d)}
-    extra_ms: dict[int, float] = {}
-    if short:
-        prefix = max(1, min(prefix, engine.target.max_positions - 2 - tree.total_tokens))  # a short context's model
-        extra_ms = time_tree_extras(engine.target, prefix, sorted({n for pair in short.values() for n in pair} - {1}), rounds=5, warmup=1)
-        extra_ms[1] = 0.0
-    samples = {d: best[d] for d in depths}
-    for depth, (drafted, full) in short.items():
-        samples[depth] += max(extra_ms[full] - extra_ms[drafted], 0.0) / 1e3
-    return CostModel.fit(samples)

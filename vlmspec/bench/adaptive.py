@@ -24,7 +24,8 @@ from typing import Any
 from vlmspec.control import FixedPolicy, GoodputPolicy
 from vlmspec.data.heldout import ADVERSARIAL, Conversation, adversarial, heldout
 from vlmspec.engine import GenerationConfig, SpecEngine
-from vlmspec.factory import COST_PROMPT, measure_cost, plain_engine
+from vlmspec.cost import COST_PROMPT, measure_cost
+from vlmspec.factory import plain_engine
 from vlmspec.inputs import encode_prompt
 from vlmspec.sampling import SamplingParams
 from vlmspec.stats import geomean, rotated

@@ -24,7 +24,8 @@ from vlmspec.control import FixedPolicy, GoodputPolicy
 from vlmspec.data.heldout import Conversation
 from vlmspec.draft.eagle import EagleDrafter
 from vlmspec.engine import GenerationConfig, SpecEngine
-from vlmspec.factory import COST_PROMPT, measure_cost, plain_engine
+from vlmspec.cost import COST_PROMPT, measure_cost
+from vlmspec.factory import plain_engine
 from vlmspec.inputs import encode_prompt
 from vlmspec.sampling import SamplingParams
 from vlmspec.stats import SpecStats, geomean, rotated

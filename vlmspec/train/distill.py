@@ -43,7 +43,7 @@ from vlmspec.draft.base import NoDrafter, TreeConfig
 from vlmspec.draft.eagle import EagleConfig, EagleDrafter, EagleHead, draft_entropy, draft_vocabulary
 from vlmspec.control import CostModel, FixedPolicy
 from vlmspec.engine import GenerationConfig, SpecEngine
-from vlmspec.factory import COST_PROMPT, measure_cost
+from vlmspec.cost import COST_PROMPT, measure_cost
 from vlmspec.inputs import encode_prompt
 from vlmspec.sampling import SamplingParams
 from vlmspec.stats import SpecStats
