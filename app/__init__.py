@@ -33,7 +33,7 @@ A request's walk from HTTP to tokens (``POST /v1/chat/completions``, the EAGLE d
 5. ``vlmspec/text.py``         stream_text: incremental detokenization, stop strings, hold-back, around
 6. ``vlmspec/engine.py``       SpecEngine.stream: prefill, then draft -> verify -> commit per step
 7. ``vlmspec/target/model.py`` prefill / forward_tree / commit (KV gather-commit in ``vlmspec/kv_cache.py``)
-8. ``vlmspec/draft/eagle.py``  the drafter's session: start / propose (a ``vlmspec/tree.py`` DraftTree) / commit
+8. ``vlmspec/draft/eagle/session.py``  the drafter's session: start / propose (a ``vlmspec/tree.py`` DraftTree) / commit
 9. ``vlmspec/verify/acceptance.py`` verify (greedy or lossless rejection sampling, ``vlmspec/sampling.py``)
 Token ids flow back: engine StepEvent -> text.TextEvent -> Job message -> routes.py, which shapes the
 answer with protocol.Reply. The app's part is three files in one direction (routes -> protocol ->

@@ -486,7 +486,7 @@ def test_decode_s_rotary_table_and_fused_norm_are_the_hf_modules_numbers(dtype, 
         assert torch.equal(cos[:, 0], ref_cos) and torch.equal(sin[:, 0], ref_sin)
     cos, _ = head._rope(x, torch.arange(1, 7))
     assert not torch.equal(cos[:, 0], head.rotary(x, torch.arange(6))[0])  # negative control: one position off
-    monkeypatch.setattr(eagle_module, "_ROPE_TABLE_MAX", 100)  # a longer context computes them per call
+    monkeypatch.setattr(eagle_module.head, "_ROPE_TABLE_MAX", 100)  # a longer context computes them per call
     cos, sin = head._rope(x, torch.tensor([511, 0, 3, 3, 200, 7]))
     assert torch.equal(cos[:, 0], ref_cos) and torch.equal(sin[:, 0], ref_sin)
     for scale in (1e-3, 1.0, 30.0):

@@ -40,23 +40,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import importlib
 import inspect
 import re
 import types
 from collections import Counter
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import numpy as np
 from PIL import Image
-from tokenizers import Tokenizer
-from transformers import PreTrainedTokenizerFast, ProcessorMixin
+from transformers import ProcessorMixin
 from transformers.models.auto import image_processing_auto, processing_auto
 
 from vlmspec.testing.families import NotBuildable
-from vlmspec.testing.tiny import trained_bpe
+from vlmspec.testing.tiny_geometry import _EXTRA_VOCAB, _GEOMETRY, _default_geometry, _size_items, _vision
+from vlmspec.testing.tiny_tokens import _TURN_TOKENS, BPE_VOCAB, _chat_template, _processor_tokens, build_tokenizer
 
 try:  # not every transformers build ships video processors
     from transformers.models.auto import video_processing_auto
@@ -65,22 +63,7 @@ except ImportError:  # pragma: no cover - depends on the installed transformers
 
 __all__ = ["NotBuildable", "build_processor", "build_tokenizer", "tiny_test_image", "BPE_VOCAB"]
 
-BPE_VOCAB = 640  # byte alphabet (256) + merges; special tokens go on top
-MAX_LEN = 4096
 
-# Standard chat-template tokens every tiny tokenizer has (bos/eos/pad + turn markers).
-_BASE_SPECIALS = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
-_TURN_TOKENS = ["<|im_start|>", "<|im_end|>"]
-
-# Names matched by ``tokenizer.<name>`` that are standard tokenizer attributes, not added tokens.
-_STANDARD_TOKEN_ATTRS = {"bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token"}
-
-_SPECIAL_LITERAL = re.compile(r"""["'](<[^<>\s"'(){}\\]{1,48}>|\[[A-Z_]{2,24}\])["']""")
-# ``vocab["|SPEAKER|"]``: a token the processor looks up in the tokenizer's vocabulary by its literal
-_VOCAB_LOOKUP = re.compile(r"""vocab\[\s*["']([^"'\s]{1,48})["']\s*\]""")
-_TOKENIZER_ATTR = re.compile(r"tokenizer\.(\w+_token)\b")
-# ``hasattr(tokenizer, "x_token")`` / ``getattr(tokenizer, "x_token", default)``: optional, the processor has a default.
-_TOKENIZER_OPTIONAL = re.compile(r"""(?:hasattr|getattr)\(\s*(?:self\.)?tokenizer\s*,\s*["'](\w+_token)["']""")
 _CONFIG_TOKEN_ATTR = re.compile(r"^_?(\w+?)_token_(?:id|index)$")
 
 
@@ -118,58 +101,6 @@ _PROCESSOR_ALIASES = {
     "cosmos3_omni": ("Qwen3VLProcessor", "Qwen2VLImageProcessor"),
 }
 
-# Real strings of tokens that processors read from ``tokenizer.<name>`` (they come from the
-# checkpoint's tokenizer config, so they cannot be discovered from code). Unlisted names fall back
-# to ``<|name|>`` with the ``_token`` suffix dropped, which is equally valid for a random model.
-_TOKENIZER_TOKEN_VALUES = {
-    "gemma": {
-        "boi_token": "<start_of_image>",
-        "eoi_token": "<end_of_image>",
-        "image_token": "<image_soft_token>",
-        "boa_token": "<start_of_audio>",
-        "eoa_token": "<end_of_audio>",
-        "audio_token": "<audio_soft_token>",
-    },
-    "cohere2_vision": {
-        "boi_token": "<|START_OF_IMG|>",
-        "eoi_token": "<|END_OF_IMG|>",
-        "image_token": "<|IMG_PATCH|>",
-        "img_line_break_token": "<|IMG_LINE_BREAK|>",
-    },
-    "internvl": {
-        "start_image_token": "<img>",
-        "end_image_token": "</img>",
-        "context_image_token": "<IMG_CONTEXT>",
-        "video_token": "<video>",
-    },
-    "janus": {"image_token": "<image_placeholder>", "boi_token": "<begin_of_image>", "eoi_token": "<end_of_image>"},
-    "chameleon": {"image_token": "<image>", "boi_token": "<racm3:break>", "eoi_token": "<eoss>"},
-    "emu3": {
-        "image_token": "<image>",
-        "boi_token": "<|image start|>",
-        "eoi_token": "<|image end|>",
-        "image_wrapper_token": "<|image token|>",
-        "eof_token": "<|extra_201|>",
-    },
-    "mllama": {"image_token": "<|image|>"},
-    "lighton_ocr": {
-        "image_token": "<|image_pad|>",
-        "image_break_token": "<|vision_pad|>",
-        "image_end_token": "<|vision_end|>",
-    },
-    "paddleocr_vl": {"image_token": "<|IMAGE_PLACEHOLDER|>"},
-    "perception_lm": {"image_token": "<|image|>", "video_token": "<|video|>"},
-}
-_TOKEN_VALUE_GROUPS = {
-    "gemma3": "gemma",
-    "gemma3n": "gemma",
-    "gemma4": "gemma",
-    "gemma4_unified": "gemma",
-    "diffusion_gemma": "gemma",
-    "shieldgemma2": "gemma",
-    "t5gemma2": "gemma",
-    "qianfan_ocr": "internvl",
-}
 
 # Template text for one image part, where it differs from ``processor.image_token``.
 _IMAGE_PLACEHOLDER = {
@@ -204,53 +135,6 @@ _CONFIG_TOKEN_SOURCES = {
 # --------------------------------------------------------------------------------------
 # Tokenizer
 # --------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=1)
-def _trained_bpe_json() -> str:
-    return trained_bpe(BPE_VOCAB).to_str()
-
-
-def _chat_template(image_placeholder: str) -> str:
-    """ChatML-style template; each ``{"type": "image"}`` part renders ``image_placeholder``."""
-    image = image_placeholder.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n")
-    return (
-        "{{ bos_token }}{% for message in messages %}"
-        "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-        "{% if message['content'] is string %}{{ message['content'] }}"
-        "{% else %}{% for item in message['content'] %}"
-        "{% if item['type'] == 'image' %}{{ '" + image + "' }}"
-        "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
-        "{% endfor %}{% endif %}"
-        "{{ '<|im_end|>\\n' }}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-    )
-
-
-def build_tokenizer(named: dict[str, str], extra: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    """Byte-level BPE (:data:`BPE_VOCAB`) + specials: ``named`` become ``tokenizer.<name>`` attributes.
-
-    ``named`` maps attribute names (``"bos_token"``, ``"image_token"``, ``"boi_token"``...) to token
-    strings; ``extra`` are further special tokens without a name. Raises :class:`NotBuildable` when
-    the tokenizer would not fit in ``vocab_size``.
-    """
-    tok = Tokenizer.from_str(_trained_bpe_json())
-    ordered = list(dict.fromkeys([*named.values(), *_TURN_TOKENS, *extra]))
-    if tok.get_vocab_size() + len(ordered) > vocab_size:
-        raise NotBuildable(f"{tok.get_vocab_size()} BPE + {len(ordered)} special tokens > vocab_size {vocab_size}")
-    tok.add_special_tokens(ordered)
-    standard = {k: v for k, v in named.items() if k in _STANDARD_TOKEN_ATTRS}
-    custom = {k: v for k, v in named.items() if k not in _STANDARD_TOKEN_ATTRS}
-    hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        unk_token=None,
-        extra_special_tokens=custom,
-        model_max_length=MAX_LEN,
-        padding_side="left",
-        **standard,
-    )
-    leftover = [t for t in ordered if t not in custom.values() and t not in standard.values()]
-    if leftover:
-        hf_tok.add_special_tokens({"additional_special_tokens": leftover}, replace_extra_special_tokens=False)
-    return hf_tok
 
 
 def tiny_test_image(size: int = 48, seed: int = 0) -> Image.Image:
@@ -312,314 +196,6 @@ def _video_processor_class(family: str, processor_cls: type) -> type:
     return _resolve_class(names)
 
 
-def _processor_tokens(processor_cls: type, family: str) -> tuple[dict[str, str], list[str]]:
-    """Special tokens the processor needs: (``tokenizer.<name>`` attributes, other literals)."""
-    source = inspect.getsource(inspect.getmodule(processor_cls))
-    init_defaults = {
-        k: p.default
-        for k, p in inspect.signature(processor_cls.__init__).parameters.items()
-        if isinstance(p.default, str)
-    }
-    values = _TOKENIZER_TOKEN_VALUES.get(_TOKEN_VALUE_GROUPS.get(family, family), {})
-    named: dict[str, str] = dict(_BASE_SPECIALS)
-    optional = set(_TOKENIZER_OPTIONAL.findall(source))
-    for name in sorted(set(_TOKENIZER_ATTR.findall(source)) | (optional & set(values))):
-        if name in _STANDARD_TOKEN_ATTRS or (name in optional and name not in values) or name.startswith("add_"):
-            continue
-        named[name] = values.get(name) or init_defaults.get(name) or f"<|{name.removesuffix('_token')}|>"
-    extra = [v for k, v in init_defaults.items() if k.endswith("_token") and v.startswith(("<", "["))]
-    extra += _SPECIAL_LITERAL.findall(source)
-    extra += _VOCAB_LOOKUP.findall(source)
-    extra += [v for v in values.values() if v not in named.values()]
-    return named, list(dict.fromkeys(t for t in extra if t not in named.values()))
-
-
-# --------------------------------------------------------------------------------------
-# Geometry helpers
-# --------------------------------------------------------------------------------------
-def _size_items(size) -> dict:
-    """The set (non-``None``) entries of a size dict or ``SizeDict``."""
-    if size is None:
-        return {}
-    if hasattr(size, "keys"):
-        return {k: size[k] for k in size.keys() if size[k] is not None}
-    if dataclasses.is_dataclass(size):
-        return {f.name: getattr(size, f.name) for f in dataclasses.fields(size) if getattr(size, f.name) is not None}
-    return {}
-
-
-def _set_size(image_processor, height: int, width: int | None = None, attrs=("size", "crop_size")) -> None:
-    """Set the size-like attributes of ``image_processor`` to ``height`` x ``width``, keeping their keys."""
-    width = height if width is None else width
-    for attr in attrs:
-        size = getattr(image_processor, attr, None)
-        items = _size_items(size)
-        if not items:
-            continue
-        new = dict(items)
-        for key in items:
-            if key in ("height", "max_height"):
-                new[key] = height
-            elif key in ("width", "max_width"):
-                new[key] = width
-            elif key == "longest_edge":
-                new[key] = max(height, width)
-            elif key == "shortest_edge":
-                new[key] = min(height, width)
-        setattr(image_processor, attr, type(size)(**new) if dataclasses.is_dataclass(size) else new)
-
-
-def _vision(config):
-    return getattr(config, "vision_config", None)
-
-
-def _int(value) -> int:
-    return int(value[0]) if isinstance(value, (list, tuple)) else int(value)
-
-
-def _shrink_square_tower(config, patches_per_side: int) -> int:
-    """Set ``vision_config.image_size`` to ``patches_per_side`` patches; return the image size."""
-    vc = _vision(config)
-    patch = _int(vc.patch_size)
-    size = patch * patches_per_side
-    vc.image_size = [size, size] if isinstance(vc.image_size, (list, tuple)) else size
-    return size
-
-
-# Each hook shrinks the vision geometry: it may edit ``config`` and the image processor and returns
-# extra keyword arguments for the processor constructor. Signature: (config, image_processor) -> dict.
-_Hook = Callable[[Any, Any], dict]
-_GEOMETRY: dict[str, _Hook] = {}
-
-
-def _geometry(*families: str) -> Callable[[_Hook], _Hook]:
-    def register(fn: _Hook) -> _Hook:
-        for fam in families:
-            _GEOMETRY[fam] = fn
-        return fn
-
-    return register
-
-
-def _default_geometry(config, image_processor) -> dict:
-    """Square tower of 4x4 patches; processor sized to it."""
-    vc = _vision(config)
-    if vc is not None and isinstance(getattr(vc, "patch_size", None), (int, list, tuple)) and hasattr(vc, "image_size"):
-        size = _shrink_square_tower(config, 4)
-        _set_size(image_processor, size)
-    return {}
-
-
-@_geometry("llava", "vipllava", "video_llava")
-def _llava_geometry(config, image_processor) -> dict:
-    size = _shrink_square_tower(config, 4)
-    _set_size(image_processor, size)
-    if hasattr(config, "image_seq_length"):
-        config.image_seq_length = 16
-    return _llava_kwargs(config)
-
-
-@_geometry("gemma3", "shieldgemma2")
-def _gemma3_geometry(config, image_processor) -> dict:
-    size = _shrink_square_tower(config, 4)  # 4x4 patches pooled to 2x2 = 4 tokens
-    config.mm_tokens_per_image = 4
-    _set_size(image_processor, size)
-    return {"image_seq_length": config.mm_tokens_per_image}
-
-
-@_geometry("gemma4", "gemma4_unified", "diffusion_gemma")
-def _gemma4_geometry(config, image_processor) -> dict:
-    """Patches are pooled by pooling_kernel_size^2 into soft tokens; 70 is the smallest budget the image
-    processor accepts (630 patches)."""
-    if hasattr(image_processor, "max_soft_tokens"):
-        image_processor.max_soft_tokens = 70
-    return {"image_seq_length": 70}
-
-
-@_geometry("paligemma")
-def _paligemma_geometry(config, image_processor) -> dict:
-    size = _shrink_square_tower(config, 4)
-    _set_size(image_processor, size)
-    image_processor.image_seq_length = 16
-    config.text_config.num_image_tokens = 16
-    return {}
-
-
-def _has_cls(config) -> bool:
-    """CLIP-style towers prepend a CLS embedding (counted by ``num_additional_image_tokens``)."""
-    return getattr(_vision(config), "model_type", "") in ("clip_vision_model", "clip")
-
-
-def _llava_kwargs(config) -> dict:
-    return {
-        "patch_size": _int(_vision(config).patch_size),
-        "vision_feature_select_strategy": getattr(config, "vision_feature_select_strategy", "default"),
-        "num_additional_image_tokens": 1 if _has_cls(config) else 0,
-    }
-
-
-@_geometry("llava_next", "llava_next_video", "granite4_vision")
-def _llava_next_geometry(config, image_processor) -> dict:
-    size = _shrink_square_tower(config, 4)
-    pinpoints = [[size, 2 * size], [2 * size, size], [2 * size, 2 * size]]
-    config.image_grid_pinpoints = pinpoints
-    image_processor.image_grid_pinpoints = pinpoints
-    _set_size(image_processor, size)
-    if hasattr(config, "image_seq_length"):
-        config.image_seq_length = 16
-    return _llava_kwargs(config)
-
-
-@_geometry("llava_onevision")
-def _llava_onevision_geometry(config, image_processor) -> dict:
-    size = _shrink_square_tower(config, 4)
-    pinpoints = [[size, 2 * size], [2 * size, size], [2 * size, 2 * size]]
-    config.image_grid_pinpoints = pinpoints
-    image_processor.image_grid_pinpoints = pinpoints
-    _set_size(image_processor, size)
-    return {"num_image_tokens": 16, "vision_feature_select_strategy": config.vision_feature_select_strategy}
-
-
-@_geometry("aya_vision")
-def _aya_geometry(config, image_processor) -> dict:
-    size = _shrink_square_tower(config, 4)  # 4x4 patches, pixel-shuffled by downsample_factor 2 -> 2x2 tokens
-    _set_size(image_processor, size)
-    image_processor.max_patches = 2
-    # the processor multiplies patch_size by downsample_factor itself
-    patch = _int(_vision(config).patch_size)
-    return {"img_size": size, "patch_size": patch, "downsample_factor": config.downsample_factor}
-
-
-@_geometry("cohere2_vision")
-def _cohere2_vision_geometry(config, image_processor) -> dict:
-    size = _shrink_square_tower(config, 4)
-    _set_size(image_processor, size)
-    image_processor.max_patches = 2
-    image_processor.patch_size = 4 // config.downsample_factor  # processor: tokens per tile side
-    return {}
-
-
-@_geometry("internvl", "qianfan_ocr")
-def _internvl_geometry(config, image_processor) -> dict:
-    size = _shrink_square_tower(config, 4)
-    _set_size(image_processor, size)
-    image_processor.max_patches = 2
-    config.image_seq_length = int(16 * config.downsample_ratio**2)
-    return {"image_seq_length": config.image_seq_length}
-
-
-@_geometry("idefics3", "smolvlm", "granite_docling")
-def _idefics3_geometry(config, image_processor) -> dict:
-    size = _shrink_square_tower(config, 4)
-    seq = 16 // config.scale_factor**2
-    _set_size(image_processor, 2 * size)  # longest edge: a 2x2 grid of tiles + the global image
-    image_processor.max_image_size = {"longest_edge": size}
-    return {"image_seq_len": seq}
-
-
-@_geometry("fuyu")
-def _fuyu_geometry(config, image_processor) -> dict:
-    """Fuyu has no vision tower: images are padded to ``size`` and cut into ``patch_size`` patches."""
-    _set_size(image_processor, 2 * config.patch_size)  # 2x2 patches (+ a newline token per row)
-    return {}
-
-
-@_geometry("janus", "deepseek_vl")
-def _janus_geometry(config, image_processor) -> dict:
-    size = _shrink_square_tower(config, 4)
-    _set_size(image_processor, size)
-    if hasattr(_vision(config), "num_image_tokens"):
-        _vision(config).num_image_tokens = 16
-    return {"num_image_tokens": 16}
-
-
-@_geometry("deepseek_vl_hybrid")
-def _deepseek_vl_hybrid_geometry(config, image_processor) -> dict:
-    """A 4x4-patch low-res tower plus a SAM high-res tower on 4x larger images (its features are resized
-    to the low-res grid): 16 image tokens."""
-    _janus_geometry(config, image_processor)
-    size = _int(_vision(config).image_size)
-    high = config.high_res_vision_config
-    high.image_size, high.window_size = 4 * size, 4
-    _set_size(image_processor, 4 * size, attrs=("high_res_size",))
-    return {"num_image_tokens": 16}
-
-
-@_geometry("got_ocr2")
-def _got_ocr2_geometry(config, image_processor) -> dict:
-    """SAM tower of 16x16 patches (windows of 4), then two stride-2 convolutions: 4x4 = 16 image tokens."""
-    size = _shrink_square_tower(config, 16)
-    _vision(config).window_size = 4
-    _set_size(image_processor, size)
-    return {}
-
-
-@_geometry("aria")
-def _aria_geometry(config, image_processor) -> dict:
-    """The processor's call defaults pin images to 980px squares: 70px patches make that 14x14, and the
-    projector's cross-attention maps those 196 patches to 4 queries."""
-    size = image_processor.max_image_size
-    _vision(config).patch_size, _vision(config).image_size = size // 14, size
-    config.projector_patch_to_query_dict = {14 * 14: 4}
-    config.max_value_projector_patch_to_query_dict = 4
-    return {"size_conversion": {size: 4}}
-
-
-@_geometry("fast_vlm")
-def _fast_vlm_geometry(config, image_processor) -> dict:
-    """FastViT (timm) downsamples by 64 and has no image_size: 128px images -> 2x2 tokens."""
-    _set_size(image_processor, 128)
-    config.image_seq_length = 4
-    return {"patch_size": 64, "vision_feature_select_strategy": "full", "num_additional_image_tokens": 0}
-
-
-@_geometry("ovis2")
-def _ovis2_geometry(config, image_processor) -> dict:
-    size = _shrink_square_tower(config, 4)
-    _set_size(image_processor, size)
-    return {"image_seq_length": 16 // getattr(_vision(config), "hidden_stride", 1) ** 2}
-
-
-def _chameleon_image_token_names(n: int) -> list[str]:
-    """Chameleon's BPE names of VQ codes: ``IMGIMG`` + code digits as letters A-J + ``Z``."""
-    return ["IMGIMG" + "".join(chr(ord("A") + int(d)) for d in str(i)) + "Z" for i in range(n)]
-
-
-_CHAMELEON_CODES = 32  # VQ codebook entries (each needs a token in the 1k vocabulary)
-
-_EMU3_CODES = 32  # Emu3's VQ codes, each a ``<|visual token NNNNNN|>`` token of the tokenizer
-
-# Extra (non-special) tokens a family's tokenizer must contain: family -> list of token strings.
-_EXTRA_VOCAB = {
-    "chameleon": _chameleon_image_token_names(_CHAMELEON_CODES),
-    "emu3": ["<|extra_200|>"] + [f"<|visual token {i:06d}|>" for i in range(_EMU3_CODES)],  # end of row + codes
-}
-
-
-@_geometry("chameleon")
-def _chameleon_geometry(config, image_processor) -> dict:
-    """VQ-GAN tokenizer shrunk to 32px images, 8x downsampling -> 4x4 = 16 image tokens."""
-    vq = config.vq_config
-    vq.resolution, vq.channel_multiplier, vq.num_res_blocks = 32, [1, 2, 2, 2], 1
-    vq.base_channels, vq.latent_channels, vq.embed_dim = 32, 32, 32  # GroupNorm uses 32 groups
-    vq.num_embeddings = _CHAMELEON_CODES
-    _set_size(image_processor, vq.resolution)
-    return {"image_seq_length": 16}
-
-
-@_geometry("emu3")
-def _emu3_geometry(config, image_processor) -> dict:
-    """VQ-VAE tokenizer downsampling by 8: 32px images -> 4x4 codes (+ an end-of-row token per row)."""
-    config.vq_config.codebook_size = _EMU3_CODES
-    side = 4 * image_processor.spatial_factor
-    image_processor.min_pixels = image_processor.max_pixels = side * side
-    image_processor.size = {"min_pixels": side * side, "max_pixels": side * side}
-    return {}
-
-
-# --------------------------------------------------------------------------------------
-# Building
-# --------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def _family_patches(family: str) -> Iterator[None]:
     """Temporary module patches some processor constructors need to fit a 1k vocabulary."""

@@ -1,0 +1,225 @@
+"""The drafter's config and its files: `EagleConfig` (a `PretrainedConfig`, registered with
+`AutoConfig` as model_type "vlmspec_eagle"), reading config.json in either format (the Hugging Face
+one, or the first format, {"drafter": "eagle", ...}, converted in memory), resolving a folder or a
+hub id to a local folder, and the checks against a target."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, LlamaConfig, PretrainedConfig
+
+from vlmspec.errors import DrafterLoadError
+from vlmspec.draft.base import TreeConfig
+from vlmspec.target import Target
+from vlmspec.vision_compress import VisualConfig
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+MODEL_TYPE = "vlmspec_eagle"
+LEGACY_KEY = "drafter"  # the first format's marker: {"drafter": "eagle", <EagleConfig fields>}
+
+logger = logging.getLogger("vlmspec.draft")
+
+
+def _rope_theta(text_config: Any) -> float:
+    rp = getattr(text_config, "rope_parameters", None) or {}
+    theta = rp.get("rope_theta", getattr(text_config, "rope_theta", None))
+    return float(theta) if theta is not None else 10000.0
+
+
+class EagleConfig(PretrainedConfig):
+    """The head's shape, the target it was trained for, and its variant settings (`extra`).
+
+    A `PretrainedConfig`: `save_pretrained(dir)` writes config.json, `from_pretrained(dir or hub id)`
+    reads it, and `AutoConfig` knows model_type "vlmspec_eagle".
+    """
+
+    model_type = MODEL_TYPE
+
+    hidden_size: int
+    vocab_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    target_model_type: str = ""
+    draft_vocab_size: int = 0  # K > 0: the head predicts over K target tokens only (`d2t` in the weights); 0: all
+    acceptance_head: bool = False  # SpecDec++: an acceptance-prediction head in the weights (`accept.*`)
+    stop_threshold: float = 0.0  # stop deepening when no path's predicted acceptance reaches it (0: never; chosen on validation)
+    extra: dict[str, Any] = field(default_factory=dict)  # variant settings: {"visual": VisualConfig dict}
+    # measured best tree per device type, {"cpu": [depth, top_k, total_tokens]} (`vlmspec bench trees`;
+    # the card says how); a device without an entry gets `TreeConfig.for_device`
+    tree_defaults: dict[str, list[int]] = field(default_factory=dict)
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        for name in ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "intermediate_size", "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.rope_theta, self.rms_norm_eps = float(self.rope_theta), float(self.rms_norm_eps)
+        k = self.draft_vocab_size
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be an integer in 0..vocab_size ({self.vocab_size}), got {k!r}")
+        self.stop_threshold = float(self.stop_threshold)
+        if not isinstance(self.acceptance_head, bool) or not 0.0 <= self.stop_threshold < 1.0:
+            raise ValueError(f"acceptance_head must be a bool and stop_threshold in [0, 1), got {self.acceptance_head!r}, {self.stop_threshold!r}")
+        if self.stop_threshold > 0 and not self.acceptance_head:
+            raise ValueError("stop_threshold needs acceptance_head (the stop rule reads its predictions)")
+        if not isinstance(self.extra, dict):
+            raise ValueError(f"extra must be a JSON object, got {self.extra!r}")
+        if not isinstance(self.tree_defaults, dict):
+            raise ValueError(f"tree_defaults must be a JSON object, got {self.tree_defaults!r}")
+        for device, shape in self.tree_defaults.items():
+            ok = isinstance(shape, (list, tuple)) and len(shape) == 3 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in shape)
+            if device not in ("cpu", "cuda") or not ok:
+                raise ValueError(f"tree_defaults maps 'cpu' / 'cuda' to [depth, top_k, total_tokens] (positive integers), got {device!r}: {shape!r}")
+        super().__post_init__(**kwargs)
+
+    @property
+    def visual(self) -> VisualConfig:
+        return VisualConfig.from_dict(self.extra.get("visual"))
+
+    def default_tree(self, device: str | torch.device) -> TreeConfig | None:
+        """The tree measured best for this drafter on `device`'s type; None when none was recorded."""
+        shape = self.tree_defaults.get(torch.device(device).type)
+        return None if shape is None else TreeConfig(*shape)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """The head's own settings (what the first, plain-JSON format held)."""
+        own = {f.name for f in fields(PretrainedConfig)}
+        return tuple(f.name for f in fields(cls) if f.name not in own)
+
+    @classmethod
+    def from_legacy_dict(cls, raw: dict[str, Any]) -> "EagleConfig":
+        """The first format: {"drafter": "eagle", <the fields above>}."""
+        raw = dict(raw)
+        kind = raw.pop(LEGACY_KEY, None)
+        unknown = sorted(set(raw) - set(cls.field_names()))
+        if kind != "eagle" or unknown:
+            raise ValueError(f"drafter kind {kind!r}, unknown keys {unknown[:5]}")
+        return cls(**raw)
+
+    @classmethod
+    def from_target(cls, target: Target) -> "EagleConfig":
+        tc = target.text_config
+
+        def attr(name: str) -> Any:
+            """The text config's field; where its layers differ in it (Gemma 4's per-layer configs,
+            Gemma 3n's per-layer lists), the first layer's."""
+            try:
+                value = getattr(tc, name, None)
+            except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
+                value = getattr(tc.per_layer_config[0], name, None)
+            return value[0] if isinstance(value, (list, tuple)) else value
+
+        heads = int(attr("num_attention_heads"))
+        ffn = attr("intermediate_size") or attr("moe_intermediate_size")  # MoE decoders: the expert's
+        return cls(
+            hidden_size=int(tc.hidden_size),
+            vocab_size=int(tc.vocab_size),
+            num_attention_heads=heads,
+            num_key_value_heads=int(attr("num_key_value_heads") or heads),
+            head_dim=int(attr("head_dim") or tc.hidden_size // heads),
+            intermediate_size=int(ffn or 4 * tc.hidden_size),
+            max_position_embeddings=target.max_positions,
+            rope_theta=_rope_theta(tc),
+            rms_norm_eps=float(attr("rms_norm_eps") or 1e-6),
+            target_model_type=str(getattr(target.model.config, "model_type", "")),
+        )
+
+    def llama_config(self, attn_implementation: str = "sdpa") -> LlamaConfig:
+        cfg = LlamaConfig(
+            hidden_size=self.hidden_size,
+            vocab_size=self.vocab_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            intermediate_size=self.intermediate_size,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+            rms_norm_eps=self.rms_norm_eps,
+            num_hidden_layers=1,
+        )
+        cfg._attn_implementation = attn_implementation
+        return cfg
+
+    def check_against(self, target: Target) -> None:
+        """Refuse a head trained for another target (a silent mismatch destroys acceptance)."""
+        want = EagleConfig.from_target(target)
+        problems = [
+            f"{name}: drafter {getattr(self, name)} != target {getattr(want, name)}"
+            for name in ("hidden_size", "vocab_size", "max_position_embeddings", "rope_theta")
+            if getattr(self, name) != getattr(want, name)
+        ]
+        vis = self.visual
+        if vis.sized_for(target.image_tokens) != vis:  # its resampler has fewer queries than one image needs
+            problems.append(f"its resampler reads images of up to {vis.max_queries * vis.ratio:g} tokens at {vis.ratio:g}x "
+                            f"and this target's take {target.image_tokens}")
+        if problems:
+            raise DrafterLoadError(
+                "this drafter was trained for a different target (" + "; ".join(problems) + "). "
+                "Train one for this target with `vlmspec train`, or pass the matching --model."
+            )
+
+
+AutoConfig.register(MODEL_TYPE, EagleConfig, exist_ok=True)  # AutoConfig.from_pretrained(drafter) works too
+
+
+def _read_config(folder: Path) -> EagleConfig:
+    """config.json in the Hugging Face format, or the first format (converted in memory, with a warning)."""
+    path = folder / CONFIG_NAME
+    try:
+        raw = json.loads(path.read_text())
+        if not isinstance(raw, dict):
+            raise ValueError("not a JSON object")
+        if raw.get("model_type") == MODEL_TYPE:
+            return EagleConfig.from_pretrained(str(folder), local_files_only=True)
+        if LEGACY_KEY not in raw:
+            raise ValueError(f'neither model_type "{MODEL_TYPE}" nor "{LEGACY_KEY}": "eagle"')
+        config = EagleConfig.from_legacy_dict(raw)
+    except (OSError, ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError
+        raise DrafterLoadError(f"{path}: not a valid EAGLE drafter config ({exc})") from exc
+    logger.warning("%s is in the first drafter format (\"drafter\": \"eagle\"); converted in memory. "
+                   "Re-save it as a Hugging Face artefact with `vlmspec.draft.eagle.EagleDrafter.save`.", path)
+    return config
+
+
+def looks_like_hub_id(spec: str) -> bool:
+    """"org/name" with the hub's characters (a drafter repo always has an owner)."""
+    parts = spec.split("/")
+    ok = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+    return len(parts) == 2 and all(p and set(p) <= ok and not p.startswith(".") for p in parts)
+
+
+def _checkpoint_folder(spec: str) -> Path:
+    """A local folder for `spec`: the folder itself, or a hub id's snapshot in the local HF cache."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    if not looks_like_hub_id(spec):
+        raise DrafterLoadError(f"drafter {spec!r} is neither a drafter folder nor a hub id (org/name)")
+    from huggingface_hub import snapshot_download
+
+    from vlmspec.target import hub_reachable
+
+    offline = not hub_reachable()
+    try:
+        local = snapshot_download(spec, allow_patterns=[CONFIG_NAME, WEIGHTS_NAME, "README.md"], local_files_only=offline)
+    except (OSError, ValueError) as exc:  # hub errors are OSErrors (HTTP, not cached), id errors ValueErrors
+        if offline:
+            raise DrafterLoadError(f"drafter {spec!r} looks like a hub id, but the hub is unreachable from here (or "
+                                   "HF_HUB_OFFLINE is set) and it is not in the local cache: pass a drafter folder, "
+                                   f"or fetch it where the hub answers (`hf download {spec}`)") from None
+        raise DrafterLoadError(f"cannot fetch drafter {spec!r} from the hub: {str(exc).splitlines()[0]}") from exc
+    return Path(local)
