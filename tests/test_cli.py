@@ -80,7 +80,7 @@ def test_generate_text_only_sampling_seeded(capsys, model_dir):
         (["--temperature", "-1"], "--temperature must be in"),
         (["--top-p", "0"], "--top-p must be in"),
         (["--top-k", "-1"], "--top-k must be >= 0"),
-        (["--drafter", "/no/drafter"], "neither 'none', 'ngram', 'self[:E]' nor a drafter folder"),
+        (["--drafter", "/no/drafter"], "is none of 'auto', 'eagle', 'none', 'ngram', 'self', 'self:E', 'self:E:K', nor a drafter folder"),
     ],
 )
 def test_bad_input_exit_2_one_line(capsys, model_dir, args, message):
@@ -401,3 +401,29 @@ def test_the_text_style_choices_are_the_trainers():
     from vlmspec.train.distill import TEXT_STYLES
 
     assert TEXT_STYLE_CHOICES == TEXT_STYLES
+
+
+def test_unknown_drafter_is_refused_before_the_model_loads(capsys, monkeypatch):
+    """#48: `--drafter bogus` used to load the model for seconds before failing."""
+    from vlmspec import factory
+
+    loaded = []
+    monkeypatch.setattr(factory, "load_target", lambda *a, **k: loaded.append(a) or pytest.fail("the model was loaded"))
+    assert main(["generate", "--drafter", "bogus", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "'bogus' is none of 'auto', 'eagle', 'none', 'ngram'" in err and not loaded
+    monkeypatch.undo()
+    assert main(["generate", "--drafter", "self:x", "--prompt", "hi", "--model", "/does/not/exist"]) == 2  # control: a known name passes the check
+    assert "model folder not found" in capsys.readouterr().err
+
+
+def test_usage_errors_are_one_line(capsys):
+    """#48: an argparse error printed the whole usage block; now one line that says where the options are."""
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--image", "x.png"])  # --prompt missing
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and "usage:" not in err
+    assert "--prompt" in err and "`vlmspec generate --help` lists the options" in err
+    with pytest.raises(SystemExit) as exc:  # control: --help still prints the whole usage
+        main(["generate", "--help"])
+    assert exc.value.code == 0 and "usage: vlmspec generate" in capsys.readouterr().out

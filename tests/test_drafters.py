@@ -191,7 +191,7 @@ def test_hub_id_while_offline_fails_fast_and_clearly(tmp_path, monkeypatch):
         load_drafter("someone/eagle-drafter", target)
     assert time.perf_counter() - t0 < 5
     assert info.value.__cause__ is None and info.value.__suppress_context__  # one clear error, no chained traceback
-    with pytest.raises(DrafterLoadError, match=r"neither 'none', 'ngram', 'self\[:E\]' nor a drafter folder"):
+    with pytest.raises(DrafterLoadError, match=r"is none of 'auto', 'eagle', 'none', 'ngram', 'self', 'self:E', 'self:E:K', nor a drafter folder"):
         load_drafter("./no/such/drafter", target)
 
 

@@ -24,7 +24,7 @@ import torch
 from vlmspec import assets
 from vlmspec.control import POLICIES, CostModel, Speculation
 from vlmspec.cost import COST_PROMPT, measure_cost
-from vlmspec.draft import NoDrafter, TreeConfig, default_tree, load_drafter
+from vlmspec.draft import NoDrafter, TreeConfig, check_drafter_name, default_tree, load_drafter
 from vlmspec.draft.base import Drafter
 from vlmspec.engine import SpecEngine
 from vlmspec.errors import ConfigError
@@ -108,6 +108,7 @@ def resolve_model(model: str | None) -> str:
 def resolve_drafter(drafter: str, model: str) -> str:
     """'auto' and 'eagle' -> the EAGLE drafter shipped for `model` (the toy's, the default
     model's: `assets.shipped_drafter`); 'auto' -> n-gram for any other model."""
+    check_drafter_name(drafter)  # an unknown name is said before any model is loaded
     if drafter not in ("auto", BUNDLED_DRAFTER_NAME):
         return drafter
     shipped = assets.shipped_drafter(model)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from vlmspec.cli import bench, build, generate, serve, train
 from vlmspec.cli.options import EXIT_USAGE, UsageError
@@ -48,8 +48,16 @@ def _document(parser: argparse.ArgumentParser) -> None:
                 _document(sub)
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """A usage error is one line (no usage block), saying where the options are listed; every
+    subcommand's parser is one of these too (argparse makes them of the parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vlmspec", description="Lossless speculative decoding for vision-language models")
+    parser = _OneLineParser(prog="vlmspec", description="Lossless speculative decoding for vision-language models")
     sub = parser.add_subparsers(dest="command", required=True)
     generate.register(sub)
     serve.register(sub)

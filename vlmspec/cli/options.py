@@ -114,7 +114,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                                    "builds), a hub id, or 'toy' (the 4M-parameter ToyWorld toy); default: models/smolvlm-toyworld "
                                    "when built with trained parts, else the toy")
     p.add_argument("--drafter", default="auto",
-                   help="'none', 'ngram', 'eagle' (the EAGLE drafter shipped for the model: the toy's or the default model's) or a drafter folder "
+                   help="'none' (plain decoding), 'ngram', 'eagle' (the EAGLE drafter shipped for the model: the toy's or the default "
+                        "model's), 'self' / 'self:E' / 'self:E:K' (the target's own first layers: exit after layer E, draft over the "
+                        "first K token ids), a drafter folder, or a drafter's hub id (org/name) "
                         "(default: auto = eagle where one is shipped for the model, ngram otherwise)")
     add_device_args(p)
     p.add_argument("--attention", default="auto", choices=ATTENTION_CHOICES, help="tree attention: auto = Triton kernel on CUDA, SDPA on CPU")

@@ -36,11 +36,21 @@ def load_drafter(spec: str, target, tree: TreeConfig | None = None) -> Drafter:
             return SelfSpecDrafter(target, tree, SelfSpecConfig(exit_layer=exit_layer, draft_vocab=vocab))
         except ConfigError as exc:
             raise DrafterLoadError(f"drafter {spec!r}: {exc}") from None
-    from vlmspec.draft.eagle import EagleDrafter, looks_like_hub_id
+    from vlmspec.draft.eagle import EagleDrafter
 
-    if not Path(spec).expanduser().is_dir() and not looks_like_hub_id(spec):
-        raise DrafterLoadError(f"drafter {spec!r} is neither 'none', 'ngram', 'self[:E]' nor a drafter folder (or a hub id: org/name)")
+    check_drafter_name(spec)
     return EagleDrafter.from_pretrained(spec, target, tree)
+
+
+def check_drafter_name(spec: str) -> None:
+    """DrafterLoadError, listing every choice, when `spec` cannot name a drafter: none of the names,
+    not a folder, not a hub id. Needs no target, so the CLI says it before loading a model."""
+    from vlmspec.draft.eagle import looks_like_hub_id
+
+    named = spec in ("auto", "eagle") or spec.split(":")[0] in MODEL_FREE
+    if not named and not Path(spec).expanduser().is_dir() and not looks_like_hub_id(spec):
+        raise DrafterLoadError(f"drafter {spec!r} is none of 'auto', 'eagle', 'none', 'ngram', 'self', 'self:E', 'self:E:K', "
+                               "nor a drafter folder or a hub id (org/name)")
 
 
 def default_tree(spec: str, device: str) -> TreeConfig | None:
@@ -56,4 +66,4 @@ def default_tree(spec: str, device: str) -> TreeConfig | None:
     return EagleDrafter.default_tree(spec, device)
 
 
-__all__ = ["Drafter", "DraftSession", "NoDrafter", "NgramDrafter", "PromptContext", "TreeConfig", "default_tree", "load_drafter"]
+__all__ = ["Drafter", "DraftSession", "NoDrafter", "NgramDrafter", "PromptContext", "TreeConfig", "check_drafter_name", "default_tree", "load_drafter"]
