@@ -1,9 +1,9 @@
 """The layer rule, checked on the import graph (imports inside functions included):
 
-    cli -> app -> train / bench -> factory -> text -> engine -> draft -> target / verify -> core (inputs, sampling, ...)
+    recipes -> cli -> app -> train / bench -> factory -> text -> engine -> draft -> target / verify -> core (inputs, sampling, ...)
 
 A module may import its own layer and the layers below it, never one above; and no two modules
-import each other, directly or through others (no cycle). `app/` is installed as `vlmspec.app`.
+import each other, directly or through others (no cycle). `app/` and `recipes/` are installed as `vlmspec.app` and `vlmspec.recipes`.
 """
 import ast
 from pathlib import Path
@@ -22,12 +22,13 @@ LAYERS = [
     ("tools", ("vlmspec.train", "vlmspec.bench")),
     ("app", ("vlmspec.app", "vlmspec.testing")),
     ("cli", ("vlmspec.cli",)),
+    ("recipes", ("vlmspec.recipes",)),  # the lab: may use the product, never used by it
 ]
 
 
 def modules(root: Path = ROOT) -> dict[str, Path]:
     found = {}
-    for top, prefix in (("vlmspec", ("vlmspec",)), ("app", ("vlmspec", "app"))):
+    for top, prefix in (("vlmspec", ("vlmspec",)), ("app", ("vlmspec", "app")), ("recipes", ("vlmspec", "recipes"))):
         for f in (root / top).rglob("*.py"):
             parts = f.relative_to(root / top).with_suffix("").parts
             parts = parts[:-1] if parts[-1] == "__init__" else parts
@@ -146,10 +147,11 @@ def test_the_checks_catch_a_planted_cycle_and_upward_import(tmp_path):
 
 
 def test_every_package_is_installed_and_app_is_not_top_level():
-    """pyproject lists the packages (app/ installs as vlmspec.app): a new subpackage must be listed."""
+    """pyproject lists the packages (app/ and recipes/ install under vlmspec): a new subpackage must be listed."""
     import tomllib
 
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     on_disk = {m for m, f in modules().items() if f.name == "__init__.py"}
     assert set(cfg["packages"]) == on_disk, f"pyproject lists {sorted(set(cfg['packages']) ^ on_disk)} wrongly"
-    assert cfg["package-dir"] == {"vlmspec.app": "app"} and "app" not in cfg["packages"]
+    assert cfg["package-dir"] == {"vlmspec.app": "app", "vlmspec.recipes": "recipes"}
+    assert "app" not in cfg["packages"] and "recipes" not in cfg["packages"]
