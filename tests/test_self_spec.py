@@ -26,7 +26,7 @@ def test_the_exit_view_through_every_layer_is_the_target_itself(arch):
     target = tiny_target(arch)
     view = ExitView(target)
     _, state, root = _prefill(target, images=[0])
-    cache = view.shallow_cache(state.cache, view.num_layers)
+    cache = view.shallow_cache(state.entries(view.num_layers), view.num_layers)
     w, b = view.head_weights()
     hidden = view.run(root, state.seq_len, cache, view.num_layers)  # [H]
     ref = target.forward_tree(state, DraftTree.root_only(root)).logits[0]
@@ -40,14 +40,14 @@ def test_drafting_leaves_the_targets_cache_alone_and_builds_a_chain_with_leaf_si
     target = tiny_target("llava")
     drafter = SelfSpecDrafter(target, TreeConfig(depth=4, top_k=3, total_tokens=9), SelfSpecConfig(exit_layer=1))
     inputs, state, root = _prefill(target)
-    before = [(layer.keys.clone(), layer.values.clone()) for layer in state.cache.hf.layers]
+    n_layers = ExitView(target).num_layers
+    before = [(k.clone(), v.clone()) for k, v in state.entries(n_layers)]
     from vlmspec.draft.base import PromptContext
 
-    session = drafter.start(PromptContext(inputs["input_ids"][0], torch.zeros(1), inputs, kv=state.cache))
+    session = drafter.start(PromptContext(inputs["input_ids"][0], torch.zeros(1), inputs, kv=state.entries))
     tree = session.propose(root, 4)
-    assert state.cache.seq_len == state.seq_len
-    for (k, v), layer in zip(before, state.cache.hf.layers):
-        assert torch.equal(k, layer.keys) and torch.equal(v, layer.values)
+    for (k, v), (k2, v2) in zip(before, state.entries(n_layers)):
+        assert torch.equal(k, k2) and torch.equal(v, v2)
     # 3 levels of (chain node + 2 leaves) = 9 nodes: the budget stops the 4th level
     assert tree.size == 10 and int(tree.depth.max()) == 3
     kids = tree.children()

@@ -88,6 +88,7 @@ class _FakeTarget:
         self.device = torch.device("cpu")
         self._rope_index_fn = (lambda *a, **k: None) if mrope else None
         self.tree_position_ids = Target.tree_position_ids.__get__(self)
+        self.batch_position_ids = Target.batch_position_ids.__get__(self)
         self.uses_mrope = mrope
         self.position_offset = 0  # the model counts positions from 0
 

@@ -28,6 +28,8 @@ from vlmspec.control import Controller, Policy, Speculation, SpeculationOptions
 from vlmspec.draft.base import Drafter, NoDrafter, PromptContext, TreeConfig
 from vlmspec.sampling import SamplingParams, next_token
 from vlmspec.stats import SpecStats
+from vlmspec.errors import ContextLengthError
+from vlmspec.slot_cache import SlotCache
 from vlmspec.target import Target, TargetState
 from vlmspec.transfer import to_device
 from vlmspec.verify.acceptance import verify
@@ -133,11 +135,24 @@ class Clock:
 
 
 class Generation:
-    """An iterable of StepEvents; `result` is set once iteration ends. `close()` stops it early."""
+    """An iterable of one request's StepEvents (a batch of one); `result` is set once iteration ends.
+    `close()` stops it early."""
 
     def __init__(self, engine: "SpecEngine", inputs: dict[str, torch.Tensor], config: GenerationConfig) -> None:
         self.result: GenerationResult | None = None
-        self._it = engine._run(inputs, config, self)
+        self._it = self._run(engine, inputs, config)
+
+    def _run(self, engine: "SpecEngine", inputs: dict[str, torch.Tensor], config: GenerationConfig) -> Iterator[StepEvent]:
+        batch = Batch(engine, slots=1)
+        req = batch.add(inputs, config)  # raises before anything was emitted (e.g. ContextLengthError)
+        try:
+            while req.result is None:
+                for _, event in batch.step():
+                    yield event
+        finally:
+            if req.result is None:
+                batch.cancel(req)
+            self.result = req.result
 
     def __iter__(self) -> Iterator[StepEvent]:
         return self._it
@@ -148,24 +163,173 @@ class Generation:
 
 @dataclass
 class _Request:
-    """One request's decoding state (nothing of it lives on the engine)."""
+    """One request's decoding state (nothing of it lives on the engine or the batch)."""
 
     config: GenerationConfig
-    state: TargetState
+    state: TargetState  # its slot of the batch's cache, its committed length
     session: Any  # DraftSession
     control: Controller  # this request's speculation controller
     policy: str  # its policy's name
     tree: TreeConfig | None  # this request's tree shape (None: a drafter without one)
-    rng: torch.Generator | None
+    rng: torch.Generator | None  # its own generator: its samples never depend on the rest of the batch
     eos: set[int]
-    clock: Clock
+    timings: dict[str, float]  # seconds by phase (a batch step's time counts for every request in it)
     prompt_tokens: int
+    t_start: float
     root: int = -1  # last emitted token, not yet in the target's KV cache
     emitted: list[int] = field(default_factory=list)
     stats: SpecStats = field(default_factory=SpecStats)
     depths: list[int] = field(default_factory=list)  # the controller's choice per step
     finish: str = "length"
     done: bool = False
+    pending: list[StepEvent] = field(default_factory=list)  # events not yet handed out (the prefill's token)
+    result: GenerationResult | None = None  # set when the request leaves its batch
+
+    def max_depth(self, max_positions: int) -> int:
+        """How deep this request may draft now (-1: its context is full)."""
+        room = max_positions - self.state.seq_len - 1  # the deepest node's position must stay in context
+        if room < 0:
+            return -1
+        depth = min(self.config.max_new_tokens - len(self.emitted) - 1, room)
+        if self.tree is not None:  # the controller chooses within the request's tree
+            depth = min(depth, self.tree.depth)
+        if self.config.speculation.max_depth is not None:
+            depth = min(depth, self.config.speculation.max_depth)
+        return depth
+
+
+class Batch:
+    """Requests decoded together, each in a slot of one KV cache (`vlmspec.slot_cache`).
+
+    `add` prefills a request into a free slot (alone, as batch 1); `step` runs one draft -> verify ->
+    commit round over every live request in ONE target forward and returns each request's events;
+    requests leave (EOS, max tokens, full context, `cancel`) between steps and their slot is free at
+    once. Every request keeps its own sampling parameters, generator, tree shape and controller, so
+    its tokens are those of its batch-1 run.
+
+    slots: requests at once; capacity: cache entries per slot (None: each slot grows as its request
+    needs, the batch of one `SpecEngine.generate` runs). With a capacity the memory is preallocated
+    and bounded, and a request that could outgrow its slot is refused when it is added.
+    """
+
+    def __init__(self, engine: "SpecEngine", slots: int = 1, capacity: int | None = None) -> None:
+        if slots < 1:
+            raise ValueError(f"a batch needs at least one slot, got {slots}")
+        if slots > 1:
+            engine.target.check_batching()  # e.g. a model that counts positions its own way: one at a time
+        self.engine = engine
+        self.capacity = capacity
+        self.cache = engine.target.new_cache(slots, capacity or 256)
+        self.free = list(range(slots))
+        self.requests: list[_Request] = []  # live ones, by slot
+
+    @property
+    def full(self) -> bool:
+        return not self.free
+
+    def need(self, inputs: dict[str, torch.Tensor], config: GenerationConfig) -> int:
+        """Cache entries a request may take: prompt, answer, and the last step's tree."""
+        tree = self.engine.request_tree(config)
+        return int(inputs["input_ids"].shape[1]) + config.max_new_tokens + (tree.total_tokens + 1 if tree else 1)
+
+    def add(self, inputs: dict[str, torch.Tensor], config: GenerationConfig) -> "_Request":
+        """Prefill a request into a free slot; its first token comes with the next `step`."""
+        if not self.free:
+            raise RuntimeError("the batch is full: add a request when one has left (Batch.full)")
+        need = self.need(inputs, config)
+        if self.capacity is not None and need > self.capacity:
+            raise ContextLengthError(f"the request may need {need} cache entries (prompt + max_tokens + a draft tree) but a slot "
+                                     f"holds {self.capacity}: lower max_tokens or shorten the prompt")
+        slot = self.free.pop(0)
+        try:
+            if self.capacity is None:
+                self.cache.reserve(need)
+            req = self.engine._open(inputs, config, self.cache, slot)
+        except BaseException:
+            self.free.insert(0, slot)
+            raise
+        req.pending.append(_emit(req, [req.root], 0, 0))
+        self.requests.append(req)
+        self.requests.sort(key=lambda r: r.state.slot)  # consecutive slots read as views
+        return req
+
+    def step(self) -> list[tuple["_Request", StepEvent]]:
+        """One round: the prefill tokens of requests that joined, then one draft -> verify -> commit
+        over every live request. Requests that finished have left when it returns (their `result` set)."""
+        events = [(r, e) for r in self.requests for e in r.pending]
+        for r in self.requests:
+            r.pending.clear()
+        live = []
+        for r in self.requests:
+            if not r.done and r.max_depth(self.engine.target.max_positions) < 0:
+                r.done = True  # the context is full
+            if not r.done:
+                live.append(r)
+        if live:
+            events += self._round(live)
+        for r in [r for r in self.requests if r.done]:
+            self._leave(r)
+        return events
+
+    def cancel(self, req: "_Request") -> None:
+        """Take a request out between steps (its slot is free at once); the others are not touched."""
+        if req in self.requests:
+            req.done = True
+            self._leave(req)
+
+    def _leave(self, req: "_Request") -> None:
+        self.requests.remove(req)
+        self.free.append(req.state.slot)
+        self.free.sort()
+        req.result = GenerationResult(req.emitted, req.finish, req.prompt_tokens, req.stats, time.perf_counter() - req.t_start,
+                                      dict(req.timings), req.policy, req.depths)
+
+    def _round(self, reqs: list["_Request"]) -> list[tuple["_Request", StepEvent]]:
+        """Draft for every row, verify every row in one target forward, commit, emit."""
+        target = self.engine.target
+        clock = Clock(target.device, any(r.config.sync_timings for r in reqs))
+        t_step = time.perf_counter()
+        depths = [r.control.choose(r.max_depth(target.max_positions)) for r in reqs]
+        trees = [r.session.propose(r.root, d).truncate_depth(d) for r, d in zip(reqs, depths)]
+        clock.lap("draft")
+        out = target.forward_batch([r.state for r in reqs], trees)  # logits [B, N, V]
+        verdicts = [verify(t, out.logits[b, : t.size], r.config.sampling, r.rng) for b, (r, t) in enumerate(zip(reqs, trees))]
+        clock.lap("verify")
+        target.commit_batch([r.state for r in reqs], [v.path for v in verdicts])
+        clock.lap("commit")
+        paths = [torch.tensor(v.path, dtype=torch.long) for v in verdicts]
+        for b, (r, t, path) in enumerate(zip(reqs, trees, paths)):
+            r.session.commit(t.tokens[path], out.features[b][to_device(path, out.features.device)])
+        clock.lap("draft")
+        seconds = time.perf_counter() - t_step
+        events = []
+        for r, t, v, path, depth in zip(reqs, trees, verdicts, paths, depths):
+            drafted_depth = int(t.depth.max())
+            r.stats.observe(t.size - 1, v.num_accepted, drafted_depth)
+            r.control.observe(drafted_depth, v.num_accepted, seconds)  # the step's own time
+            r.depths.append(depth)
+            r.root = v.next_token
+            events.append((r, _emit(r, t.tokens[path[1:]].tolist() + [v.next_token], t.size - 1, v.num_accepted, depth)))
+        clock.lap("other")
+        for r in reqs:
+            for key, sec in clock.t.items():
+                r.timings[key] += sec
+        return events
+
+
+def _emit(req: _Request, new: list[int], num_drafted: int, num_accepted: int, depth: int = 0) -> StepEvent:
+    """Append tokens up to EOS / max tokens; marks the request done when either is reached."""
+    keep: list[int] = []
+    for tok in new:
+        keep.append(tok)
+        if tok in req.eos:
+            req.finish, req.done = "stop", True
+            break
+        if len(req.emitted) + len(keep) >= req.config.max_new_tokens:
+            req.done = True
+            break
+    req.emitted.extend(keep)
+    return StepEvent(keep, num_drafted, num_accepted, depth)
 
 
 class SpecEngine:
@@ -192,86 +356,41 @@ class SpecEngine:
     def stream(self, inputs: dict[str, torch.Tensor], config: GenerationConfig) -> Generation:
         return Generation(self, inputs, config)
 
-    # ---------------------------------------------------------------- the loop
-    def _run(self, inputs: dict[str, torch.Tensor], config: GenerationConfig, gen: Generation) -> Iterator[StepEvent]:
-        t_start = time.perf_counter()
-        req = self._start(inputs, config)  # raises before anything was emitted (e.g. ContextLengthError)
-        try:
-            yield self._emit(req, [req.root], 0, 0)
-            while not req.done:
-                event = self._step(req)
-                if event is None:
-                    break
-                yield event
-        finally:
-            gen.result = GenerationResult(req.emitted, req.finish, req.prompt_tokens, req.stats,
-                                          time.perf_counter() - t_start, dict(req.clock.t), req.policy, req.depths)
+    def batch(self, slots: int, capacity: int | None = None) -> Batch:
+        """A batch of `slots` requests decoded together (see `Batch`)."""
+        return Batch(self, slots, capacity)
 
-    def _start(self, inputs: dict[str, torch.Tensor], config: GenerationConfig) -> _Request:
-        """Prefill, open the drafter's session, pick the first token."""
+    def generate_many(self, requests: list[tuple[dict[str, torch.Tensor], GenerationConfig]], slots: int,
+                      capacity: int | None = None) -> list[GenerationResult]:
+        """Every request, at most `slots` at a time, each joining as soon as a slot is free; results in order."""
+        batch = self.batch(slots, capacity)
+        waiting = list(enumerate(requests))
+        running: dict[int, _Request] = {}
+        while waiting or batch.requests:
+            while waiting and not batch.full:
+                i, (inputs, config) = waiting.pop(0)
+                running[i] = batch.add(inputs, config)
+            batch.step()
+        return [running[i].result for i in range(len(requests))]  # type: ignore[misc]
+
+    def _open(self, inputs: dict[str, torch.Tensor], config: GenerationConfig, cache: SlotCache, slot: int) -> _Request:
+        """Prefill into `slot`, open the drafter's session, pick the first token."""
         target = self.target
+        t_start = time.perf_counter()
         clock = Clock(target.device, config.sync_timings)
-        state, out = target.prefill(inputs, visual=self.drafter.needs_visual)
+        state, out = target.prefill(inputs, visual=self.drafter.needs_visual, cache=cache, slot=slot)
         clock.lap("prefill")
         prompt = PromptContext(inputs["input_ids"][0].cpu(), out.features, inputs, out.image_mask, out.image_embeds, out.attention,
-                               kv=state.cache)
+                               kv=state.entries)
         tree = self.request_tree(config)
         session = self.drafter.start(prompt, tree)
         clock.lap("draft")
         rng = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
         policy = config.policy or self.speculation.policy(config.speculation.policy)
         req = _Request(config, state, session, policy.start(), policy.name, tree, rng,
-                       set() if config.ignore_eos else target.eos_token_ids, clock, state.seq_len)
+                       set() if config.ignore_eos else target.eos_token_ids, clock.t, state.seq_len, t_start)
         req.root = next_token(out.logits[0], config.sampling, rng)
         return req
 
-    def _step(self, req: _Request) -> StepEvent | None:
-        """One draft -> verify -> commit round. None when the context is full."""
-        target, clock, state = self.target, req.clock, req.state
-        t_step = time.perf_counter()
-        room = target.max_positions - state.seq_len - 1  # the deepest node's position must stay in context
-        if room < 0:
-            return None
-        max_depth = min(req.config.max_new_tokens - len(req.emitted) - 1, room)
-        if req.tree is not None:  # the controller chooses within the request's tree
-            max_depth = min(max_depth, req.tree.depth)
-        if req.config.speculation.max_depth is not None:
-            max_depth = min(max_depth, req.config.speculation.max_depth)
-        depth = req.control.choose(max_depth)
-        req.depths.append(depth)
-        tree = req.session.propose(req.root, depth).truncate_depth(depth)
-        clock.lap("draft")
-        out = target.forward_tree(state, tree)
-        verdict = verify(tree, out.logits, req.config.sampling, req.rng)
-        clock.lap("verify")
-        target.commit(state, verdict.path)
-        path = torch.tensor(verdict.path, dtype=torch.long)
-        clock.lap("commit")
-        req.session.commit(tree.tokens[path], out.features[to_device(path, out.features.device)])
-        clock.lap("draft")
-        drafted_depth = int(tree.depth.max())
-        req.stats.observe(tree.size - 1, verdict.num_accepted, drafted_depth)
-        req.control.observe(drafted_depth, verdict.num_accepted, time.perf_counter() - t_step)  # the step's own time
-        req.root = verdict.next_token
-        event = self._emit(req, tree.tokens[path[1:]].tolist() + [verdict.next_token], tree.size - 1, verdict.num_accepted, depth)
-        if not req.done and state.seq_len >= target.max_positions:
-            req.done = True
-        return event
 
-    def _emit(self, req: _Request, new: list[int], num_drafted: int, num_accepted: int, depth: int = 0) -> StepEvent:
-        """Append tokens up to EOS / max tokens; marks the request done when either is reached."""
-        keep: list[int] = []
-        for tok in new:
-            keep.append(tok)
-            if tok in req.eos:
-                req.finish, req.done = "stop", True
-                break
-            if len(req.emitted) + len(keep) >= req.config.max_new_tokens:
-                req.done = True
-                break
-        req.emitted.extend(keep)
-        req.clock.lap("other")
-        return StepEvent(keep, num_drafted, num_accepted, depth)
-
-
-__all__ = ["SpecEngine", "GenerationConfig", "GenerationResult", "StepEvent", "Generation", "Clock"]
+__all__ = ["SpecEngine", "Batch", "GenerationConfig", "GenerationResult", "StepEvent", "Generation", "Clock"]

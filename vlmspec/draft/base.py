@@ -13,11 +13,10 @@ state (its own KV cache, the token history, the request's tree shape). The engin
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
-from vlmspec.kv_cache import KVCache
 from vlmspec.tree import DraftTree
 
 
@@ -55,9 +54,10 @@ class PromptContext:
     image_mask: torch.Tensor | None = None  # [L] bool, image-token positions
     image_embeds: torch.Tensor | None = None  # [n_img, H] projected image embeddings, in order
     attention: torch.Tensor | None = None  # [L] target's last-layer attention of the last prompt token
-    # the request's target KV cache, live (committed entries only between steps): read, never written,
-    # by drafters that reuse the target's own layers (self-speculation)
-    kv: KVCache | None = None
+    # the request's committed target KV entries of layers < n, live (`TargetState.entries`: per layer
+    # (keys, values) [1, kv_heads, L, head_dim]): read, never written, by drafters that reuse the
+    # target's own layers (self-speculation)
+    kv: Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
 
 @runtime_checkable

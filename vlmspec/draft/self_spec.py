@@ -132,7 +132,7 @@ class _SelfSession:
         e = self.choose_exit(depth)
         view, (w, b) = self.drafter.view, self.drafter.head
         t0 = time.perf_counter()
-        cache = view.shallow_cache(self.prompt.kv, e)
+        cache = view.shallow_cache(self.prompt.kv(e), e)
         k = max(1, min(self.tree.top_k, self.tree.total_tokens))
         tokens, parents = [root], [-1]
         node, tok, levels = 0, root, 0

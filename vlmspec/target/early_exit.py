@@ -2,7 +2,7 @@
 self-speculation (Kangaroo, DEL), over the unmodified Hugging Face modules.
 
     view = ExitView(target)                                  # ConfigError when the decoder is not a plain stack
-    cache = view.shallow_cache(state_cache, exit_layer)      # the target's committed KV of layers < E, copied
+    cache = view.shallow_cache(state.entries(E), E)          # the target's committed KV of layers < E, copied
     hidden = view.run(token, position, cache, exit_layer)    # [H], after the final norm
     w, b = view.head_weights(rows)                           # the LM head, or its `rows` (a trimmed vocabulary)
     logits = linear(hidden, w, b)                            # [V] (or [K])
@@ -23,7 +23,7 @@ import torch
 from transformers import DynamicCache
 
 from vlmspec.errors import ConfigError
-from vlmspec.kv_cache import KVCache, cache_kwarg
+from vlmspec.kv_cache import cache_kwarg
 from vlmspec.target.model import Target
 
 _PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
@@ -60,12 +60,13 @@ class ExitView:
             raise ConfigError(f"exit layer must be in [1, {self.num_layers - 1}] (the target has {self.num_layers} layers), got {exit_layer}")
 
     @staticmethod
-    def shallow_cache(cache: KVCache, exit_layer: int) -> DynamicCache:
-        """A new cache holding copies of `cache`'s entries for layers < exit_layer (what the draft
-        steps append to; the target's own tensors are left as they are)."""
+    def shallow_cache(entries: list[tuple[torch.Tensor, torch.Tensor]], exit_layer: int) -> DynamicCache:
+        """A new cache holding copies of a request's committed entries for layers < exit_layer (what
+        the draft steps append to; the target's own tensors are left as they are).
+        entries: per layer (keys, values) [1, kv_heads, L, head_dim], e.g. `TargetState.entries`."""
         out = DynamicCache()
-        for i, layer in enumerate(cache.hf.layers[:exit_layer]):
-            out.update(layer.keys, layer.values, i)  # the update concatenates: a copy (tested)
+        for i, (keys, values) in enumerate(entries[:exit_layer]):
+            out.update(keys, values, i)  # the update concatenates: a copy (tested)
         return out
 
     @torch.no_grad()

@@ -1,10 +1,13 @@
 """Target adapter over an unmodified Hugging Face VLM.
 
-Three calls, all on explicit state (nothing is hung on the model):
-- ``prefill(inputs)``: the prompt with its images -> TargetState, next-token logits, features;
-- ``forward_tree(state, tree)``: N tree tokens in ONE forward pass, with a 4D ancestor mask and
-  per-node position ids (3-axis M-RoPE ids for Qwen2.5-VL) -> logits [N, V], features [N, H];
-- ``commit(state, path)``: keep exactly the accepted path's KV entries.
+Calls on explicit state (nothing is hung on the model); a request is a row of a batch:
+- ``prefill(inputs, cache, slot)``: the prompt with its images, into its slot of the batch's
+  `SlotCache` -> TargetState, next-token logits, features;
+- ``forward_batch(states, trees)``: every row's tree (N_b nodes) in ONE forward pass, each row with
+  its own 4D ancestor mask over its own committed entries and its own per-node position ids (3-axis
+  M-RoPE ids with the row's rope delta) -> logits [B, N, V], features [B, N, H] (N = max N_b);
+- ``commit_batch(states, paths)``: keep exactly each row's accepted path's KV entries.
+``forward_tree`` / ``commit`` are the same for one row.
 
 "Features" are the target's last hidden states (what its LM head consumes): what an EAGLE-style
 drafter is trained to predict.
@@ -23,7 +26,8 @@ from typing import Any
 import torch
 
 from vlmspec.errors import ConfigError, ContextLengthError, InputError
-from vlmspec.kv_cache import ATTENTION_KINDS, KVCache, blocker_message, cache_kwarg, layer_kinds, rollback_blockers
+from vlmspec.kv_cache import ATTENTION_KINDS, blocker_message, cache_kwarg, layer_kinds, rollback_blockers
+from vlmspec.slot_cache import SlotCache
 from vlmspec.transfer import to_device
 from vlmspec.tree import DraftTree, additive_mask, windowed_tree_mask
 from vlmspec.vision_compress.capture import capture, image_token_id, last_layer_attention
@@ -31,11 +35,22 @@ from vlmspec.vision_compress.capture import capture, image_token_id, last_layer_
 
 @dataclass
 class TargetState:
-    """Per-request target state: the KV cache and where the sequence stands."""
+    """One request's target state: its slot of the batch's KV cache and where its sequence stands."""
 
-    cache: KVCache
-    seq_len: int  # tokens committed to the KV cache
+    cache: SlotCache  # the batch's cache (shared by every request of the batch)
+    seq_len: int  # tokens committed to the slot
     rope_delta: int = 0  # M-RoPE: text position = sequence index + rope_delta on all 3 axes
+    slot: int = 0  # this request's row of every layer's buffer
+
+    def entries(self, num_layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The committed keys and values of layers < num_layers, [1, kv_heads, seq_len, head_dim] views."""
+        return self.cache.entries(self.slot, self.seq_len, num_layers)
+
+
+@dataclass
+class BatchOut:
+    logits: torch.Tensor  # [B, N, V] float32: row b, node i < N_b: the distribution after node i
+    features: torch.Tensor  # [B, N, H]
 
 
 @dataclass
@@ -144,18 +159,30 @@ class Target:
         exact: decoder state a rejected draft cannot be rolled back out of, attention scaled by token
         index, or a model that counts positions its own way or does not take the tree's masks (a
         one-time check, `_probe_tree_inputs`). Plain decoding needs none of this."""
+        problem = self._explicit_inputs_problem()
+        if problem:
+            raise ConfigError(f"{problem} Use --drafter none (plain decoding through the same engine, exact) with this model.")
+
+    def check_batching(self) -> None:
+        """Raise ConfigError when rows of different lengths could not share a forward exactly: rows
+        need the same explicit masks and positions a tree does (`check_speculative`)."""
+        problem = self._explicit_inputs_problem()
+        if problem:
+            raise ConfigError(f"{problem} It decodes one request at a time (a batch of one slot).")
+
+    def _explicit_inputs_problem(self) -> str:
+        """'' when forwards given explicit 4D masks and position ids are exact for this model, else why not."""
         if self.rollback_blockers:
-            raise ConfigError(blocker_message(self.name, self.rollback_blockers))
+            return blocker_message(self.name, self.rollback_blockers).split(" Use --drafter none")[0]
         tc = self.text_config
         if getattr(tc, "attn_temperature_tuning", False) and 0 in (getattr(tc, "no_rope_layers", None) or []):
-            raise ConfigError(f"{self.name}: its layers without RoPE scale attention by a token's index in the forward, "
-                              "not by its position, so tree nodes would be scaled as if laid out in a row. Use --drafter none "
-                              "(plain decoding, exact) with this model.")
+            return (f"{self.name}: its layers without RoPE scale attention by a token's index in the forward, "
+                    "not by its position, so tree nodes would be scaled as if laid out in a row.")
         if self._tree_problem is None:
             self._tree_problem = self._probe_tree_inputs()
         if self._tree_problem:
-            raise ConfigError(f"{self.name}: {self._tree_problem}, so a draft tree cannot be verified in one forward. "
-                              "Use --drafter none (plain decoding, exact) with this model.")
+            return f"{self.name}: {self._tree_problem}, so a draft tree cannot be verified in one forward."
+        return ""
 
     @torch.no_grad()
     def _probe_tree_inputs(self) -> str:
@@ -205,32 +232,41 @@ class Target:
         pos, delta = self._rope_index_fn(ids, **kwargs)
         return pos, int(delta.reshape(-1)[0])
 
+    def new_cache(self, slots: int = 1, capacity: int = 256) -> SlotCache:
+        """A KV cache for `slots` requests at once (`vlmspec.slot_cache`); `capacity` entries per slot
+        are allocated at the first write (more when a request needs them)."""
+        return SlotCache(self.model.config, slots=slots, capacity=capacity)
+
     @torch.no_grad()
-    def prefill(self, inputs: dict[str, torch.Tensor], visual: bool = False) -> tuple[TargetState, ForwardOut]:
-        """Run the prompt (with images). Returns the state and logits/features of the LAST token
-        (logits [1, V]) plus features of every prompt token ([L, H]). visual=True also captures
-        the image embeddings and the last token's attention (for VLM-aware drafters)."""
+    def prefill(self, inputs: dict[str, torch.Tensor], visual: bool = False, cache: SlotCache | None = None,
+                slot: int = 0) -> tuple[TargetState, ForwardOut]:
+        """Run the prompt (with images) into `slot` of `cache` (None: a cache of its own, one slot).
+        Returns the state and logits/features of the LAST token (logits [1, V]) plus features of every
+        prompt token ([L, H]). visual=True also captures the image embeddings and the last token's
+        attention (for VLM-aware drafters). The prompt runs alone, as batch 1: its numbers are the
+        same whatever else the batch holds."""
         ids = inputs["input_ids"]
-        assert ids.shape[0] == 1, "batch size 1"
+        assert ids.shape[0] == 1, "one prompt per prefill"
         length = ids.shape[1]
         if length >= self.max_positions:
             raise ContextLengthError(
                 f"prompt is {length} tokens but the model's context is {self.max_positions}: shorten the prompt or use fewer images"
             )
         position_ids, delta = self._prefill_positions(inputs)
-        cache = KVCache.for_model(self.model.config)
+        cache = cache if cache is not None else self.new_cache(1, length + 64)
+        cache.reset_slot(slot)
+        cache.begin([slot], [0])
         kwargs = dict(inputs)
         if position_ids is not None:
             kwargs["position_ids"] = position_ids
         with capture(self.model, attention=visual) if visual else nullcontext() as cap:
             try:
                 out = self.model(
-                    **kwargs, **cache_kwarg(self.model, cache.hf), use_cache=True, output_hidden_states=True, logits_to_keep=1, return_dict=True
+                    **kwargs, **cache_kwarg(self.model, cache), use_cache=True, output_hidden_states=True, logits_to_keep=1, return_dict=True
                 )
             except ValueError as exc:  # the model's own check of its inputs (e.g. one that runs only with an image)
                 raise InputError(f"{self.name} cannot run this prompt: {exc}", code="unsupported_prompt") from exc
-        state = TargetState(cache=cache, seq_len=length, rope_delta=delta)
-        assert cache.seq_len == length, (cache.seq_len, length)
+        state = TargetState(cache=cache, slot=slot, seq_len=length, rope_delta=delta)
         result = ForwardOut(out.logits[0, -1:].float(), last_hidden(out.hidden_states)[0])
         if visual:
             mask = ids[0] == image_token_id(self.model)
@@ -244,10 +280,7 @@ class Target:
 
         depth: [N] -> [1, N] (1-D RoPE) or [3, 1, N] (M-RoPE).
         """
-        pos = to_device(state.seq_len + state.rope_delta + self.position_offset + depth, self.device)[None]
-        if self.uses_mrope:
-            return pos[None].expand(3, 1, -1)
-        return pos
+        return self.batch_position_ids([state], depth[None])
 
     def tree_masks(self, state: TargetState, tree: DraftTree) -> torch.Tensor | dict[str, torch.Tensor]:
         """The additive masks of a tree forward, [1, 1, N, seq_len + N] each: one for all layers when
@@ -264,29 +297,76 @@ class Target:
             return mask(self._mask_kinds[0])
         return {kind: mask(kind) for kind in self._mask_kinds}
 
+    def batch_position_ids(self, states: list[TargetState], depth: torch.Tensor) -> torch.Tensor:
+        """Per-row, per-node positions: the row's committed length + depth (+ the row's rope delta on
+        every M-RoPE axis). depth: [B, N] (padding nodes at depth 0) -> [B, N] or [3, B, N]."""
+        base = torch.tensor([s.seq_len + s.rope_delta + self.position_offset for s in states], dtype=torch.long)
+        pos = to_device(base[:, None] + depth, self.device)
+        return pos[None].expand(3, -1, -1) if self.uses_mrope else pos
+
+    def batch_masks(self, states: list[TargetState], trees: list[DraftTree], n: int) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The additive masks of a batched tree forward, [B, 1, n, max(seq_len) + n] each (one tensor, or
+        one per layer kind as `tree_masks`). Row b is its own `tree_masks` (its committed entries, its
+        tree's ancestors, its kinds' windows) laid at its own offset; everything else of the row is
+        masked: other rows' longer prefixes, stale entries of rejected drafts, and the padding nodes
+        after its own, which see only themselves (no row is all masked)."""
+        if len(states) == 1 and trees[0].size == n:  # one row: its own mask is the batch's
+            return self.tree_masks(states[0], trees[0])
+        width = max(s.seq_len for s in states) + n
+        lo = torch.finfo(self.dtype).min
+        per_row = [self.tree_masks(s, t) for s, t in zip(states, trees)]
+        kinds = list(per_row[0]) if isinstance(per_row[0], dict) else [None]
+        out = {}
+        for kind in kinds:
+            full = torch.full((len(states), 1, n, width), lo, dtype=self.dtype, device=self.device)
+            for b, (state, tree, mask) in enumerate(zip(states, trees, per_row)):
+                row = mask if kind is None else mask[kind]  # [1, 1, n_b, seq_b + n_b]
+                full[b, 0, : tree.size, : row.shape[-1]] = row[0, 0]
+                pad = torch.arange(tree.size, n, device=self.device)
+                full[b, 0, pad, state.seq_len + pad] = 0
+            out[kind] = full
+        return out[None] if kinds == [None] else out  # type: ignore[index]
+
     @torch.no_grad()
-    def forward_tree(self, state: TargetState, tree: DraftTree) -> ForwardOut:
-        """All N tree nodes in one forward over the cached prefix. Appends N KV entries: call
-        `commit` afterwards. logits [N, V]: row i is the distribution after node i."""
-        if state.seq_len + int(tree.depth.max()) + 1 > self.max_positions:
-            raise ContextLengthError(f"tree reaches past the context of {self.max_positions} tokens")
-        # a lone root is a plain decode step: the model's own causal (and windowed) masks are exact
-        # and take the fast kernels
-        mask = None if tree.size == 1 else self.tree_masks(state, tree)
+    def forward_batch(self, states: list[TargetState], trees: list[DraftTree]) -> BatchOut:
+        """Every row's tree in one forward over the rows' committed entries (all rows in one cache).
+        Writes each row's N entries after its committed ones: call `commit_batch` afterwards (until
+        then the row's length is unchanged, so another forward would overwrite them).
+        logits [B, N, V]: row b, node i < N_b is the distribution after that node; rows are padded
+        to N = max N_b with copies of their root at depth 0, which nothing reads."""
+        cache = states[0].cache
+        assert all(s.cache is cache for s in states), "the rows of a batch share one cache"
+        for s, t in zip(states, trees):
+            if s.seq_len + int(t.depth.max()) + 1 > self.max_positions:
+                raise ContextLengthError(f"tree reaches past the context of {self.max_positions} tokens")
+        n = max(t.size for t in trees)
+        cache.begin([s.slot for s in states], [s.seq_len for s in states])
+        tokens = torch.stack([torch.cat([t.tokens, t.tokens[:1].expand(n - t.size)]) for t in trees])  # [B, n]
+        depth = torch.stack([torch.cat([t.depth, t.depth.new_zeros(n - t.size)]) for t in trees])  # [B, n]
+        # one row, a lone root: a plain decode step, the model's own causal (and windowed) masks and
+        # positions are exact (models count positions their own way) and take the fast kernels
+        plain = len(states) == 1 and n == 1
         out = self.model(
-            input_ids=to_device(tree.tokens[None], self.device),
-            attention_mask=mask,
-            # a plain step takes the model's own next position (models count positions their own way);
-            # a tree gives every node its own (check_speculative: only where the two agree)
-            position_ids=self.tree_position_ids(state, tree.depth) if tree.size > 1 or self.uses_mrope else None,
-            **cache_kwarg(self.model, state.cache.hf),
+            input_ids=to_device(tokens, self.device),
+            attention_mask=None if plain else self.batch_masks(states, trees, n),
+            position_ids=None if plain and not self.uses_mrope else self.batch_position_ids(states, depth),
+            **cache_kwarg(self.model, cache),
             use_cache=True,
             output_hidden_states=True,
             return_dict=True,
         )
-        return ForwardOut(out.logits[0].float(), last_hidden(out.hidden_states)[0])
+        return BatchOut(out.logits.float(), last_hidden(out.hidden_states))
+
+    def forward_tree(self, state: TargetState, tree: DraftTree) -> ForwardOut:
+        """One row's tree (`forward_batch` of one): logits [N, V], features [N, H]."""
+        out = self.forward_batch([state], [tree])
+        return ForwardOut(out.logits[0], out.features[0])
+
+    def commit_batch(self, states: list[TargetState], paths: list[list[int]]) -> None:
+        """Each row keeps the KV entries of its accepted path (root first) and drops the rest of its tree."""
+        states[0].cache.commit([s.slot for s in states], [s.seq_len for s in states], paths)
+        for state, path in zip(states, paths):
+            state.seq_len += len(path)
 
     def commit(self, state: TargetState, path: list[int]) -> None:
-        """Keep the KV entries of the accepted path (root first) and drop the rest of the tree."""
-        state.cache.commit(state.seq_len, torch.tensor(path, dtype=torch.long))
-        state.seq_len += len(path)
+        self.commit_batch([state], [path])

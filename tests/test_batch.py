@@ -1,0 +1,191 @@
+"""Batched decoding: several requests in one target forward, each in its own slot of one KV cache.
+
+The oracle of every batched run is each request's own batch-1 run (and HF `generate`): requests of
+different prompt lengths, with no image, one or two, different max_tokens, joining and finishing at
+different steps, must each get exactly their own tokens (fp32, greedy; seeded sampling too).
+"""
+import pytest
+import torch
+
+from conftest import tiny_target
+from vlmspec.draft.base import NoDrafter, TreeConfig
+from vlmspec.draft.eagle import EagleDrafter
+from vlmspec.draft.ngram import NgramDrafter
+from vlmspec.engine import GenerationConfig, SpecEngine
+from vlmspec.errors import ContextLengthError
+from vlmspec.inputs import encode_prompt
+from vlmspec.sampling import SamplingParams
+from vlmspec.target import Target
+from vlmspec.testing.tiny import tiny_image
+from vlmspec.tree import DraftTree
+
+TREE = TreeConfig(depth=4, top_k=3, total_tokens=10)
+# (prompt, image seeds, max_tokens, the step it joins at)
+RAGGED = [
+    ("describe the image in detail", [0], 28, 0),
+    ("once upon a time", [], 40, 0),
+    ("compare the first image with the second image, then say which is brighter", [1, 2], 18, 0),
+    ("the quick brown fox jumps over the lazy dog and the dog", [], 24, 3),
+    ("what is in this picture", [3], 12, 7),
+]
+
+
+def _drafter(target, name):
+    if name == "none":
+        return NoDrafter()
+    if name == "ngram":
+        return NgramDrafter(TREE)
+    return EagleDrafter.random_init(target, TREE, seed=1)
+
+
+def _requests(target, specs, sampling=None):
+    out = []
+    for i, (text, seeds, max_tokens, join) in enumerate(specs):
+        inputs = encode_prompt(target, text, [tiny_image(s) for s in seeds])
+        cfg = GenerationConfig(max_new_tokens=max_tokens, ignore_eos=True, sampling=sampling or SamplingParams(), seed=100 + i)
+        out.append((inputs, cfg, join))
+    return out
+
+
+def run_ragged(engine, requests, slots, cancel=None):
+    """Drive one batch: request i joins at step `join` (or the first step after it with a free slot);
+    `cancel = (i, step)` takes request i out after that step. Returns each request's tokens."""
+    batch = engine.batch(slots)
+    waiting = sorted(range(len(requests)), key=lambda i: requests[i][2])
+    running, step = {}, 0
+    while waiting or batch.requests:
+        while waiting and requests[waiting[0]][2] <= step and not batch.full:
+            i = waiting.pop(0)
+            running[i] = batch.add(requests[i][0], requests[i][1])
+        batch.step()
+        if cancel is not None and cancel[1] == step and cancel[0] in running:
+            batch.cancel(running[cancel[0]])
+        step += 1
+    return [running[i].result.token_ids for i in range(len(requests))]
+
+
+def _hf_greedy(target, inputs, n):
+    out = target.model.generate(**inputs, max_new_tokens=n, do_sample=False, eos_token_id=None)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("arch", ["llava", "llava_next", "qwen2_5_vl", "idefics3"])
+@pytest.mark.parametrize("drafter", ["none", "ngram", "eagle"])
+def test_ragged_batch_equals_each_requests_batch_one_run_and_hf(arch, drafter):
+    target = tiny_target(arch)
+    engine = SpecEngine(target, _drafter(target, drafter))
+    requests = _requests(target, RAGGED)
+    alone = [engine.generate(inputs, cfg).token_ids for inputs, cfg, _ in requests]
+    if drafter == "none":  # the oracle's oracle: HF generate, once per architecture
+        assert alone == [_hf_greedy(target, inputs, cfg.max_new_tokens) for inputs, cfg, _ in requests]
+    got = run_ragged(engine, requests, slots=3)
+    for i, (a, b) in enumerate(zip(got, alone)):
+        assert a == b, f"{arch}/{drafter}: request {i} differs from its batch-1 run at token {_first_diff(a, b)}"
+    assert [len(t) for t in got] == [r[1].max_new_tokens for r in requests]
+
+
+def _first_diff(a, b):
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _batched_vs_alone(target, monkeypatch=None, wrong_positions=False):
+    """Max |logit| difference between two rows' trees verified in one forward and each alone."""
+    texts = ["once upon a time", "the quick brown fox jumps over the lazy dog and the dog"]
+    trees = [DraftTree(torch.tensor([5, 6, 7, 9]), torch.tensor([-1, 0, 0, 1])), DraftTree.chain(8, [9])]
+    alone = []
+    for text, tree in zip(texts, trees):
+        state, _ = target.prefill(encode_prompt(target, text, []))
+        alone.append(target.forward_tree(state, tree).logits)
+    cache = target.new_cache(2)
+    states = [target.prefill(encode_prompt(target, text, []), cache=cache, slot=i)[0] for i, text in enumerate(texts)]
+    if wrong_positions:  # every row given the first row's positions, as a batch that forgot the rows' own lengths
+        real = Target.batch_position_ids
+        monkeypatch.setattr(Target, "batch_position_ids", lambda self, st, d: real(self, [st[0]] * len(st), d))
+    out = target.forward_batch(states, trees).logits
+    return [float((out[b, : t.size] - a).abs().max()) for b, (t, a) in enumerate(zip(trees, alone))]
+
+
+@pytest.mark.parametrize("arch", ["llava", "qwen2_5_vl"])
+def test_rows_of_different_lengths_verified_together_give_their_own_logits(arch, monkeypatch):
+    """fp32: each row's logits in the batch are its own (to float rounding); the negative control,
+    every row at the first row's positions, moves the second row's logits far past that bound."""
+    target = tiny_target(arch)
+    right = _batched_vs_alone(target)
+    assert max(right) < 1e-5, right
+    wrong = _batched_vs_alone(target, monkeypatch, wrong_positions=True)
+    assert wrong[0] < 1e-5 and wrong[1] > 1e-3, wrong
+
+
+def test_negative_control_rows_given_one_rows_mask_differ(monkeypatch):
+    target = tiny_target("qwen2_5_vl")
+    engine = SpecEngine(target, NoDrafter())
+    requests = _requests(target, RAGGED[:3])
+    alone = [engine.generate(inputs, cfg).token_ids for inputs, cfg, _ in requests]
+    real = Target.batch_masks
+
+    def first_rows_mask(self, states, trees, n):
+        mask = real(self, states, trees, n)
+        return mask[:1].expand_as(mask) if len(states) > 1 else mask
+
+    monkeypatch.setattr(Target, "batch_masks", first_rows_mask)
+    assert run_ragged(engine, requests, slots=3) != alone
+
+
+def test_cancelling_one_request_leaves_the_others_unchanged():
+    target = tiny_target("qwen2_5_vl")
+    engine = SpecEngine(target, NgramDrafter(TREE))
+    requests = _requests(target, RAGGED)
+    alone = [engine.generate(inputs, cfg).token_ids for inputs, cfg, _ in requests]
+    got = run_ragged(engine, requests, slots=3, cancel=(0, 4))
+    assert 0 < len(got[0]) < requests[0][1].max_new_tokens and got[0] == alone[0][: len(got[0])]
+    assert got[1:] == alone[1:]
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch_of_mixed_temperatures():
+    target = tiny_target("llava")
+    engine = SpecEngine(target, EagleDrafter.random_init(target, TREE, seed=1))
+    requests = _requests(target, RAGGED[:4], SamplingParams(temperature=1.0, top_p=0.95))
+    requests[1][1].sampling = SamplingParams(temperature=0.5)
+    requests[2][1].sampling = SamplingParams()  # greedy in the same batch
+    alone = [engine.generate(inputs, cfg).token_ids for inputs, cfg, _ in requests]
+    assert run_ragged(engine, requests, slots=4) == alone
+    reseeded = _requests(target, RAGGED[:1], SamplingParams(temperature=1.0, top_p=0.95))
+    reseeded[0][1].seed = 7  # negative control: another seed, other tokens
+    assert engine.generate(reseeded[0][0], reseeded[0][1]).token_ids != alone[0]
+
+
+def test_a_slot_is_free_at_once_and_reused():
+    target = tiny_target("llava")
+    engine = SpecEngine(target, NgramDrafter(TREE))
+    requests = _requests(target, RAGGED)
+    results = engine.generate_many([(i, c) for i, c, _ in requests], slots=2)
+    alone = [engine.generate(inputs, cfg).token_ids for inputs, cfg, _ in requests]
+    assert [r.token_ids for r in results] == alone
+
+
+def test_a_bounded_batch_refuses_what_would_not_fit_and_reports_its_memory():
+    target = tiny_target("llava")
+    engine = SpecEngine(target, NgramDrafter(TREE))
+    (inputs, cfg, _), = _requests(target, RAGGED[1:2])
+    batch = engine.batch(2, capacity=inputs["input_ids"].shape[1] + 8)
+    with pytest.raises(ContextLengthError, match="lower max_tokens"):
+        batch.add(inputs, cfg)
+    assert batch.free == [0, 1] and not batch.requests  # nothing taken
+    batch = engine.batch(2, capacity=batch.need(inputs, cfg))
+    req = batch.add(inputs, cfg)
+    while batch.requests:
+        batch.step()
+    assert req.result.token_ids == engine.generate(inputs, cfg).token_ids
+    layers = target.text_config.num_hidden_layers
+    kv = target.text_config.num_key_value_heads * (target.hidden_size // target.text_config.num_attention_heads)
+    assert batch.cache.nbytes() == 2 * layers * 2 * kv * batch.capacity * 4  # K and V, 2 slots, fp32
+
+
+def test_a_model_that_cannot_batch_exactly_says_so():
+    from vlmspec.errors import ConfigError
+    from vlmspec.testing.families import build_family
+
+    target = Target(build_family("lfm2_vl"), None, name="lfm2-tiny")
+    with pytest.raises(ConfigError, match="one request at a time"):
+        SpecEngine(target, NoDrafter()).batch(2)
+    SpecEngine(target, NoDrafter()).batch(1)  # control: one slot is fine

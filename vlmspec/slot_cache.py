@@ -1,0 +1,255 @@
+"""The target's KV cache for a batch of requests: one preallocated buffer per layer, a slot per request.
+
+    keys, values of layer l: [slots, kv_heads, capacity, head_dim]     (allocated at the first write)
+
+A request owns a slot (a row of every buffer) while it runs; its committed length lives with the
+request (`TargetState.seq_len`), not here. Each forward covers some slots (`rows`), each row writing
+its new entries at its own offset (`starts`): a prefill at 0, a verify step at the row's committed
+length. A rejected draft is dropped by not advancing the length (its entries stay as stale values
+past the row's end, masked out and overwritten by the next step); an accepted path that is not a
+contiguous run of the tree is gathered within its own row (`commit`). Nothing is re-padded or
+realigned between steps.
+
+The cache is an HF `Cache` the unmodified models accept: `update` writes at the rows' offsets and
+returns the rows' keys and values up to the furthest end, `get_seq_length` / `get_mask_sizes` are
+those of the furthest row (for one row: exactly a `DynamicLayer`'s, so a model may build its own
+masks and positions for a one-row step). Rows shorter than the furthest one are cut by the 4D mask
+the caller passes (`vlmspec.target.model.Target.forward_batch`).
+
+Layer kinds follow `vlmspec.kv_cache`: full, sliding-window and chunked attention keep every entry
+in a slot layer (windows are applied by masks); `dummy` layers hold nothing; any other kind
+(convolution, recurrent state, ...) keeps transformers' own layer, which holds one request's state
+and cannot be rolled back: such a cache has one slot, and plain decoding only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, CacheLayerMixin, DummyLayer
+
+from vlmspec.errors import ConfigError
+from vlmspec.kv_cache import ATTENTION_KINDS, NO_KV_KINDS, blocker_message, layer_kinds, rollback_blockers
+
+
+class _Step:
+    """Where one forward writes: shared by every slot layer of a cache (set by `SlotCache.begin`)."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = [0]
+        self.starts: list[int] = [0]
+        self.rows_t: torch.Tensor | None = None  # [B] long on the buffers' device
+        self.starts_t: torch.Tensor | None = None  # [B] long
+        self.block: slice | None = slice(0, 1)  # rows as a slice when they are consecutive (reads are views)
+
+    def set(self, rows: list[int], starts: list[int]) -> None:
+        assert len(rows) == len(starts) and rows, (rows, starts)
+        self.rows, self.starts = list(rows), list(starts)
+        self.rows_t = self.starts_t = None
+        lo = rows[0]
+        self.block = slice(lo, lo + len(rows)) if rows == list(range(lo, lo + len(rows))) else None
+
+    def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.rows_t is None or self.rows_t.device != device:
+            both = torch.tensor([self.rows, self.starts], dtype=torch.long).to(device, non_blocking=True)
+            self.rows_t, self.starts_t = both[0], both[1]
+        assert self.starts_t is not None
+        return self.rows_t, self.starts_t
+
+
+class SlotLayer(CacheLayerMixin):
+    """One attention layer's slots: keys / values [slots, kv_heads, capacity, head_dim]."""
+
+    is_sliding = False  # every entry is kept: windows are the masks' business
+    is_croppable = False
+
+    def __init__(self, slots: int, capacity: int, step: _Step) -> None:
+        super().__init__()
+        self.slots, self.capacity, self.step = slots, capacity, step
+        self.buf_k: torch.Tensor | None = None
+        self.buf_v: torch.Tensor | None = None
+        self.is_initialized = True  # nothing for transformers to set up lazily: `update` allocates
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None
+
+    def reserve(self, n: int) -> None:
+        """At least `n` entries per slot: the size of the first allocation, or a grown buffer."""
+        if self.buf_k is None:
+            self.capacity = max(self.capacity, n)
+        elif n > self.buf_k.shape[2]:
+            self._grow(n)
+
+    def _grow(self, end: int) -> None:
+        assert self.buf_k is not None and self.buf_v is not None
+        pad = (0, 0, 0, max(end, 2 * self.buf_k.shape[2]) - self.buf_k.shape[2])
+        self.buf_k = torch.nn.functional.pad(self.buf_k, pad)
+        self.buf_v = torch.nn.functional.pad(self.buf_v, pad)
+        self.capacity = self.buf_k.shape[2]
+
+    def _ensure(self, k: torch.Tensor, end: int) -> None:
+        """Allocate (zeros: stale entries stay finite, so masked ones weigh exactly 0) or grow to `end`."""
+        _, h, _, d = k.shape
+        if self.buf_k is None:
+            self.capacity = max(self.capacity, end)
+            self.buf_k = torch.zeros(self.slots, h, self.capacity, d, dtype=k.dtype, device=k.device)
+            self.buf_v = torch.zeros_like(self.buf_k)
+        elif end > self.buf_k.shape[2]:
+            self._grow(end)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """key_states, value_states [B, kv_heads, q, head_dim] of the step's rows -> the rows' keys and
+        values [B, kv_heads, max(starts) + q, head_dim] (a view when the rows are consecutive)."""
+        step = self.step
+        b, _, q, _ = key_states.shape
+        assert b == len(step.rows), (b, step.rows)
+        end = max(step.starts) + q
+        self._ensure(key_states, end)
+        assert self.buf_k is not None and self.buf_v is not None
+        if b == 1:  # one row: a plain slice write
+            r, s = step.rows[0], step.starts[0]
+            self.buf_k[r, :, s : s + q] = key_states[0]
+            self.buf_v[r, :, s : s + q] = value_states[0]
+        else:  # every row at its own offset, one indexed write per tensor
+            rows, starts = step.tensors(key_states.device)
+            idx = starts[:, None] + torch.arange(q, device=key_states.device)  # [B, q]
+            self.buf_k[rows[:, None], :, idx] = key_states.transpose(1, 2)  # [B, q, H, D]
+            self.buf_v[rows[:, None], :, idx] = value_states.transpose(1, 2)
+        return self._read(end)
+
+    def _read(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.buf_k is not None and self.buf_v is not None
+        if self.step.block is not None:
+            return self.buf_k[self.step.block, :, :end], self.buf_v[self.step.block, :, :end]
+        rows, _ = self.step.tensors(self.buf_k.device)
+        return self.buf_k[rows, :, :end], self.buf_v[rows, :, :end]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return max(self.step.starts) + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return max(self.step.starts)
+
+    def get_max_length(self) -> int:
+        return -1  # grows on demand (the batch's owner bounds it): never a static cache to transformers
+
+    def gather(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """For each row b: entries src[b] move to dst[b] (rows [R], src / dst [R, K] long)."""
+        if self.buf_k is None:
+            return
+        for buf in (self.buf_k, self.buf_v):
+            assert buf is not None
+            moved = buf[rows[:, None], :, src]  # [R, K, H, D], a copy: sources may overlap the destinations
+            buf[rows[:, None], :, dst] = moved
+
+    def entries(self, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One slot's first `length` entries, [1, kv_heads, length, head_dim] views."""
+        assert self.buf_k is not None and self.buf_v is not None
+        return self.buf_k[slot : slot + 1, :, :length], self.buf_v[slot : slot + 1, :, :length]
+
+    def nbytes(self) -> int:
+        return 0 if self.buf_k is None else 2 * self.buf_k.numel() * self.buf_k.element_size()
+
+
+class SlotCache(DynamicCache):
+    """A transformers cache of slot layers (see the module docstring).
+
+    slots: how many requests it can hold at once; capacity: entries per slot allocated at the first
+    write (it grows when a write needs more; a batch's owner refuses requests that would not fit
+    its bound before they join).
+    """
+
+    def __init__(self, config: Any = None, slots: int = 1, capacity: int = 256) -> None:
+        super().__init__()
+        kinds, kwargs = layer_kinds(config) if config is not None else ([], [])
+        self.kinds = kinds
+        self.slots = slots
+        self._step = _Step()
+        blockers = rollback_blockers(kinds)
+        if blockers and slots > 1:
+            raise ConfigError(blocker_message("the model", blockers).replace(
+                "Use --drafter none", "Such a model decodes one request at a time (one slot); use --drafter none"))
+        layers: list[Any] = []
+        for kind, kw in zip(kinds, kwargs):
+            if kind in ATTENTION_KINDS:
+                layers.append(SlotLayer(slots, capacity, self._step))
+            elif kind in NO_KV_KINDS:
+                layers.append(DummyLayer())
+            elif kind in DYNAMIC_LAYER_TYPE_MAPPING:
+                layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw))
+            else:
+                raise ConfigError(f"the model's decoder has layers of kind {kind!r}, which this transformers has no cache for")
+        self._kw = kwargs
+        self.layers = layers
+        self._fixed = bool(layers)  # a config gave the layers; without one, slot layers are added as the model writes
+
+    @property
+    def rollback_blockers(self) -> dict[str, list[int]]:
+        return rollback_blockers(self.kinds)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        while len(self.layers) <= layer_idx:  # a cache built without a config: every layer full attention
+            assert not self._fixed, (layer_idx, len(self.layers))
+            self.layers.append(SlotLayer(self.slots, 0, self._step))
+        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+
+    def begin(self, rows: list[int], starts: list[int]) -> None:
+        """The next forward covers slots `rows` (its batch rows, in order), each writing from `starts[b]`."""
+        assert all(0 <= r < self.slots for r in rows), (rows, self.slots)
+        self._step.set(rows, starts)
+
+    def reserve(self, n: int) -> None:
+        """At least `n` entries per slot in every layer (allocated at the first write, or grown now)."""
+        for layer in self._slot_layers():
+            layer.reserve(n)
+
+    def reset_slot(self, slot: int) -> None:
+        """A new request takes `slot`: transformers' own (non-attention) layers start from nothing."""
+        for i, kind in enumerate(self.kinds):
+            if kind not in ATTENTION_KINDS and kind not in NO_KV_KINDS:
+                self.layers[i] = DYNAMIC_LAYER_TYPE_MAPPING[kind](**self._kw[i])
+
+    def _slot_layers(self) -> list[SlotLayer]:
+        return [layer for layer in self.layers if isinstance(layer, SlotLayer)]
+
+    def commit(self, rows: list[int], starts: list[int], keep: list[list[int]]) -> None:
+        """Row `rows[b]` keeps its entries starts[b] + keep[b] (e.g. an accepted path, root first), in that
+        order, right after its committed prefix starts[b]. Rows whose kept entries are already the first
+        ones after the prefix (a plain step, a chain's head) move nothing."""
+        if self.rollback_blockers:  # one slot, plain steps only: nothing to move, nothing that could be
+            assert all(k == list(range(len(k))) for k in keep), "a model with non-attention state keeps every entry"
+            return
+        moving = [b for b, k in enumerate(keep) if k != list(range(len(k)))]
+        if not moving:
+            return
+        width = max(len(keep[b]) for b in moving)
+        # pad by repeating the last entry: the extra writes land past the row's new end (stale, masked)
+        src = [[starts[b] + j for j in keep[b]] + [starts[b] + keep[b][-1]] * (width - len(keep[b])) for b in moving]
+        dst = [[starts[b] + j for j in range(width)] for b in moving]
+        host = torch.tensor([[rows[b] for b in moving], *zip(*src), *zip(*dst)], dtype=torch.long)  # [1 + 2 * width, R]
+        on_device: dict[torch.device, tuple[torch.Tensor, ...]] = {}  # one copy per device, not per layer
+        for layer in self._slot_layers():
+            if layer.buf_k is None:
+                continue
+            dev = layer.buf_k.device
+            if dev not in on_device:
+                idx = host.to(dev, non_blocking=True)
+                on_device[dev] = (idx[0], idx[1 : 1 + width].T, idx[1 + width :].T)  # rows [R], src / dst [R, width]
+            layer.gather(*on_device[dev])
+
+    def entries(self, slot: int, length: int, num_layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The first `length` entries of `slot` in layers < num_layers ([1, kv_heads, length, head_dim] views)."""
+        out = []
+        for layer in self.layers[:num_layers]:
+            assert isinstance(layer, SlotLayer), "entries() reads attention layers only"
+            out.append(layer.entries(slot, length))
+        return out
+
+    def nbytes(self) -> int:
+        """Bytes the slot buffers hold now."""
+        return sum(layer.nbytes() for layer in self._slot_layers())
+
+
+__all__ = ["SlotCache", "SlotLayer"]
