@@ -189,3 +189,42 @@ def test_a_model_that_cannot_batch_exactly_says_so():
     with pytest.raises(ConfigError, match="one request at a time"):
         SpecEngine(target, NoDrafter()).batch(2)
     SpecEngine(target, NoDrafter()).batch(1)  # control: one slot is fine
+
+
+@pytest.mark.parametrize("stop_threshold", [0.0, 0.4])
+def test_eagle_drafts_every_row_together_as_it_drafts_each_alone(stop_threshold):
+    """Rows of different lengths and depths (0 included), with and without the SpecDec++ stop rule:
+    the joint forwards propose each row's own tree, over several propose / commit rounds."""
+    from vlmspec.draft.base import PromptContext
+    from vlmspec.draft.eagle import EagleConfig, EagleHead
+    from vlmspec.draft.eagle.session import propose_rows
+
+    target = tiny_target("llava")
+    cfg = EagleConfig.from_target(target)
+    cfg.acceptance_head = bool(stop_threshold)
+    torch.manual_seed(5)
+    head = EagleHead(cfg, target.input_embeddings(), target.output_embeddings()).to(target.dtype)
+    drafter = EagleDrafter(head, TreeConfig(depth=5, top_k=3, total_tokens=12), stop_threshold=stop_threshold)
+    prompts = []
+    for text, seeds in [(t, s) for t, s, _, _ in RAGGED[:4]]:
+        inputs = encode_prompt(target, text, [tiny_image(s) for s in seeds])
+        _, out = target.prefill(inputs)
+        prompts.append(PromptContext(inputs["input_ids"][0], out.features, inputs))
+    joint = [drafter.start(p) for p in prompts]
+    alone = [drafter.start(p) for p in prompts]
+    g = torch.Generator().manual_seed(0)
+    roots, sizes = [5, 9, 11, 13], []
+    for depths in ([5, 3, 0, 5], [2, 5, 5, 1], [5, 0, 4, 5]):
+        a = propose_rows(joint, roots, depths)
+        b = [propose_rows([s], [r], [d])[0] for s, r, d in zip(alone, roots, depths)]
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert x.tokens.tolist() == y.tokens.tolist() and x.parents.tolist() == y.parents.tolist(), (depths, i)
+            assert int(x.depth.max()) <= depths[i]
+        sizes += [t.size for t in a]
+        for s_j, s_a, t in zip(joint, alone, a):
+            path = t.path_to(min(t.size - 1, 2))
+            feats = torch.randn(len(path), target.hidden_size, generator=g)
+            s_j.commit(t.tokens[path], feats)
+            s_a.commit(t.tokens[path], feats)
+        roots = [int(x) for x in torch.randint(target.vocab_size, (4,), generator=g)]
+    assert len(set(sizes)) > 2  # rows did grow different trees

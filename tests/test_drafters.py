@@ -537,14 +537,16 @@ def test_propose_reads_the_device_once(monkeypatch):
         _reference_propose(d.start(prompt), 1, 10)
     assert reads.n > 1000, reads.n  # negative control: the per-node reads are seen
     s = d.start(prompt)
+    from vlmspec.draft.eagle import session as session_module
+
     for name in ("_run_committed", "_grow"):
-        real = getattr(_EagleSession, name)
+        real = getattr(session_module, name)
 
-        def counted(self, *args, _real=real):
+        def counted(*args, _real=real):
             with reads:
-                return _real(self, *args)
+                return _real(*args)
 
-        monkeypatch.setattr(_EagleSession, name, counted)
+        monkeypatch.setattr(session_module, name, counted)
     calls = []
     real_tolist = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: calls.append(t.dtype) or real_tolist(t))

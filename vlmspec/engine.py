@@ -25,7 +25,7 @@ from typing import Any, Iterator
 import torch
 
 from vlmspec.control import Controller, Policy, Speculation, SpeculationOptions
-from vlmspec.draft.base import Drafter, NoDrafter, PromptContext, TreeConfig
+from vlmspec.draft.base import Drafter, NoDrafter, PromptContext, TreeConfig, propose_all
 from vlmspec.sampling import SamplingParams, next_token
 from vlmspec.stats import SpecStats
 from vlmspec.errors import ContextLengthError
@@ -222,6 +222,8 @@ class Batch:
         self.cache = engine.target.new_cache(slots, capacity or 256)
         self.free = list(range(slots))
         self.requests: list[_Request] = []  # live ones, by slot
+        self.timings = dict.fromkeys(TIMING_KEYS, 0.0)  # the batch's own seconds by phase (prefills included)
+        self.rounds = 0  # target forwards run by `step` (prefills not counted)
 
     @property
     def full(self) -> bool:
@@ -249,6 +251,8 @@ class Batch:
             self.free.insert(0, slot)
             raise
         req.pending.append(_emit(req, [req.root], 0, 0))
+        for key, sec in req.timings.items():
+            self.timings[key] += sec
         self.requests.append(req)
         self.requests.sort(key=lambda r: r.state.slot)  # consecutive slots read as views
         return req
@@ -290,7 +294,7 @@ class Batch:
         clock = Clock(target.device, any(r.config.sync_timings for r in reqs))
         t_step = time.perf_counter()
         depths = [r.control.choose(r.max_depth(target.max_positions)) for r in reqs]
-        trees = [r.session.propose(r.root, d).truncate_depth(d) for r, d in zip(reqs, depths)]
+        trees = [t.truncate_depth(d) for t, d in zip(propose_all(self.engine.drafter, [r.session for r in reqs], [r.root for r in reqs], depths), depths)]
         clock.lap("draft")
         out = target.forward_batch([r.state for r in reqs], trees)  # logits [B, N, V]
         verdicts = [verify(t, out.logits[b, : t.size], r.config.sampling, r.rng) for b, (r, t) in enumerate(zip(reqs, trees))]
@@ -311,8 +315,10 @@ class Batch:
             r.root = v.next_token
             events.append((r, _emit(r, t.tokens[path[1:]].tolist() + [v.next_token], t.size - 1, v.num_accepted, depth)))
         clock.lap("other")
-        for r in reqs:
-            for key, sec in clock.t.items():
+        self.rounds += 1
+        for key, sec in clock.t.items():
+            self.timings[key] += sec
+            for r in reqs:
                 r.timings[key] += sec
         return events
 

@@ -22,7 +22,7 @@ from vlmspec.cli.options import (
     positive_int,
 )
 
-BENCHES = ("run", "verify-cost", "kernel", "ablate", "server", "adaptive", "stop-head", "trees")
+BENCHES = ("run", "batch", "verify-cost", "kernel", "ablate", "server", "adaptive", "stop-head", "trees")
 DEFAULT = "run"
 
 
@@ -50,6 +50,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--json", dest="json_path", help="write the results JSON here")
     r.add_argument("--out", help="folder for results.json, results.md and results.png")
     r.set_defaults(func=run_bench)
+
+    register_batch(which)
 
     sv = which.add_parser("server", help="per-request time through the HTTP service vs the same engine called directly "
                                          "(interleaved, same held-out prompts, answers checked equal)")
@@ -153,6 +155,41 @@ def default_to_run(argv: list[str]) -> list[str]:
     if argv[:1] == ["bench"] and (len(argv) == 1 or (argv[1] not in BENCHES and argv[1] not in ("-h", "--help"))):
         return ["bench", DEFAULT, *argv[1:]]
     return argv
+
+
+def register_batch(which: argparse._SubParsersAction) -> None:
+    bb = which.add_parser("batch", help="the batched engine alone: B = 1..16 requests decoded together, plain vs fixed draft-tree "
+                                        "sizes, tokens/s in total, latency, memory (answers checked against batch 1)")
+    add_engine_args(bb)
+    bb.add_argument("--sizes", type=int_list("--sizes"), default=(1, 2, 4, 8, 16), help="batch sizes B, e.g. 1,4,8")
+    bb.add_argument("--trees", type=int_list("--trees"), default=(4, 8, 16), help="fixed draft-tree sizes (drafted nodes) to compare")
+    bb.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=64, help="new tokens per request")
+    bb.add_argument("--repeats", type=positive_int("--repeats"), default=2, help="measured runs per batch size and way")
+    bb.add_argument("--out", help="folder for batch.json, batch.md and batch.png")
+    bb.set_defaults(func=run_batch_bench)
+
+
+def run_batch_bench(args: argparse.Namespace) -> int:
+    import json
+
+    from vlmspec import factory
+    from vlmspec.bench.batch import BatchBenchOptions, markdown, measure, plot
+
+    spec = engine_spec(args)
+    if spec.drafter == "none":
+        raise UsageError("bench batch compares plain decoding with draft trees: give a drafter that drafts (eagle, ngram, a folder)")
+    engine = factory.build_engine(spec)
+    report = measure(engine.target, engine.drafter, BatchBenchOptions(tuple(args.sizes), tuple(args.trees), args.max_new_tokens, args.repeats))
+    report["env"]["command"] = args.command_line
+    table = markdown(report)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "batch.json").write_text(json.dumps(report, indent=1))
+        (out / "batch.md").write_text(f"`{args.command_line}`\n\n{table}\n")
+        plot(report, out / "batch.png")
+    print(table)
+    return 0
 
 
 def run_bench(args: argparse.Namespace) -> int:

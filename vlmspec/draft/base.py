@@ -8,6 +8,10 @@ state (its own KV cache, the token history, the request's tree shape). The engin
     tree = session.propose(root, max_depth)  # root = last emitted token, not yet in the target KV
     session.commit(tokens, features)         # tokens [k] now in the target KV (root + accepted),
                                              # features [k, H] the target's features for them
+
+A batch step drafts for all its rows with `propose_all(drafter, sessions, roots, max_depths)`:
+the drafter's own `propose_batch` where it has one (the EAGLE head runs every row's level in one
+forward), else each session's `propose`. Rows may ask for different depths, 0 included.
 """
 
 from __future__ import annotations
@@ -81,6 +85,14 @@ class Drafter(Protocol):
     def start(self, prompt: PromptContext, tree: TreeConfig | None = None) -> DraftSession:
         """One request's session; `tree` overrides the default shape for this request only."""
         ...
+
+
+def propose_all(drafter: Drafter, sessions: list[DraftSession], roots: list[int], max_depths: list[int]) -> list[DraftTree]:
+    """One tree per row (session), each after its root and within its own max depth."""
+    batched = getattr(drafter, "propose_batch", None)
+    if batched is not None:
+        return batched(sessions, roots, max_depths)
+    return [s.propose(root, depth) for s, root, depth in zip(sessions, roots, max_depths)]
 
 
 class NoDrafter:

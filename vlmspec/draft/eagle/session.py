@@ -5,7 +5,7 @@ stop rule) on the device and reads it back with one device->host transfer."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import SafetensorError
@@ -93,6 +93,10 @@ class EagleDrafter:
     def start(self, prompt: PromptContext, tree: TreeConfig | None = None) -> DraftSession:
         return _EagleSession(self.head, tree or self.tree, prompt, self.stop_threshold)
 
+    def propose_batch(self, sessions: list["_EagleSession"], roots: list[int], max_depths: list[int]) -> list[DraftTree]:
+        """Every row's tree, the rows' head forwards and LM-head products run together (`propose_rows`)."""
+        return propose_rows(sessions, roots, max_depths)
+
 
 class _EagleSession:
     """One request's drafting state: the head's own KV cache over the committed pairs.
@@ -141,95 +145,201 @@ class _EagleSession:
         self.next_pos = int(rows.positions[-1]) + 1  # one read, once per request (compressed spans drop rows)
         return rows.tokens, rows.feats, rows.positions, rows.direct, rows.fuse
 
-    def _run_committed(self, root: int) -> torch.Tensor:
-        """Run the head over the committed pairs (feature_i, token_{i+1}), the last one pairing with
-        the root; their entries stay in the cache. Returns the head's outputs [n, H]."""
+    def _pending_rows(self, root: int) -> tuple[torch.Tensor, ...]:
+        """The committed pairs the head has not run yet, the last one pairing with the root:
+        (tokens [n], feats [n, H], positions [n], direct [n] | None, fuse [n] | None)."""
         if self.prompt is not None:
-            toks, feats, pos, direct, fuse = self._prompt_rows(root)
-        else:
-            toks = torch.cat([self.pending_next, to_device(torch.tensor([root]), self.device)])  # [n]
-            feats = self.pending_feats
-            pos = torch.arange(self.next_pos, self.next_pos + toks.shape[0], device=self.device)
-            self.next_pos += toks.shape[0]
-            direct = None
-            fuse = None if self.global_feat is None else torch.ones_like(toks, dtype=torch.bool)
-        n = toks.shape[0]
-        assert n == feats.shape[0]
-        causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
-        mask = tree_attention_mask(causal, self.cache.seq_len, self.dtype)
-        hidden = self.head.decode(toks, feats, pos, mask, self.cache.hf, direct, fuse, self.global_feat)
-        self.pending_feats, self.pending_next = self.pending_feats[:0], self.pending_next[:0]
-        return hidden
+            return self._prompt_rows(root)
+        toks = torch.cat([self.pending_next, to_device(torch.tensor([root]), self.device)])  # [n]
+        pos = torch.arange(self.next_pos, self.next_pos + toks.shape[0], device=self.device)
+        self.next_pos += toks.shape[0]
+        fuse = None if self.global_feat is None else torch.ones_like(toks, dtype=torch.bool)
+        return toks, self.pending_feats, pos, None, fuse
 
-    @torch.no_grad()
     def propose(self, root: int, max_depth: int) -> DraftTree:
-        """The EAGLE-2 tree after `root` (depth <= max_depth, at most total_tokens drafted nodes).
-        Node for node the same tree as the first, per-node-read algorithm (tests/test_drafters.py
-        keeps it as the oracle): same top-k calls on the same numbers, same rerank on the host."""
-        depth = min(self.tree.depth, max_depth)
-        if depth <= 0 and self.prompt is None:  # a step without a draft runs no head: its pairs wait for the next draft
-            self.pending_next = torch.cat([self.pending_next, to_device(torch.tensor([root]), self.device)])
-            return DraftTree.root_only(root)
-        hidden = self._run_committed(root)  # [n, H]
-        committed = self.cache.seq_len
-        if depth <= 0:
-            return DraftTree.root_only(root)
-        levels = self._grow(hidden[-1:], committed, depth)  # on the device, no sync
-        self.cache.crop(committed)
-        tokens, parents, scores = _read_levels(root, levels)  # the one device->host transfer
-        # rerank: keep the best total_tokens drafted nodes (a child never outscores its parent,
-        # ties go to the earlier node, so the selection is closed under parents)
-        order = sorted(range(1, len(tokens)), key=lambda i: (-scores[i], i))[: self.tree.total_tokens]
-        keep = torch.tensor([0, *sorted(order)], dtype=torch.long)
-        full = DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
-        return full.select(keep)
+        """The EAGLE-2 tree after `root` (depth <= max_depth, at most total_tokens drafted nodes): a
+        batch of one of `propose_rows`. Node for node the same tree as the first, per-node-read
+        algorithm (tests/test_drafters.py keeps it as the oracle): same top-k calls on the same
+        numbers, same rerank on the host."""
+        return propose_rows([self], [root], [max_depth])[0]
 
-    def _grow(self, root_hidden: torch.Tensor, committed: int, depth: int) -> list[_Level]:
-        """EAGLE-2 growth, all on the device: each level gives every frontier node its top_k
-        children, scored by cumulative log-prob; the top_k best children are the next frontier
-        and run through the head (their KV entries go after the committed prefix, in frontier
-        order). Sizes are known on the host (F = 1, then min(k, F * k)), so nothing is read back.
 
-        root_hidden: [1, H], the head's output at the root's pair. Returns one _Level per depth
-        grown: fewer than `depth` when the SpecDec++ stop rule ends the growth.
-        """
-        head, k, dev = self.head, self.tree.top_k, self.device
-        stop = self.stop_threshold > 0
-        logp = torch.log_softmax(head.decode_logits(root_hidden), -1)  # [F, V], F = 1: the root
-        front_acc = torch.ones(1, device=dev)  # [F] predicted probability that each frontier node's path is accepted
-        front_h = root_hidden  # [F, H] head outputs at the frontier nodes' pairs (their children's features)
-        front_seen = torch.zeros(1, 0, dtype=torch.bool, device=dev)  # [F, n_tree]: tree KV entries each sees
-        front_scores = torch.zeros(1, device=dev)  # [F] float32 cumulative log-probs
-        fuse = None if self.global_feat is None else torch.ones(1, dtype=torch.bool, device=dev)
-        levels: list[_Level] = []
-        for d in range(1, depth + 1):
-            top = torch.topk(logp, k, dim=-1)  # values / indices [F, k] (indices in the draft vocabulary)
+@torch.no_grad()
+def propose_rows(sessions: list[_EagleSession], roots: list[int], max_depths: list[int]) -> list[DraftTree]:
+    """One tree per session (row), each after its root and within its own depth and tree shape.
+
+    Rows of one head run together: their pending committed pairs go through the head as one
+    forward, then each level of growth is one head forward and one LM-head product over every
+    row's frontier (`_JointCache` keeps each row's entries in its own cache; a block-diagonal mask
+    keeps rows apart). A VLM-aware head's rows (their own global image feature) run one by one.
+    A row with depth 0 drafts nothing and runs nothing: its pairs wait for its next draft.
+    """
+    trees: list[DraftTree | None] = [None] * len(sessions)
+    run = []
+    for i, (s, root, max_depth) in enumerate(zip(sessions, roots, max_depths)):
+        if min(s.tree.depth, max_depth) <= 0 and s.prompt is None:
+            s.pending_next = torch.cat([s.pending_next, to_device(torch.tensor([root]), s.device)])
+            trees[i] = DraftTree.root_only(root)
+        else:
+            run.append(i)
+    joint = all(sessions[i].head is sessions[run[0]].head and sessions[i].head.visual is None for i in run) if run else False
+    for group in ([run] if joint else [[i] for i in run]):
+        rows = [sessions[i] for i in group]
+        hiddens = _run_committed(rows, [roots[i] for i in group])
+        committed = [s.cache.seq_len for s in rows]
+        depths = [min(s.tree.depth, max_depths[i]) for s, i in zip(rows, group)]
+        grow = [b for b, d in enumerate(depths) if d > 0]
+        levels = _grow([rows[b] for b in grow], [hiddens[b][-1:] for b in grow], [committed[b] for b in grow], [depths[b] for b in grow])
+        for b, i in enumerate(group):
+            trees[i] = DraftTree.root_only(roots[i])
+        for b, lv in zip(grow, levels):
+            s, i = rows[b], group[b]
+            s.cache.crop(committed[b])
+            tokens, parents, scores = _read_levels(roots[i], lv)  # the row's one device->host transfer
+            # rerank: keep the best total_tokens drafted nodes (a child never outscores its parent,
+            # ties go to the earlier node, so the selection is closed under parents)
+            order = sorted(range(1, len(tokens)), key=lambda j: (-scores[j], j))[: s.tree.total_tokens]
+            keep = torch.tensor([0, *sorted(order)], dtype=torch.long)
+            trees[i] = DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long)).select(keep)
+    return trees  # type: ignore[return-value]
+
+
+class _JointCache:
+    """Several rows' head caches seen by one forward as one sequence laid end to end: `update`
+    appends each row's new entries (`counts[b]` of them, in row order) to that row's own cache and
+    returns every row's entries concatenated. One row: its cache, nothing copied."""
+
+    def __init__(self, caches: list[Any], counts: list[int]) -> None:
+        self.caches, self.counts = caches, counts
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(self.caches) == 1:
+            return self.caches[0].update(keys, values, layer_idx)
+        out = [c.update(k, v, layer_idx) for c, k, v in zip(self.caches, keys.split(self.counts, 2), values.split(self.counts, 2))]
+        return torch.cat([k for k, _ in out], 2), torch.cat([v for _, v in out], 2)
+
+
+def _joint_mask(blocks: list[torch.Tensor]) -> torch.Tensor:
+    """Per-row additive masks [1, 1, q_b, k_b] -> the block-diagonal [1, 1, sum q_b, sum k_b]."""
+    if len(blocks) == 1:
+        return blocks[0]
+    first = blocks[0]
+    out = torch.full((1, 1, sum(b.shape[-2] for b in blocks), sum(b.shape[-1] for b in blocks)), torch.finfo(first.dtype).min,
+                     dtype=first.dtype, device=first.device)
+    q = k = 0
+    for b in blocks:
+        out[..., q : q + b.shape[-2], k : k + b.shape[-1]] = b
+        q, k = q + b.shape[-2], k + b.shape[-1]
+    return out
+
+
+def _decode_rows(rows: list[_EagleSession], toks: list[torch.Tensor], feats: list[torch.Tensor], pos: list[torch.Tensor],
+                 masks: list[torch.Tensor], direct: torch.Tensor | None = None, fuse: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """The head over every row's new entries in one forward -> each row's outputs [n_b, H]."""
+    counts = [t.shape[0] for t in toks]
+    cache = _JointCache([s.cache.hf for s in rows], counts)
+    hidden = rows[0].head.decode(torch.cat(toks), torch.cat(feats), torch.cat(pos), _joint_mask(masks), cache,  # type: ignore[arg-type]
+                                 direct, fuse, rows[0].global_feat)
+    return list(hidden.split(counts))
+
+
+def _run_committed(rows: list[_EagleSession], roots: list[int]) -> list[torch.Tensor]:
+    """Run the head over each row's committed pairs (feature_i, token_{i+1}), the last one pairing
+    with its root; their entries stay in the row's cache. Returns each row's outputs [n_b, H]."""
+    parts = [s._pending_rows(root) for s, root in zip(rows, roots)]
+    masks = []
+    for s, (toks, *_) in zip(rows, parts):
+        n = toks.shape[0]
+        causal = torch.ones(n, n, dtype=torch.bool, device=s.device).tril()
+        masks.append(tree_attention_mask(causal, s.cache.seq_len, s.dtype))
+    assert len(rows) == 1 or all(p[3] is None and p[4] is None for p in parts), "rows with their own image rows run alone"
+    direct, fuse = (parts[0][3], parts[0][4]) if len(rows) == 1 else (None, None)
+    hiddens = _decode_rows(rows, [p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts], masks, direct, fuse)
+    for s in rows:
+        s.pending_feats, s.pending_next = s.pending_feats[:0], s.pending_next[:0]
+    return hiddens
+
+
+class _Front:
+    """One row's frontier while its tree grows, on the device (F = the frontier's size)."""
+
+    def __init__(self, session: _EagleSession, root_hidden: torch.Tensor, committed: int, depth: int) -> None:
+        dev = session.device
+        self.s, self.committed, self.depth = session, committed, depth
+        self.acc = torch.ones(1, device=dev)  # [F] predicted probability that each frontier node's path is accepted
+        self.h = root_hidden  # [F, H] head outputs at the frontier nodes' pairs (their children's features)
+        self.seen = torch.zeros(1, 0, dtype=torch.bool, device=dev)  # [F, n_tree]: tree KV entries each sees
+        self.scores = torch.zeros(1, device=dev)  # [F] float32 cumulative log-probs
+        self.logp: torch.Tensor | None = None  # [F, V] the frontier's children's draft log-probs
+        self.levels: list[_Level] = []
+
+
+def _grow(rows: list[_EagleSession], root_hidden: list[torch.Tensor], committed: list[int], depths: list[int]) -> list[list[_Level]]:
+    """EAGLE-2 growth of every row's tree, all on the device: each level gives every frontier node
+    its top_k children, scored by cumulative log-prob; the top_k best children are the next frontier
+    and run through the head (their KV entries go after the row's committed prefix, in frontier
+    order), every row's frontier in one forward. Sizes are known on the host (F = 1, then
+    min(k, F * k)), so nothing is read back but the SpecDec++ stop rule's one number per row and
+    level (one read per level for all rows).
+
+    root_hidden: per row [1, H], the head's output at the root's pair. Returns each row's levels:
+    fewer than its depth when the stop rule ended its growth.
+    """
+    if not rows:
+        return []
+    head = rows[0].head
+    fronts = [_Front(s, h, c, d) for s, h, c, d in zip(rows, root_hidden, committed, depths)]
+    for f, logp in zip(fronts, _log_probs(head, [f.h for f in fronts])):
+        f.logp = logp
+    growing = list(fronts)
+    for d in range(1, max(depths) + 1):
+        step = []  # (front, ids, cand, best, top values) of rows that grow past this level
+        for f in growing:
+            assert f.logp is not None
+            k = f.s.tree.top_k
+            top = torch.topk(f.logp, k, dim=-1)  # values / indices [F, k] (indices in the draft vocabulary)
             ids = head.target_ids(top.indices)  # [F, k] target token ids
-            cand = (front_scores[:, None] + top.values).flatten()  # [F * k], child j of node fi at fi * k + j
-            if d == depth:
-                levels.append(_Level(ids, cand, None))
-                break
-            best = torch.topk(cand, min(k, cand.numel())).indices  # [F'] the next frontier, best first
-            if stop:  # SpecDec++: grow on only while some frontier path is predicted to be accepted often enough
-                child_acc = torch.sigmoid(head.accept(front_h, top.values, draft_entropy(logp)))  # [F, k]
-                front_acc = (front_acc[:, None] * child_acc).flatten().index_select(0, best)  # [F']
-                if float(front_acc.max()) < self.stop_threshold:  # one read per level
-                    levels.append(_Level(ids, cand, None))
-                    break
-            levels.append(_Level(ids, cand, best))
-            parent = torch.div(best, k, rounding_mode="floor")  # [F'] row of each one's parent in the frontier
+            cand = (f.scores[:, None] + top.values).flatten()  # [F * k], child j of node fi at fi * k + j
+            if d == f.depth:
+                f.levels.append(_Level(ids, cand, None))
+                continue
+            step.append((f, ids, cand, torch.topk(cand, min(k, cand.numel())).indices, top.values))  # best: the next frontier, best first
+        stopping = [x for x in step if x[0].s.stop_threshold > 0]
+        if stopping:  # SpecDec++: grow on only while some frontier path is predicted to be accepted often enough
+            for f, _, _, best, values in stopping:
+                child_acc = torch.sigmoid(head.accept(f.h, values, draft_entropy(f.logp)))  # [F, k]
+                f.acc = (f.acc[:, None] * child_acc).flatten().index_select(0, best)  # [F']
+            best_acc = torch.stack([f.acc.max() for f, *_ in stopping]).tolist()  # one read for every row
+            stop = {id(x[0]) for x, a in zip(stopping, best_acc) if a < x[0].s.stop_threshold}
+            for f, ids, cand, _, _ in (x for x in step if id(x[0]) in stop):
+                f.levels.append(_Level(ids, cand, None))
+            step = [x for x in step if id(x[0]) not in stop]
+        if not step:
+            break
+        toks, feats, pos, masks = [], [], [], []
+        for f, ids, cand, best, _ in step:
+            f.levels.append(_Level(ids, cand, best))
+            parent = torch.div(best, f.s.tree.top_k, rounding_mode="floor")  # [F'] row of each one's parent in the frontier
             n_new = best.shape[0]
             # a node sees its parent's entries plus itself (its entry goes right after the tree's so far)
-            seen = torch.cat([front_seen.index_select(0, parent), torch.eye(n_new, dtype=torch.bool, device=dev)], dim=1)
-            mask = tree_attention_mask(seen, committed, self.dtype)  # [1, 1, F', committed + n_tree + F']
-            ftoks = ids.flatten().index_select(0, best)  # [F']
-            ffeat = front_h.index_select(0, parent)  # [F', H]: a node's feature is its parent's output
-            fpos = torch.full((n_new,), self.next_pos - 1 + d, device=dev)
-            ffuse = None if fuse is None else fuse.expand(n_new)
-            front_h = head.decode(ftoks, ffeat, fpos, mask, self.cache.hf, None, ffuse, self.global_feat)  # [F', H]
-            logp = torch.log_softmax(head.decode_logits(front_h), -1)  # [F', V]
-            front_seen, front_scores = seen, cand.index_select(0, best)
-        return levels
+            f.seen = torch.cat([f.seen.index_select(0, parent), torch.eye(n_new, dtype=torch.bool, device=f.s.device)], dim=1)
+            masks.append(tree_attention_mask(f.seen, f.committed, f.s.dtype))  # [1, 1, F', committed + n_tree + F']
+            toks.append(ids.flatten().index_select(0, best))  # [F']
+            feats.append(f.h.index_select(0, parent))  # [F', H]: a node's feature is its parent's output
+            pos.append(torch.full((n_new,), f.s.next_pos - 1 + d, device=f.s.device))
+            f.scores = cand.index_select(0, best)
+        fuse = None if rows[0].global_feat is None else torch.ones(sum(t.shape[0] for t in toks), dtype=torch.bool, device=rows[0].device)
+        outs = _decode_rows([x[0].s for x in step], toks, feats, pos, masks, None, fuse)
+        for (f, *_), h, logp in zip(step, outs, _log_probs(head, outs)):
+            f.h, f.logp = h, logp
+        growing = [x[0] for x in step]
+    return [f.levels for f in fronts]
+
+
+def _log_probs(head: EagleHead, hidden: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each row's draft log-probs [F_b, V'] from its head outputs [F_b, H], in one LM-head product."""
+    counts = [h.shape[0] for h in hidden]
+    return list(torch.log_softmax(head.decode_logits(torch.cat(hidden)), -1).split(counts))
 
 
 class _Level(NamedTuple):
