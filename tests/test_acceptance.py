@@ -219,3 +219,31 @@ def test_sampling_draws_a_steps_uniforms_in_one_call(monkeypatch):
         verify_sampling(tree, probs, g)
         assert torch.equal(probs, before), "the caller's probabilities are not modified"
     assert calls == [(tree.size,) for tree in trees]
+
+
+def test_a_row_inside_a_batch_of_mixed_temperatures_keeps_its_distribution():
+    """verify_rows: the middle row (T=1 over log p) emits tokens distributed as p within the TV bound,
+    beside a greedy row and a T=0.5 row with their own generators. Negative control: the same row given
+    its neighbour's temperature is caught by the same bound."""
+    from vlmspec.sampling import SamplingParams
+    from vlmspec.verify.acceptance import verify_rows
+
+    p_root, table, _, _ = _world(seed=5)
+    tree = _fixed_tree(p_root)
+    g = torch.Generator().manual_seed(9)
+    others = torch.randn(2, tree.size, V, generator=g) * 3
+    logits = torch.stack([others[0], _target_probs(tree, p_root, table).log(), others[1]])  # [3, N, V]
+    params = [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(temperature=0.5)]
+
+    def first_tokens(row_params, n=10_000):
+        gens = [None, torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
+        counts = torch.zeros(V)
+        for _ in range(n):
+            verdict = verify_rows([tree] * 3, logits, row_params, gens)[1]
+            counts[_emitted(tree, verdict)[0]] += 1
+        return counts
+
+    counts = first_tokens(params)
+    assert _tv(counts, p_root) < _tv_bound(10_000), _tv(counts, p_root)
+    wrong = first_tokens([params[0], params[2], params[2]])  # the row at its neighbour's temperature
+    assert _tv(wrong, p_root) > _tv_bound(10_000)

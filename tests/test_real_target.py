@@ -114,3 +114,24 @@ def test_the_shipped_drafter_keeps_its_acceptance_and_a_random_head_does_not(tar
     assert shipped.token_ids == random.token_ids  # lossless either way
     assert shipped.mean_accepted_length >= 3.5, shipped.mean_accepted_length
     assert random.mean_accepted_length < 1.5, random.mean_accepted_length
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_a_ragged_batch_gives_every_request_its_batch_one_answer_fp32(target, drafter):
+    """The four prompts (different lengths, 0 / 1 / 2 images) and different max tokens, one joining
+    late: each request's tokens in the batch equal its own batch-1 run."""
+    spec = factory.EngineSpec(model=str(MODEL), device="cpu", dtype="float32", drafter=drafter)
+    engine = SpecEngine(target, factory.drafter_for(spec, target))
+    requests = []
+    for i, (prompt, names) in enumerate(CASES.values()):
+        inputs = encode_prompt(target, prompt, [load_image_file(IMAGES / n) for n in names])
+        requests.append((inputs, GenerationConfig(max_new_tokens=MAX_NEW - 3 * i, ignore_eos=True)))
+    alone = [engine.generate(inputs, cfg).token_ids for inputs, cfg in requests]
+    batch = engine.batch(3)
+    running = [batch.add(*r) for r in requests[:3]]
+    running.append(None)  # the fourth joins once a slot is free
+    while batch.requests or running[3] is None:
+        if running[3] is None and not batch.full:
+            running[3] = batch.add(*requests[3])
+        batch.step()
+    assert [r.result.token_ids for r in running] == alone

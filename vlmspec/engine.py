@@ -1,18 +1,19 @@
-"""The speculative decoding loop, on token ids: draft a tree, verify it in one target forward, commit.
+"""The speculative decoding loop, on token ids, over a batch of requests (a batch of one included).
 
-    prefill -> first token (root)
-    loop:  depth   = control.choose(max_depth)          # how deep to draft this step (vlmspec.control)
-           tree    = session.propose(root, depth)       # drafter
-           out     = target.forward_tree(state, tree)   # ONE target forward over all N nodes
-           verdict = verify(tree, out.logits)           # accepted path + recovered/bonus token
-           target.commit(state, path); session.commit(...)  # keep the accepted KV entries
-           control.observe(tree depth, accepted, s)    # the request's acceptance history and step time
-           emit accepted tokens + next token; root = next token
+    batch.add(request)   -> prefill into a free slot of the batch's KV cache, first token (root)
+    batch.step():                                            # one round over every live request
+        depth_b  = control_b.choose(max_depth_b)            # how deep each row drafts (vlmspec.control)
+        trees    = propose_all(drafter, sessions, roots, depths)   # per-row trees (EAGLE: rows together)
+        out      = target.forward_batch(states, trees)      # ONE target forward over every row's nodes
+        verdicts = verify_rows(trees, out.logits, ...)      # each row: accepted path + recovered/bonus token
+        target.commit_batch(states, paths); session_b.commit(...)  # keep each row's accepted KV entries
+        control_b.observe(...); emit each row's tokens      # rows that finished leave; their slot is free
 
 With the `none` drafter every tree is the root alone and this is plain autoregressive decoding,
 which is the oracle every other drafter is tested against. The engine knows token ids only:
 detokenization, stop strings and hold-back live in `vlmspec.text`, wrapped around it. Everything
-one request needs travels in its `GenerationConfig` and its `_Request` state, never on the engine.
+one request needs travels in its `GenerationConfig` and its `_Request` state, never on the engine;
+`SpecEngine.generate` / `stream` run a `Batch` of one.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from vlmspec.errors import ContextLengthError
 from vlmspec.slot_cache import SlotCache
 from vlmspec.target import Target, TargetState
 from vlmspec.transfer import to_device
-from vlmspec.verify.acceptance import verify
+from vlmspec.verify.acceptance import verify_rows
 
 TIMING_KEYS = ("prefill", "draft", "verify", "commit", "other")
 
@@ -297,7 +298,7 @@ class Batch:
         trees = [t.truncate_depth(d) for t, d in zip(propose_all(self.engine.drafter, [r.session for r in reqs], [r.root for r in reqs], depths), depths)]
         clock.lap("draft")
         out = target.forward_batch([r.state for r in reqs], trees)  # logits [B, N, V]
-        verdicts = [verify(t, out.logits[b, : t.size], r.config.sampling, r.rng) for b, (r, t) in enumerate(zip(reqs, trees))]
+        verdicts = verify_rows(trees, out.logits, [r.config.sampling for r in reqs], [r.rng for r in reqs])
         clock.lap("verify")
         target.commit_batch([r.state for r in reqs], [v.path for v in verdicts])
         clock.lap("commit")

@@ -28,10 +28,32 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, CacheLayerMixin, DummyLayer
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, CacheLayerMixin, DummyLayer, DynamicLayer
 
 from vlmspec.errors import ConfigError
 from vlmspec.kv_cache import ATTENTION_KINDS, NO_KV_KINDS, blocker_message, layer_kinds, rollback_blockers
+
+
+def cross_attention_layers(config: Any) -> set[int]:
+    """Decoder layers that attend to the image's states (Mllama), which a request's prefill stores in
+    the cache once and later steps read as they are."""
+    if config is None:
+        return set()
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    layers = getattr(text, "num_hidden_layers", 0) or 0
+    return {i for i in getattr(text, "cross_attention_layers", None) or [] if i < layers}
+
+
+def single_slot_reason(config: Any) -> str:
+    """'' when requests of any lengths can share this model's cache, else why it holds one request."""
+    kinds, _ = layer_kinds(config) if config is not None else ([], [])
+    blockers = rollback_blockers(kinds)
+    if blockers:
+        return blocker_message("the model", blockers).split(" Use --drafter none")[0]
+    if cross_attention_layers(config):
+        return ("its cross-attention layers keep each request's image states in the cache, and the model decides for the "
+                "whole batch whether they are there")
+    return ""
 
 
 class _Step:
@@ -74,6 +96,24 @@ class SlotLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         return None
+
+    # what transformers' own layers expose: the entries of this step's rows before the step's writes
+    # (a model may look at them, e.g. to see whether a layer holds anything yet)
+    @property  # type: ignore[override]
+    def keys(self) -> torch.Tensor:
+        return torch.empty(0) if self.buf_k is None else self._read(max(self.step.starts))[0]
+
+    @keys.setter
+    def keys(self, value: Any) -> None:
+        assert value is None, "a slot layer's entries are written by update()"
+
+    @property  # type: ignore[override]
+    def values(self) -> torch.Tensor:
+        return torch.empty(0) if self.buf_v is None else self._read(max(self.step.starts))[1]
+
+    @values.setter
+    def values(self, value: Any) -> None:
+        assert value is None, "a slot layer's entries are written by update()"
 
     def reserve(self, n: int) -> None:
         """At least `n` entries per slot: the size of the first allocation, or a grown buffer."""
@@ -167,13 +207,15 @@ class SlotCache(DynamicCache):
         self.kinds = kinds
         self.slots = slots
         self._step = _Step()
-        blockers = rollback_blockers(kinds)
-        if blockers and slots > 1:
-            raise ConfigError(blocker_message("the model", blockers).replace(
-                "Use --drafter none", "Such a model decodes one request at a time (one slot); use --drafter none"))
+        reason = single_slot_reason(config)
+        if reason and slots > 1:
+            raise ConfigError(f"{reason}: such a model decodes one request at a time (a cache of one slot)")
+        self._cross = cross_attention_layers(config)
         layers: list[Any] = []
-        for kind, kw in zip(kinds, kwargs):
-            if kind in ATTENTION_KINDS:
+        for i, (kind, kw) in enumerate(zip(kinds, kwargs)):
+            if i in self._cross:  # the image's states, stored once by the prefill: transformers' own layer
+                layers.append(DynamicLayer())
+            elif kind in ATTENTION_KINDS:
                 layers.append(SlotLayer(slots, capacity, self._step))
             elif kind in NO_KV_KINDS:
                 layers.append(DummyLayer())
@@ -206,9 +248,12 @@ class SlotCache(DynamicCache):
             layer.reserve(n)
 
     def reset_slot(self, slot: int) -> None:
-        """A new request takes `slot`: transformers' own (non-attention) layers start from nothing."""
+        """A new request takes `slot`: transformers' own layers (non-attention state, cross-attention
+        image states) start from nothing."""
         for i, kind in enumerate(self.kinds):
-            if kind not in ATTENTION_KINDS and kind not in NO_KV_KINDS:
+            if i in self._cross:
+                self.layers[i] = DynamicLayer()
+            elif kind not in ATTENTION_KINDS and kind not in NO_KV_KINDS:
                 self.layers[i] = DYNAMIC_LAYER_TYPE_MAPPING[kind](**self._kw[i])
 
     def _slot_layers(self) -> list[SlotLayer]:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from vlmspec.stats import rotated
+from vlmspec.bench.harness import divergence
 from vlmspec.control import SpeculationOptions
 from vlmspec.data.heldout import adversarial, heldout
 from vlmspec.draft.base import Drafter, NoDrafter
@@ -59,7 +60,7 @@ class _Cell:
     rounds: list[int] = field(default_factory=list)
     cache_mb: float = 0.0
     mismatched: int = 0  # requests whose tokens differ from their batch-1 run
-    first_diffs: list[int] = field(default_factory=list)
+    divergences: list[dict[str, Any]] = field(default_factory=list)  # where, and the batch-1 run's top-2 margin there
 
 
 def prompts(target: Target, n: int) -> list[dict[str, torch.Tensor]]:
@@ -110,10 +111,10 @@ def measure(target: Target, drafter: Drafter, opts: BatchBenchOptions, progress:
                 cell.phases.append(dict(batch.timings))
                 cell.rounds.append(batch.rounds)
                 cell.cache_mb = max(cell.cache_mb, batch.cache.nbytes() / 2**20)
-                for r, ref in zip(results, alone[way.name]):
+                for inputs, r, ref in zip(requests, results, alone[way.name]):
                     if r.token_ids != ref:
                         cell.mismatched += 1
-                        cell.first_diffs.append(next(i for i, (x, y) in enumerate(zip(r.token_ids, ref)) if x != y))
+                        cell.divergences.append(divergence(target, inputs, ref, r.token_ids))
                 bar.update(1)
     bar.close()
     return {"env": {"model": target.name, "dtype": str(target.dtype).replace("torch.", ""), "device": str(target.device),
@@ -129,7 +130,7 @@ def _summary(b: int, way: str, c: _Cell) -> dict[str, Any]:
             "tokens_per_s_range": [min(c.tokens_per_s), max(c.tokens_per_s)], "latency_s": statistics.median(c.latency_s),
             "phases_s": phases, "ms_per_round": {k: 1e3 * v / rounds for k, v in phases.items() if k != "prefill"} if rounds else {},
             "rounds": rounds, "cache_mb": round(c.cache_mb, 1), "requests": b * runs, "mismatched": c.mismatched,
-            "first_diffs": c.first_diffs}
+            "near_ties": sum(d["near_tie"] for d in c.divergences), "divergences": c.divergences}
 
 
 def ratios(report: dict[str, Any]) -> dict[str, float]:
@@ -153,15 +154,20 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [f"{env['model']}, {env['dtype']} on {env['device']} ({env['threads']} threads), {env['max_new_tokens']} new tokens "
              f"per request, median of {env['repeats']} runs (range in brackets)", "",
              "| B | way | tokens/s in total | latency per request (s) | ms per step: draft / verify / commit / other | "
-             "prefill s | cache MB | differ from batch 1 |", "|---:|---|---:|---:|---|---:|---:|---:|"]
+             "prefill s | cache MB | answers that differ from batch 1 |", "|---:|---|---:|---:|---|---:|---:|---:|"]
     for c in report["cells"]:
         lo, hi = c["tokens_per_s_range"]
         ms = c["ms_per_round"]
         split = " / ".join(f"{ms.get(k, 0):.1f}" for k in ("draft", "verify", "commit", "other"))
         lines.append(f"| {c['batch']} | {c['way']} | {c['tokens_per_s']:.1f} [{lo:.1f}-{hi:.1f}] | {c['latency_s']:.2f} | {split} | "
-                     f"{c['phases_s']['prefill']:.2f} | {c['cache_mb']} | {c['mismatched']}/{c['requests']} |")
+                     f"{c['phases_s']['prefill']:.2f} | {c['cache_mb']} | {_differ(c)} |")
     lines += ["", *(f"- {k}: {v:.2f}x" for k, v in ratios(report).items())]
     return "\n".join(lines)
+
+
+def _differ(c: dict[str, Any]) -> str:
+    text = f"{c['mismatched']}/{c['requests']}"
+    return text + (f" ({c['near_ties']} at near-ties)" if c["mismatched"] else "")
 
 
 def plot(report: dict[str, Any], path: Path) -> None:

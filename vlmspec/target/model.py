@@ -27,7 +27,7 @@ import torch
 
 from vlmspec.errors import ConfigError, ContextLengthError, InputError
 from vlmspec.kv_cache import ATTENTION_KINDS, blocker_message, cache_kwarg, layer_kinds, rollback_blockers
-from vlmspec.slot_cache import SlotCache
+from vlmspec.slot_cache import SlotCache, single_slot_reason
 from vlmspec.transfer import to_device
 from vlmspec.tree import DraftTree, additive_mask, windowed_tree_mask
 from vlmspec.vision_compress.capture import capture, image_token_id, last_layer_attention
@@ -166,9 +166,9 @@ class Target:
     def check_batching(self) -> None:
         """Raise ConfigError when rows of different lengths could not share a forward exactly: rows
         need the same explicit masks and positions a tree does (`check_speculative`)."""
-        problem = self._explicit_inputs_problem()
+        problem = self._explicit_inputs_problem() or single_slot_reason(self.model.config)
         if problem:
-            raise ConfigError(f"{problem} It decodes one request at a time (a batch of one slot).")
+            raise ConfigError(f"{problem.rstrip('.')}. It decodes one request at a time (a batch of one slot).")
 
     def _explicit_inputs_problem(self) -> str:
         """'' when forwards given explicit 4D masks and position ids are exact for this model, else why not."""

@@ -5,10 +5,12 @@ three drafters (`none`, `ngram`, a random EAGLE head) on a text prompt of 20 ran
 the builds' 8-token sliding windows and attention chunks) and, where a tiny processor exists, an
 image prompt; 24 greedy tokens each must equal HF `generate`'s. Then one tree (the reference
 continuation with a wrong sibling in front of every right token) is verified in one forward and
-its path's logits compared with the same tokens run as plain steps (max gap <= 1e-4, fp32).
+its path's logits compared with the same tokens run as plain steps (max gap <= 1e-4, fp32). Last,
+the prompts and a shorter text prompt are decoded together in one batch (EAGLE drafter), each row
+at its own length: each must again give HF `generate`'s tokens.
 
 A row's status:
-  lossless    every prompt, every drafter, and the logit check;
+  lossless    every prompt, every drafter, the logit check, and the batch;
   plain only  plain decoding is exact, and the speculative drafters are refused with vlmspec's
               message (a decoder whose state cannot be rolled back);
   refused     vlmspec refuses the model with its own message;
@@ -144,6 +146,27 @@ def check_prompt(target: Target, inputs: dict[str, Any], label: str, reference: 
     return refusals, gap
 
 
+def check_batched(target: Target, prompts: dict[str, dict[str, Any]], references: dict[str, Callable[..., list[int]]]) -> str:
+    """The family's prompts plus a shorter text prompt decoded together in one batch (each row its own
+    length, masks and positions) with the EAGLE drafter: each must give its reference's tokens.
+    Raises _Failed otherwise; returns a note when the model decodes one request at a time."""
+    try:
+        target.check_batching()
+    except VlmspecError as exc:
+        return f"one request at a time: {first_line(exc)}"
+    short = {k: v[:, : PROMPT_TOKENS // 2] for k, v in text_prompt(1).items()}
+    batch = {**prompts, "short text": short}
+    refs = {label: (references.get(label) or references["text"])(target.model, inputs) for label, inputs in batch.items()}
+    engine = SpecEngine(target, EagleDrafter.random_init(target, TREE, seed=1))
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    results = engine.generate_many([(inputs, config) for inputs in batch.values()], slots=len(batch))
+    for (label, ref), result in zip(refs.items(), results):
+        if result.token_ids != ref:
+            first = next(i for i, (a, b) in enumerate(zip(result.token_ids, ref)) if a != b)
+            raise _Failed(f"{label} prompt in a batch of {len(batch)}: token {first} differs from HF generate")
+    return ""
+
+
 def _fails(reference: Callable[..., list[int]], model: torch.nn.Module, inputs: dict[str, Any]) -> str | None:
     """None when `reference` runs two greedy tokens on the build, else why not (HF's own failure)."""
     try:
@@ -192,6 +215,9 @@ def check_family(family: str, processor_factory: ProcessorFactory | None = None,
                 gaps.append(gap)
             row.prompts.append(label)
         row.max_gap = max(gaps) if gaps else None
+        if not refusals:
+            note = check_batched(target, prompts, references)
+            row.detail = "; ".join(x for x in (row.detail, note) if x)
         row.status, row.detail = ("plain only", refusals[0]) if refusals else ("lossless", row.detail)
     except NotBuildable as exc:
         row.status, row.detail = "not built", str(exc)

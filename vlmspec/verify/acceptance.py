@@ -36,7 +36,11 @@ def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> Verdict:
     target_logits: [N, V], row i = the target's logits for the token after node i.
     """
     assert target_logits.shape[0] == tree.size
-    argmax = target_logits.argmax(-1).tolist()
+    return _greedy_path(tree, target_logits.argmax(-1).tolist())
+
+
+def _greedy_path(tree: DraftTree, argmax: list[int]) -> Verdict:
+    """verify_greedy on the host, given the target's argmax after each node ([N])."""
     tokens = tree.tokens.tolist()
     children = tree.children()
     node, path = 0, [0]
@@ -107,6 +111,27 @@ def _on_host(target_probs: torch.Tensor, draft_probs: torch.Tensor | None) -> tu
         both = torch.stack([target_probs.float(), draft_probs.float()]).cpu()  # [2, N, V]
         return both[0], both[1]
     return target_probs.float().cpu(), None if draft_probs is None else draft_probs.float().cpu()
+
+
+def verify_rows(
+    trees: list[DraftTree],
+    target_logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> list[Verdict]:
+    """Every row of a batch step: row b's tree against target_logits[b, :N_b] ([B, N, V], N = max N_b),
+    with row b's own sampling parameters and generator (so its draws never depend on the other rows).
+    The greedy rows' argmaxes come to the host in one transfer for all of them."""
+    assert target_logits.shape[0] == len(trees) == len(params) == len(generators)
+    greedy = [b for b, p in enumerate(params) if p.greedy]
+    argmax = target_logits[greedy].argmax(-1).tolist() if greedy else []  # [len(greedy), N]
+    out: list[Verdict | None] = [None] * len(trees)
+    for b, am in zip(greedy, argmax):
+        out[b] = _greedy_path(trees[b], am[: trees[b].size])
+    for b, (tree, p, g) in enumerate(zip(trees, params, generators)):
+        if not p.greedy:
+            out[b] = verify_sampling(tree, logits_to_probs(target_logits[b, : tree.size], p), g)
+    return out  # type: ignore[return-value]
 
 
 def verify(
