@@ -347,3 +347,41 @@ def test_a_bench_json_into_a_folder_not_made_yet_is_written_not_lost(tmp_path):
     path = tmp_path / "new" / "deeper" / "run.json"
     write_json(path, {"tok_s": 1.5})
     assert json.loads(path.read_text()) == {"tok_s": 1.5}
+
+
+def test_the_ways_runner_rotates_pairs_and_records_a_failing_way():
+    """`runner.run_ways`: every way on every item, in an order rotated by item + round; warm-up
+    rounds unkept; ratios paired by item and round against the reference; a way raising one of
+    `fails` is recorded and skipped from then on (negative control: another exception ends the run)."""
+    import pytest
+
+    from vlmspec.bench import runner
+
+    order, seconds = [], {"plain": 0.03, "fast": 0.01}
+
+    def way(name):
+        def call(item, rnd):
+            order.append((item, rnd, name))
+            if name == "broken" and item == 1:
+                raise RuntimeError("out of memory\nat line 3")
+            runner.time.sleep(seconds.get(name, 0.0))
+            return f"{name}:{item}"
+
+        return call
+
+    ways = {w: way(w) for w in ("plain", "fast", "broken")}
+    run = runner.run_ways(ways, n_items=2, reference="plain", repeats=2, warmup=1, fails=(RuntimeError,))
+    assert [w for i, r, w in order[:3]] == ["plain", "fast", "broken"] and [w for i, r, w in order[3:6]] == ["fast", "broken", "plain"]
+    assert [w for i, r, w in order if i == 1] == ["fast", "broken", "plain", "plain", "fast", "plain", "fast"]  # item 1 starts one later
+    assert run.errors == {"broken": "RuntimeError: out of memory"}
+    assert len(run.of("plain")) == 4 and len(run.of("broken")) == 2 and all(t.repeat in (0, 1) for t in run.runs)
+    assert set(run.rounds()) == {(0, 0), (0, 1), (1, 0), (1, 1)} and run.rounds()[(1, 0)]["fast"].result == "fast:1"
+    fast = run.paired("fast")
+    assert len(fast.ratios) == 4 and 1.2 < fast.geomean < 4.0 and fast.lowest <= fast.median <= fast.highest
+    lo, hi = fast.interval()
+    assert fast.lowest <= lo <= fast.geomean <= hi <= fast.highest
+    assert run.paired("plain").ratios == (1.0,) * 4 and run.paired("fast", keep=lambda i: i == 0).ratios == fast.ratios[:2]
+    with pytest.raises(RuntimeError):
+        runner.run_ways(ways, n_items=2, reference="plain")
+    with pytest.raises(ValueError, match="reference"):
+        runner.run_ways(ways, n_items=1, reference="none")

@@ -175,11 +175,16 @@ def run_server_bench(args: argparse.Namespace) -> int:
     from vlmspec.data.heldout import heldout
 
     try:
-        from vlmspec.app.overhead import format_report, measure
+        from vlmspec.app import ServerSettings
+        from vlmspec.app.serve import serving
+        from vlmspec.bench.server import format_report, measure
     except ModuleNotFoundError as exc:
         raise UsageError(f"bench server needs the service's packages: pip install 'vlmspec[serve]' ({exc.name} is missing)") from None
     engine = factory.build_engine(engine_spec(args))
-    report = measure(engine, heldout("bench", args.n), max_tokens=args.max_new_tokens, repeats=args.repeats, stream=args.stream, progress=True)
+    settings = ServerSettings(model="bench", max_queue=4, request_timeout_s=600, ui=False)
+    with serving(engine, settings) as url:
+        report = measure(engine, heldout("bench", args.n), url, settings.model, max_tokens=args.max_new_tokens, repeats=args.repeats,
+                         stream=args.stream, progress=True)
     return _report(report, format_report(report), args)
 
 
