@@ -168,7 +168,6 @@ def test_serve_help_lists_its_options(capsys):
         (["bench", "-n", "0"], "-n must be >= 1"),
         (["bench", "run", "--warmup", "-1"], "--warmup must be >= 0"),
         (["bench", "verify-cost", "--sizes", "1,x"], "--sizes must be an integer"),
-        (["bench", "ablate", "--suite", "vision", "--out", "x", "--pause", "-1"], "--pause must be in"),
         (["serve", "--port", "70000"], "--port must be in [0, 65535]"),
         (["serve", "--max-tokens-cap", "0"], "--max-tokens-cap must be >= 1"),
         (["eval-drafter", "--n", "0"], "--n must be >= 1"),
@@ -197,11 +196,6 @@ def test_bench_kernel_without_a_gpu_is_one_line(capsys):
     assert main(["bench", "kernel", "--prefix", "64", "--tree", "4"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("vlmspec bench kernel: error:") and "GPU" in err and "\n" not in err
-
-
-def test_bench_ablate_rejects_an_unknown_variant(capsys, tmp_path):
-    assert main(["bench", "ablate", "--suite", "loss", "--out", str(tmp_path), "--only", "nope"]) == 2
-    assert "is not a variant of the 'loss' suite" in capsys.readouterr().err
 
 
 def test_nothing_imports_the_cli():

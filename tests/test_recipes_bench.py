@@ -285,3 +285,16 @@ def test_bench_trees_checks_its_shapes_and_needs_a_drafter_that_drafts(capsys, m
     assert main(["trees", "--model", str(model_dir), "--drafter", "none"]) == 2
     err = capsys.readouterr().err
     assert "drafter that drafts" in err and "Traceback" not in err
+
+
+def test_ablate_validates_its_numbers_like_every_subcommand(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["ablate", "--suite", "vision", "--out", "x", "--pause", "-1"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--pause must be in" in err and "Traceback" not in err
+
+
+def test_ablate_rejects_an_unknown_variant(capsys, tmp_path):
+    assert main(["ablate", "--suite", "loss", "--out", str(tmp_path), "--only", "nope"]) == 2
+    assert "is not a variant of the 'loss' suite" in capsys.readouterr().err
