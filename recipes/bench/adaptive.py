@@ -76,7 +76,7 @@ def measure(engine: SpecEngine, cats: dict[str, list[Conversation]], temperature
 
         return call
 
-    run = run_ways({w: way(w) for w in WAYS}, len(items), "plain", repeats, progress="bench adaptive" if progress else None)
+    run = run_ways({w: way(w) for w in WAYS}, len(items), "plain", repeats, progress="adaptive" if progress else None)
     rows = [{"category": items[k].category, "temperature": items[k].temperature, "prompt": items[k].prompt, "repeat": rep,
              **{f"{w}_s": got[w].seconds for w in WAYS},
              "depths": dict(sorted(Counter(got["goodput"].result.depths).items()))}  # the depth goodput chose at each step
