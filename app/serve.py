@@ -4,7 +4,8 @@ the options, builds the engine through vlmspec.factory and calls `serve`)."""
 from __future__ import annotations
 
 import sys
-from typing import TextIO
+from contextlib import contextmanager
+from typing import Iterator, TextIO
 
 import uvicorn
 
@@ -27,6 +28,16 @@ def serve(engine: SpecEngine, settings: ServerSettings, host: str = "127.0.0.1",
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+@contextmanager
+def serving(engine: SpecEngine, settings: ServerSettings) -> Iterator[str]:
+    """The service over `engine` on 127.0.0.1 and a free port, in a background thread, for the
+    length of the block; yields its base URL (what `vlmspec bench server` sends its requests to)."""
+    from vlmspec.testing.live_server import LiveServer
+
+    with LiveServer(create_app(engine, settings)) as srv:
+        yield srv.url
 
 
 def print_urls(settings: ServerSettings, drafter: str, host: str, port: int, ui_path: str | None, out: TextIO,

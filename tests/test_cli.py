@@ -148,29 +148,12 @@ def test_generate_stop_string_cuts_the_text(capsys, model_dir):
 
 def test_bench_help_lists_the_sub_benchmarks(capsys):
     out = _help(capsys, "bench")
-    for which in ("run", "verify-cost", "kernel", "ablate"):
+    for which in ("run", "verify-cost", "kernel", "server"):
         assert which in out
     assert "--max-new-tokens" in _help(capsys, "bench", "run")
     assert "--sizes" in _help(capsys, "bench", "verify-cost")
     assert "--no-flush" in _help(capsys, "bench", "kernel")
-    assert "--n-select" in _help(capsys, "bench", "ablate")
-    assert "acceptance head" in _help(capsys, "bench", "stop-head")
-    assert "D,K,N" in _help(capsys, "bench", "trees")
-
-
-def test_bench_stop_head_without_an_acceptance_head_is_one_line(capsys, model_dir):
-    assert main(["bench", "stop-head", "--model", str(model_dir), "--drafter", "ngram"]) == 2
-    err = capsys.readouterr().err
-    assert "--acceptance-head" in err and "Traceback" not in err
-
-
-def test_bench_trees_checks_its_shapes_and_needs_a_drafter_that_drafts(capsys, model_dir):
-    with pytest.raises(SystemExit) as exc:
-        main(["bench", "trees", "--model", str(model_dir), "--shape", "5,4"])
-    assert exc.value.code == 2 and "DEPTH,TOP_K,TOKENS" in capsys.readouterr().err
-    assert main(["bench", "trees", "--model", str(model_dir), "--drafter", "none"]) == 2
-    err = capsys.readouterr().err
-    assert "drafter that drafts" in err and "Traceback" not in err
+    assert "python -m vlmspec.recipes" in out  # where the research suites went
 
 
 def test_serve_help_lists_its_options(capsys):
@@ -185,7 +168,6 @@ def test_serve_help_lists_its_options(capsys):
         (["bench", "-n", "0"], "-n must be >= 1"),
         (["bench", "run", "--warmup", "-1"], "--warmup must be >= 0"),
         (["bench", "verify-cost", "--sizes", "1,x"], "--sizes must be an integer"),
-        (["bench", "ablate", "--suite", "vision", "--out", "x", "--pause", "-1"], "--pause must be in"),
         (["serve", "--port", "70000"], "--port must be in [0, 65535]"),
         (["serve", "--max-tokens-cap", "0"], "--max-tokens-cap must be >= 1"),
         (["eval-drafter", "--n", "0"], "--n must be >= 1"),
@@ -214,11 +196,6 @@ def test_bench_kernel_without_a_gpu_is_one_line(capsys):
     assert main(["bench", "kernel", "--prefix", "64", "--tree", "4"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("vlmspec bench kernel: error:") and "GPU" in err and "\n" not in err
-
-
-def test_bench_ablate_rejects_an_unknown_variant(capsys, tmp_path):
-    assert main(["bench", "ablate", "--suite", "loss", "--out", str(tmp_path), "--only", "nope"]) == 2
-    assert "is not a variant of the 'loss' suite" in capsys.readouterr().err
 
 
 def test_nothing_imports_the_cli():

@@ -592,22 +592,24 @@ def test_timeout_remote_images_and_shutdown(engines):
 def test_server_bench_pairs_the_same_answers_and_times_both_paths(stream, monkeypatch):
     """`vlmspec bench server` (#22 item 5): each prompt through the engine and through the HTTP
     service, interleaved; the answers must agree, and a mismatch is refused (negative control)."""
-    from vlmspec.app import overhead
+    from vlmspec.app import ServerSettings
+    from vlmspec.app.serve import serving
+    from vlmspec.bench import server
     from vlmspec.data.heldout import Conversation
 
     engine = SpecEngine(tiny_target("llava"), NgramDrafter(TreeConfig(depth=3, top_k=2, total_tokens=6)))
     prompts = [Conversation("the cat sat on the mat. the cat", "", [tiny_image(1)]), Conversation("a dog", "", [])]
-    report = overhead.measure(engine, prompts, max_tokens=12, repeats=2, stream=stream, warmup=0)
-    assert len(report["rows"]) == 4 and all(r["direct_s"] > 0 and r["served_s"] > 0 for r in report["rows"])
-    assert report["min_ratio"] <= report["median_ratio"] <= report["max_ratio"]
-    assert report["min_ratio"] <= report["geomean_lo"] <= report["geomean_ratio"] <= report["geomean_hi"] <= report["max_ratio"]
-    assert "served / direct" in overhead.format_report(report)
-    real = overhead._direct
+    with serving(engine, ServerSettings(model="bench", request_timeout_s=600, ui=False)) as url:
+        report = server.measure(engine, prompts, url, "bench", max_tokens=12, repeats=2, stream=stream, warmup=0)
+        assert len(report["rows"]) == 4 and all(r["direct_s"] > 0 and r["served_s"] > 0 for r in report["rows"])
+        assert report["min_ratio"] <= report["median_ratio"] <= report["max_ratio"]
+        assert report["min_ratio"] <= report["geomean_lo"] <= report["geomean_ratio"] <= report["geomean_hi"] <= report["max_ratio"]
+        assert "served / direct" in server.format_report(report)
+        real = server._direct
 
-    def off_by_one(engine, conv, max_tokens):  # the direct path answering something else must be caught
-        s, text = real(engine, conv, max_tokens)
-        return s, text + "!"
+        def off_by_one(engine, conv, max_tokens):  # the direct path answering something else must be caught
+            return real(engine, conv, max_tokens) + "!"
 
-    monkeypatch.setattr(overhead, "_direct", off_by_one)
-    with pytest.raises(AssertionError, match="the service answered"):
-        overhead.measure(engine, prompts[:1], max_tokens=4, repeats=1, warmup=0)
+        monkeypatch.setattr(server, "_direct", off_by_one)
+        with pytest.raises(AssertionError, match="the service answered"):
+            server.measure(engine, prompts[:1], url, "bench", max_tokens=4, repeats=1, warmup=0)

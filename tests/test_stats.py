@@ -57,3 +57,24 @@ def test_rotated_gives_every_method_each_place_in_turn():
     ways = ("plain", "fixed", "goodput")
     assert rotated(ways, 0) == list(ways) and rotated(ways, 1) == ["fixed", "goodput", "plain"] and rotated(ways, 4) == rotated(ways, 1)
     assert {rotated(ways, k)[0] for k in range(3)} == set(ways)  # over a full cycle each goes first once
+
+
+def test_one_beta_prior_acceptance_estimate_for_the_controller_and_self_speculation():
+    """The posterior mean under a Beta prior: the prior mean before any observation, the observed
+    rate once the counts outweigh the prior; the goodput controller and self-speculation read it."""
+    from types import SimpleNamespace
+
+    from vlmspec.control import CostModel, GoodputPolicy
+    from vlmspec.draft.self_spec import SelfSpecConfig, _ExitStats, _SelfSession
+    from vlmspec.stats import posterior_acceptance
+
+    assert posterior_acceptance(0.0, 0.0, 0.8, 2.0) == 0.8
+    assert posterior_acceptance(3.0, 4.0, 0.8, 2.0) == pytest.approx((3 + 1.6) / 6)
+    assert posterior_acceptance(30.0, 40.0, 0.8, 1e-9) == pytest.approx(0.75)
+    ctl = GoodputPolicy(CostModel(step_s=1.0), prior_accept=0.8, prior_weight=2.0).start()
+    ctl.observe(2, 1)  # depth 1 accepted, depth 2 rejected
+    a1 = posterior_acceptance(1.0, 1.0, 0.8, 2.0)
+    assert ctl.accept_rates(2) == [a1, posterior_acceptance(0.0, 1.0, a1, 2.0)]
+    session = SimpleNamespace(drafter=SimpleNamespace(config=SelfSpecConfig(prior_accept=0.6, prior_weight=2.0)),
+                              stats={4: _ExitStats(drafted=3.0, accepted=2.0)})
+    assert _SelfSession.accept_rate(session, 4) == posterior_acceptance(2.0, 3.0, 0.6, 2.0) == pytest.approx(3.2 / 5)

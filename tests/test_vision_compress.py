@@ -294,7 +294,7 @@ def test_a_resampler_with_too_few_queries_for_the_targets_images_is_refused_at_l
 
 
 def test_prefill_at_llava_scale_is_timed_round_robin_and_none_past_a_resamplers_capacity():
-    from vlmspec.bench.ablation import prefill_at_scale
+    from vlmspec.recipes.bench.ablation import prefill_at_scale
 
     target = tiny_target("llava")
     variants = {"plain": VisualConfig(), "resampler@4x": VisualConfig("resampler", 4), "resampler@16x": VisualConfig("resampler", 16),
@@ -313,7 +313,7 @@ def test_prefill_at_llava_scale_is_timed_round_robin_and_none_past_a_resamplers_
 def test_read_flops_of_the_plain_head_match_its_matrix_products_and_attention():
     """The FLOP count the ablation reports, checked against the head's shapes: fc, q/k/v/o, the
     MLP's three projections and attention (QK^T and PV over every key) for each of the n rows."""
-    from vlmspec.bench.ablation import read_flops, scale_prompt
+    from vlmspec.recipes.bench.ablation import read_flops, scale_prompt
 
     target = tiny_target("llava")
     drafter = _variant(target, VisualConfig())

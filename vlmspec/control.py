@@ -42,6 +42,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from vlmspec.stats import posterior_acceptance
+
 
 @dataclass(frozen=True)
 class CostModel:
@@ -190,7 +192,7 @@ class AcceptanceTracker:
         for d in range(depth):
             r = self.reached[d] if d < len(self.reached) else 0.0
             a = self.accepted[d] if d < len(self.accepted) else 0.0
-            prior = (a + prior * p.prior_weight) / (r + p.prior_weight)
+            prior = posterior_acceptance(a, r, prior, p.prior_weight)
             rates.append(prior)
         return rates
 

@@ -80,6 +80,14 @@ class SpecStats:
         }
 
 
+def posterior_acceptance(accepted: float, reached: float, prior_mean: float, prior_weight: float) -> float:
+    """The acceptance rate estimated from (decayed) counts under a Beta prior: the posterior mean
+    (accepted + prior_mean * prior_weight) / (reached + prior_weight), where `prior_weight` is the
+    prior's strength in pseudo-observations (the prior mean itself with no observation). The
+    goodput controller's per-depth rates and self-speculation's per-exit rates are this estimate."""
+    return (accepted + prior_mean * prior_weight) / (reached + prior_weight)
+
+
 def geomean(xs: list[float]) -> float:
     """Geometric mean of positive numbers (speed ratios); nan for none."""
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")

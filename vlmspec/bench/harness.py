@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from vlmspec import factory
+from vlmspec.bench.runner import WaysRun, run_ways
 from vlmspec.data.heldout import Conversation, adversarial, heldout
 from vlmspec.draft import NgramDrafter, NoDrafter
 from vlmspec.draft.base import Drafter
@@ -36,7 +37,7 @@ from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.factory import EngineSpec
 from vlmspec.inputs import encode_prompt
 from vlmspec.sampling import SamplingParams
-from vlmspec.stats import SpecStats, rotated
+from vlmspec.stats import SpecStats
 from vlmspec.target import Target
 from vlmspec.train.data import load_jsonl
 
@@ -171,72 +172,68 @@ def run_bench(
     hf_lookup: int = 10,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """drafters: name -> Drafter for the vlmspec methods. Returns {"methods": {...}, "env": {...}}."""
-    from tqdm import tqdm
-
+    """drafters: name -> Drafter for the vlmspec methods. Returns {"methods": {...}, "env": {...}}.
+    Every method on every prompt through `runner.run_ways` (interleaved, order rotated)."""
     sampling = SamplingParams(temperature=temperature)
     vision = VisionTimer(target.model)
-    methods: dict[str, Callable[[dict[str, torch.Tensor], GenerationConfig], tuple[list[int], Any]]] = {}
-
-    def hf(lookup: int | None):
-        def call(inputs, cfg):
-            return _hf_run(target, inputs, cfg, lookup), None
-
-        return call
-
-    def spec(drafter):
-        engine = SpecEngine(target, drafter)
-
-        def call(inputs, cfg):
-            r = engine.generate(inputs, cfg)
-            return r.token_ids, r
-
-        return call
-
-    methods["hf_generate"] = hf(None)
-    methods["hf_prompt_lookup"] = hf(hf_lookup)
-    for name, d in drafters.items():
-        methods[f"vlmspec_{name}"] = spec(d)
-    stats = {m: MethodStats() for m in methods}
-    names = list(methods)
     encoded = [encode_prompt(target, c.prompt, c.images) for c in prompts]
-    total = len(encoded) * (warmup + repeats) * len(names)
-    bar = tqdm(total=total, desc="bench", disable=not progress, dynamic_ncols=True)
-    for pi, inputs in enumerate(encoded):
-        hf_prefill = _hf_prefill_seconds(target, inputs)
-        last_ids: dict[str, list[int]] = {}
-        for rep in range(warmup + repeats):
-            order = rotated(names, rep)
-            for m in order:
-                bar.update(1)
-                st = stats[m]
-                if st.error:
-                    continue
-                cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, seed=1000 * pi + rep)
-                if target.device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(target.device)
-                try:
-                    with vision.measure() as vis:
-                        _sync()
-                        t0 = time.perf_counter()
-                        ids, result = methods[m](inputs, cfg)
-                        _sync()
-                        dt = time.perf_counter() - t0
-                        vis_s = vis()
-                except (RuntimeError, ValueError, TypeError, NotImplementedError) as exc:
-                    st.error = f"{exc.__class__.__name__}: {str(exc).splitlines()[0][:300]}"
-                    continue
-                if rep < warmup:
-                    continue
-                last_ids[m] = ids
-                st.add(ids, dt, vis_s, result, hf_prefill, _peak_mb(target.device))
-        reference = last_ids.get("hf_generate")
-        if temperature == 0 and reference is not None:
-            for m, ids in last_ids.items():
-                if ids != reference:
-                    stats[m].mismatches.append(pi)
-                    stats[m].divergences.append({"prompt": pi, **divergence(target, inputs, reference, ids)})
-    bar.close()
+    hf_prefill = [_hf_prefill_seconds(target, inputs) for inputs in encoded]
+    calls: dict[str, Callable[[dict[str, torch.Tensor], GenerationConfig], tuple[list[int], Any]]] = {
+        "hf_generate": lambda inputs, cfg: (_hf_run(target, inputs, cfg, None), None),
+        "hf_prompt_lookup": lambda inputs, cfg: (_hf_run(target, inputs, cfg, hf_lookup), None)}
+    for name, d in drafters.items():
+        calls[f"vlmspec_{name}"] = _engine_call(SpecEngine(target, d))
+
+    def way(call: Callable) -> Callable[[int, int], tuple[list[int], Any, float, float]]:
+        def run(pi: int, rnd: int) -> tuple[list[int], Any, float, float]:
+            cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, seed=1000 * pi + rnd)
+            if target.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(target.device)
+            with vision.measure() as vis:
+                ids, result = call(encoded[pi], cfg)
+                return ids, result, vis(), _peak_mb(target.device)
+
+        return run
+
+    run = run_ways({m: way(c) for m, c in calls.items()}, len(encoded), "hf_generate", repeats, warmup,
+                   fails=(RuntimeError, ValueError, TypeError, NotImplementedError), sync=_sync,
+                   progress="bench" if progress else None)
+    stats = {m: MethodStats(error=run.errors.get(m)) for m in calls}
+    for t in run.runs:
+        ids, result, vis_s, peak = t.result
+        stats[t.way].add(ids, t.seconds, vis_s, result, hf_prefill[t.item], peak)
+    if temperature == 0:
+        _check_parity(target, encoded, run, stats)
+    out = _summaries(stats, temperature)
+    return {"methods": out, "env": environment(target, temperature, max_new_tokens, len(prompts), warmup, repeats)}
+
+
+def _engine_call(engine: SpecEngine) -> Callable[[dict[str, torch.Tensor], GenerationConfig], tuple[list[int], Any]]:
+    def call(inputs: dict[str, torch.Tensor], cfg: GenerationConfig) -> tuple[list[int], Any]:
+        r = engine.generate(inputs, cfg)
+        return r.token_ids, r
+
+    return call
+
+
+def _check_parity(target: Target, encoded: list[dict[str, torch.Tensor]], run: WaysRun, stats: dict[str, MethodStats]) -> None:
+    """At T=0, each method's tokens on each prompt's last measured round against hf_generate's:
+    a mismatch is recorded with where it starts and the reference's top-2 margin there."""
+    last: dict[int, dict[str, list[int]]] = {}
+    for (pi, _), runs in run.rounds().items():
+        last.setdefault(pi, {}).update({m: t.result[0] for m, t in runs.items()})  # later rounds replace earlier
+    for pi, ids_of in last.items():
+        reference = ids_of.get("hf_generate")
+        if reference is None:
+            continue
+        for m, ids in ids_of.items():
+            if ids != reference:
+                stats[m].mismatches.append(pi)
+                stats[m].divergences.append({"prompt": pi, **divergence(target, encoded[pi], reference, ids)})
+
+
+def _summaries(stats: dict[str, MethodStats], temperature: float) -> dict[str, dict[str, Any]]:
+    """Each method's summary, with its speedups over hf_generate and vlmspec_none and the n/a marks."""
     out = {m: s.summary() for m, s in stats.items()}
     for s in out.values():
         s["status"] = "ok" if s["error"] is None else "n/a"
@@ -254,7 +251,7 @@ def run_bench(
         s["speedup_vs_vlmspec_none"] = s["tokens_per_s"] / base_c if base_c and s["tokens_per_s"] is not None else None
         if temperature != 0 and s["status"] == "ok":
             s["matches_reference"] = None  # sampled outputs differ by design; losslessness is tested statistically
-    return {"methods": out, "env": environment(target, temperature, max_new_tokens, len(prompts), warmup, repeats)}
+    return out
 
 
 # a greedy choice that flips between two numerically different but equivalent computations (a tree

@@ -3,7 +3,7 @@ options here and calls the library (engines through `vlmspec.factory`); nothing 
 
     vlmspec generate        vlmspec/cli/generate.py
     vlmspec serve           vlmspec/cli/serve.py      (lazily imports vlmspec.app)
-    vlmspec bench [run|verify-cost|kernel|ablate]      vlmspec/cli/bench.py
+    vlmspec bench [run|verify-cost|kernel|server]      vlmspec/cli/bench.py (the research suites: python -m vlmspec.recipes)
     vlmspec train-target | train | eval-target | eval-drafter    vlmspec/cli/train.py
     vlmspec build-target | train-align                  vlmspec/cli/build.py
     number validators, engine options                  vlmspec/cli/options.py

@@ -6,10 +6,10 @@ measurements share prompts by accident. The seeds are the ones the committed rep
 with.
 
     heldout("bench", 12)                         # `vlmspec bench`: mixed tasks, test split
-    heldout("drafter-eval", 8, per_task=True)    # `eval-drafter`, `bench ablate` (test; split="val": selection)
+    heldout("drafter-eval", 8, per_task=True)    # `eval-drafter`, the ablate recipe (test; split="val": selection)
     heldout("distill-eval", 16, seed=0)          # the trainer's periodic evaluation (val split)
     heldout("target-eval", 600, per_task=True, tasks=SCORED)   # `eval-target` (test split)
-    adversarial("photo_unknown", 5)              # `bench adaptive`: prompts no drafter is ready for
+    adversarial("photo_unknown", 5)              # the adaptive recipe: prompts no drafter is ready for
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ TEXT_PROMPTS = (
 )
 
 
-# The adversarial sets of `vlmspec bench adaptive` (issue #21): prompts where a drafter has little
+# The adversarial sets of `python -m vlmspec.recipes adaptive` (issue #21): prompts where a drafter has little
 # to go on. Questions about the sample photographs that nothing in them answers; strings of random
 # vocabulary tokens; general text instructions (TEXT_PROMPTS: no drafter here was trained on them).
 PHOTO_QUESTIONS = (

@@ -28,6 +28,7 @@ import torch
 
 from vlmspec.draft.base import DraftSession, PromptContext, TreeConfig
 from vlmspec.errors import ConfigError
+from vlmspec.stats import posterior_acceptance
 from vlmspec.target.early_exit import ExitView
 from vlmspec.tree import DraftTree
 
@@ -114,7 +115,7 @@ class _SelfSession:
     # ---------------------------------------------------------------- DEL's choice
     def accept_rate(self, e: int) -> float:
         c, s = self.drafter.config, self.stats[e]
-        return (s.accepted + c.prior_accept * c.prior_weight) / (s.drafted + c.prior_weight)
+        return posterior_acceptance(s.accepted, s.drafted, c.prior_accept, c.prior_weight)
 
     def choose_exit(self, depth: int) -> int:
         exits = self.drafter.exits

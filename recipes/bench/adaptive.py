@@ -1,6 +1,7 @@
-"""`vlmspec bench adaptive`: adaptive speculation against plain decoding and the fixed tree (#21).
+"""`python -m vlmspec.recipes adaptive`: adaptive speculation against plain decoding and the fixed tree (#21).
 
-Three ways through the same engine code and target, on each prompt, in a rotating order:
+A research suite (it answered issue #21's question once). Three ways through the same engine code
+and target, on each prompt, in a rotating order (`vlmspec.bench.runner.run_ways`):
 plain (the `none` drafter), fixed (the drafter's full tree every step) and goodput
 (`control.GoodputPolicy`, its cost model measured at start-up through the engine). Categories: the
 held-out ToyWorld image prompts (in domain) and the adversarial sets of `heldout.adversarial`,
@@ -17,20 +18,30 @@ keeps, and the depths the controller chose.
 
 from __future__ import annotations
 
-import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
+from vlmspec.bench.runner import WaysRun, run_ways
 from vlmspec.control import FixedPolicy, GoodputPolicy
+from vlmspec.cost import COST_PROMPT, measure_cost
 from vlmspec.data.heldout import ADVERSARIAL, Conversation, adversarial, heldout
 from vlmspec.engine import GenerationConfig, SpecEngine
-from vlmspec.cost import COST_PROMPT, measure_cost
 from vlmspec.factory import plain_engine
 from vlmspec.inputs import encode_prompt
 from vlmspec.sampling import SamplingParams
-from vlmspec.stats import geomean, rotated
 
 WAYS = ("plain", "fixed", "goodput")
+
+
+@dataclass(frozen=True)
+class _Item:
+    """What every way answers once per round: one prompt of a category, at one temperature."""
+
+    category: str
+    prompt: int  # index within its category
+    inputs: dict[str, Any]  # the encoded prompt (shared by its temperatures)
+    temperature: float
 
 
 def categories(target: Any, n: int, seed: int = 0) -> dict[str, list[Conversation]]:
@@ -43,55 +54,55 @@ def categories(target: Any, n: int, seed: int = 0) -> dict[str, list[Conversatio
 
 def measure(engine: SpecEngine, cats: dict[str, list[Conversation]], temperatures: tuple[float, ...] = (0.0, 1.5),
             max_new_tokens: int = 64, repeats: int = 2, progress: bool = True) -> dict[str, Any]:
-    from tqdm import tqdm
-
     target = engine.target
     cost = engine.speculation.cost or measure_cost(engine, encode_prompt(target, COST_PROMPT))  # the one the engine serves with
-    plain = plain_engine(engine)
-    rows: list[dict[str, Any]] = []
-    total = sum(len(v) for v in cats.values()) * len(temperatures) * repeats
-    bar = tqdm(total=total, desc="bench adaptive", unit="prompt", disable=not progress, dynamic_ncols=True)
+    items = []
     for cat, convs in cats.items():
         for i, conv in enumerate(convs):
             inputs = encode_prompt(target, conv.prompt, conv.images)  # once per prompt, for every temperature
-            for temp in temperatures:
-                for rep in range(repeats):
-                    ways = {"plain": (plain, None), "fixed": (engine, FixedPolicy()), "goodput": (engine, GoodputPolicy(cost))}
-                    order = rotated(WAYS, i + rep)
-                    secs, depths = {}, Counter()
-                    for way in order:
-                        eng, policy = ways[way]
-                        cfg = GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True, sampling=SamplingParams(temperature=temp),
-                                               seed=1000 * rep + i, policy=policy)
-                        t0 = time.perf_counter()
-                        r = eng.generate(inputs, cfg)
-                        secs[way] = time.perf_counter() - t0
-                        assert len(r.token_ids) == max_new_tokens, (way, len(r.token_ids))
-                        if way == "goodput":
-                            depths = Counter(r.depths)  # the depth goodput chose at each step
-                    rows.append({"category": cat, "temperature": temp, "prompt": i, "repeat": rep, **{f"{w}_s": secs[w] for w in WAYS},
-                                 "depths": dict(sorted(depths.items()))})
-                    bar.update(1)
-    bar.close()
-    return {"rows": rows, "summary": summarise(rows, max_new_tokens), "max_new_tokens": max_new_tokens, "repeats": repeats,
-            "cost_model": cost.as_dict(),
+            items += [_Item(cat, i, inputs, temp) for temp in temperatures]
+    ways = {"plain": (plain_engine(engine), None), "fixed": (engine, FixedPolicy()), "goodput": (engine, GoodputPolicy(cost))}
+
+    def way(name: str):
+        eng, policy = ways[name]
+
+        def call(k: int, rnd: int):
+            it = items[k]
+            cfg = GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True, sampling=SamplingParams(temperature=it.temperature),
+                                   seed=1000 * rnd + it.prompt, policy=policy)
+            r = eng.generate(it.inputs, cfg)
+            assert len(r.token_ids) == max_new_tokens, (name, len(r.token_ids))
+            return r
+
+        return call
+
+    run = run_ways({w: way(w) for w in WAYS}, len(items), "plain", repeats, progress="adaptive" if progress else None)
+    rows = [{"category": items[k].category, "temperature": items[k].temperature, "prompt": items[k].prompt, "repeat": rep,
+             **{f"{w}_s": got[w].seconds for w in WAYS},
+             "depths": dict(sorted(Counter(got["goodput"].result.depths).items()))}  # the depth goodput chose at each step
+            for (k, rep), got in run.rounds().items()]
+    return {"rows": rows, "summary": summarise(run, items, rows, max_new_tokens), "max_new_tokens": max_new_tokens,
+            "repeats": repeats, "cost_model": cost.as_dict(),
             "tree": vars(engine.drafter.tree) if engine.drafter.tree is not None else None, "drafter": engine.drafter.name}
 
 
-def summarise(rows: list[dict[str, Any]], max_new_tokens: int) -> list[dict[str, Any]]:
+def summarise(run: WaysRun, items: list[_Item], rows: list[dict[str, Any]], max_new_tokens: int) -> list[dict[str, Any]]:
+    """Per category and temperature: each way's tokens/s, goodput's and fixed's per-prompt speed
+    ratios to plain (geometric mean; goodput's worst), the share of fixed's gain goodput keeps."""
     out = []
-    for key in dict.fromkeys((r["category"], r["temperature"]) for r in rows):
+    for key in dict.fromkeys((it.category, it.temperature) for it in items):
+        def keep(k: int) -> bool:
+            return (items[k].category, items[k].temperature) == key
+
         sel = [r for r in rows if (r["category"], r["temperature"]) == key]
         tps = {w: max_new_tokens * len(sel) / sum(r[f"{w}_s"] for r in sel) for w in WAYS}
-        g_vs_plain = [r["plain_s"] / r["goodput_s"] for r in sel]
-        f_vs_plain = [r["plain_s"] / r["fixed_s"] for r in sel]
+        good, fixed = run.paired("goodput", keep), run.paired("fixed", keep)
         depths: Counter = Counter()
         for r in sel:
-            depths.update({int(k): v for k, v in r["depths"].items()})
-        fixed_gain, good_gain = geomean(f_vs_plain), geomean(g_vs_plain)
+            depths.update({int(d): c for d, c in r["depths"].items()})
         out.append({"category": key[0], "temperature": key[1], "prompts": len(sel), **{f"{w}_tok_s": tps[w] for w in WAYS},
-                    "goodput_vs_plain": good_gain, "goodput_vs_plain_worst": min(g_vs_plain), "fixed_vs_plain": fixed_gain,
-                    "goodput_keeps_of_fixed": good_gain / fixed_gain if fixed_gain > 0 else float("nan"),
+                    "goodput_vs_plain": good.geomean, "goodput_vs_plain_worst": good.lowest, "fixed_vs_plain": fixed.geomean,
+                    "goodput_keeps_of_fixed": good.geomean / fixed.geomean if fixed.geomean > 0 else float("nan"),
                     "depths": dict(sorted(depths.items()))})
     return out
 

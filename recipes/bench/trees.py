@@ -1,19 +1,19 @@
-"""`vlmspec bench trees`: which draft-tree shape pays on this device, dtype and drafter (#20).
+"""`python -m vlmspec.recipes trees`: which draft-tree shape pays on this device, dtype and drafter (#20).
 
-The tree default is a trade between acceptance (deeper, wider trees accept more) and the verify
+A research suite: it chose the drafters' measured tree defaults (their configs' `tree_defaults`). The tree default is a trade between acceptance (deeper, wider trees accept more) and the verify
 forward's cost (a tree of N nodes costs `bench verify-cost`'s ratio of a one-token step) plus the
 drafting (one head level per depth). This bench measures the trade end to end instead of
 modelling it: one target and drafter, each shape a fresh engine over the same weights, every
-shape and plain decoding on every prompt in a rotating order. Generations stop at the target's
+shape and plain decoding on every prompt in a rotating order (`vlmspec.bench.runner.run_ways`). Generations stop at the target's
 own end of turn (the answers the service returns; at T=0 every shape writes the same tokens),
 so the per-prompt time ratio to plain decoding is the speedup a user sees past the prompt.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
+from vlmspec.bench.runner import WaysRun, run_ways
 from vlmspec.control import FixedPolicy
 from vlmspec.data.heldout import Conversation
 from vlmspec.draft.base import TreeConfig
@@ -21,7 +21,6 @@ from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.factory import plain_engine
 from vlmspec.inputs import encode_prompt
 from vlmspec.sampling import SamplingParams
-from vlmspec.stats import geomean, rotated
 
 # chains (top_k 1) and small trees: what a CPU verify affords, up to the CPU default (5, 4, 16)
 SHAPES = (TreeConfig(4, 1, 4), TreeConfig(5, 1, 5), TreeConfig(6, 1, 6), TreeConfig(5, 2, 8), TreeConfig(6, 2, 10),
@@ -35,41 +34,38 @@ def shape_name(tree: TreeConfig) -> str:
 def measure(engine: SpecEngine, prompts: list[Conversation], shapes: tuple[TreeConfig, ...] = SHAPES,
             temperature: float = 0.0, max_new_tokens: int = 96, repeats: int = 1, progress: bool = True) -> dict[str, Any]:
     """engine: a target with a drafter that drafts; each shape runs it with `start(prompt, tree)`'s tree."""
-    from tqdm import tqdm
-
-    assert engine.drafter.tree is not None, "bench trees needs a drafter that drafts"
+    assert engine.drafter.tree is not None, "trees needs a drafter that drafts"
     ways: dict[str, tuple[SpecEngine, TreeConfig | None]] = {"plain": (plain_engine(engine), None)}
     ways.update({shape_name(t): (engine, t) for t in shapes})
     names = list(ways)
-    rows: list[dict[str, Any]] = []
-    bar = tqdm(total=len(prompts) * repeats, desc="bench trees", unit="prompt", disable=not progress, dynamic_ncols=True)
-    for i, conv in enumerate(prompts):
-        inputs = encode_prompt(engine.target, conv.prompt, conv.images)
-        for rep in range(repeats):
-            for name in rotated(names, i + rep):
-                eng, tree = ways[name]
-                cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature=temperature),
-                                       seed=1000 * rep + i, policy=FixedPolicy(), tree=tree)
-                t0 = time.perf_counter()
-                r = eng.generate(inputs, cfg)
-                seconds = time.perf_counter() - t0
-                rows.append({"shape": name, "prompt": i, "repeat": rep, "seconds": seconds, "tokens": len(r.token_ids),
-                             "steps": r.stats.num_drafts, "accepted": r.stats.num_accepted_tokens})
-            bar.update(1)
-    bar.close()
-    return {"rows": rows, "summary": summarise(rows, names), "temperature": temperature, "max_new_tokens": max_new_tokens,
+    encoded = [encode_prompt(engine.target, conv.prompt, conv.images) for conv in prompts]
+
+    def way(name: str):
+        eng, tree = ways[name]
+
+        def call(i: int, rnd: int):
+            cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature=temperature),
+                                   seed=1000 * rnd + i, policy=FixedPolicy(), tree=tree)
+            return eng.generate(encoded[i], cfg)
+
+        return call
+
+    run = run_ways({n: way(n) for n in names}, len(prompts), "plain", repeats, progress="trees" if progress else None)
+    rows = [{"shape": t.way, "prompt": t.item, "repeat": t.repeat, "seconds": t.seconds, "tokens": len(t.result.token_ids),
+             "steps": t.result.stats.num_drafts, "accepted": t.result.stats.num_accepted_tokens} for t in run.runs]
+    return {"rows": rows, "summary": summarise(run, rows, names), "temperature": temperature, "max_new_tokens": max_new_tokens,
             "repeats": repeats, "shapes": {shape_name(t): vars(t) for t in shapes}}
 
 
-def summarise(rows: list[dict[str, Any]], names: list[str]) -> list[dict[str, Any]]:
-    plain = {(r["prompt"], r["repeat"]): r["seconds"] for r in rows if r["shape"] == "plain"}
+def summarise(run: WaysRun, rows: list[dict[str, Any]], names: list[str]) -> list[dict[str, Any]]:
+    """Per shape: tokens/s, the per-prompt speed ratio to plain (geometric mean, worst, best), tau, ms per step."""
     out = []
     for name in names:
         sel = [r for r in rows if r["shape"] == name]
-        ratios = [plain[(r["prompt"], r["repeat"])] / r["seconds"] for r in sel]
+        vs_plain = run.paired(name)
         steps = sum(r["steps"] for r in sel)
         out.append({"shape": name, "runs": len(sel), "tok_s": sum(r["tokens"] for r in sel) / sum(r["seconds"] for r in sel),
-                    "vs_plain": geomean(ratios), "vs_plain_worst": min(ratios), "vs_plain_best": max(ratios),
+                    "vs_plain": vs_plain.geomean, "vs_plain_worst": vs_plain.lowest, "vs_plain_best": vs_plain.highest,
                     "tau": (steps + sum(r["accepted"] for r in sel)) / steps if steps and name != "plain" else 1.0,
                     "ms_per_step": 1000 * sum(r["seconds"] for r in sel) / max(steps, 1)})
     return out
