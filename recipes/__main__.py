@@ -22,12 +22,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(given)
+    args.command_line = " ".join(["python -m vlmspec.recipes", *given])
     try:
         return int(args.func(args) or 0)
     except VlmspecError as exc:
         print(f"{args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: what a suite measured so far is on disk
+        return 130
 
 
 if __name__ == "__main__":

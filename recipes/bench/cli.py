@@ -10,7 +10,6 @@ is `vlmspec.recipes.bench.*` (the product's benches are `vlmspec bench`, vlmspec
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from vlmspec.cli import HelpFormatter
@@ -83,11 +82,6 @@ def _add_parser(sub: argparse._SubParsersAction, name: str, help: str) -> argpar
     return sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)
 
 
-def command_line(args: argparse.Namespace) -> str:
-    """The command as typed, for the reports (the recipes' entry point may record it as `vlmspec`'s does)."""
-    return getattr(args, "command_line", None) or " ".join(["python -m vlmspec.recipes", *sys.argv[1:]])
-
-
 def _add_ways_args(p: argparse.ArgumentParser, n: int, n_help: str, temperatures: str) -> None:
     """The options of the benches that time ways to speculate through one engine, interleaved."""
     add_engine_args(p)
@@ -107,7 +101,7 @@ def run_adaptive_bench(args: argparse.Namespace) -> int:
     if engine.drafter.tree is None:
         raise UsageError("adaptive compares ways to speculate: give a drafter that drafts (--drafter eagle, ngram or a folder)")
     report = measure(engine, categories(engine.target, args.n), tuple(args.temperature or (0.0, 1.5)), args.max_new_tokens, args.repeats)
-    return print_report(report, format_table(report), args, command_line(args))
+    return print_report(report, format_table(report), args, args.command_line)
 
 
 def run_stop_head_bench(args: argparse.Namespace) -> int:
@@ -122,7 +116,7 @@ def run_stop_head_bench(args: argparse.Namespace) -> int:
         raise UsageError("stop-head needs an EAGLE drafter trained with an acceptance head: "
                          "vlmspec train --acceptance-head --out RUN, then --drafter RUN/drafter")
     report = measure(engine, heldout("bench", args.n), tuple(args.temperature or (0.0, 1.0)), args.max_new_tokens, args.repeats)
-    return print_report(report, format_table(report), args, command_line(args))
+    return print_report(report, format_table(report), args, args.command_line)
 
 
 def tree_shape(text: str):
@@ -144,7 +138,7 @@ def run_trees_bench(args: argparse.Namespace) -> int:
         raise UsageError("trees compares draft-tree shapes: give a drafter that drafts (--drafter eagle, ngram or a folder)")
     report = measure(engine, load_prompts(args.prompts, args.n), tuple(args.shape) or SHAPES, args.temperature,
                      args.max_new_tokens, args.repeats)
-    return print_report(report, format_table(report), args, command_line(args))
+    return print_report(report, format_table(report), args, args.command_line)
 
 
 def run_ablate(args: argparse.Namespace) -> int:
@@ -162,6 +156,6 @@ def run_ablate(args: argparse.Namespace) -> int:
                          reuse=args.reuse, rounds=args.rounds, blocks=args.blocks, pause_s=args.pause,
                          answer_style=args.answer_style, draft_vocab=args.draft_vocab)
     out = Path(args.out)
-    ablate(target, opts, out, command=command_line(args))
+    ablate(target, opts, out, command=args.command_line)
     print((out / "ablation.md").read_text())
     return 0
