@@ -129,13 +129,13 @@ class SlotLayer(CacheLayerMixin):
         self.buf_v = torch.nn.functional.pad(self.buf_v, pad)
         self.capacity = self.buf_k.shape[2]
 
-    def _ensure(self, k: torch.Tensor, end: int) -> None:
-        """Allocate (zeros: stale entries stay finite, so masked ones weigh exactly 0) or grow to `end`."""
-        _, h, _, d = k.shape
+    def _ensure(self, k: torch.Tensor, v: torch.Tensor, end: int) -> None:
+        """Allocate (zeros: stale entries stay finite, so masked ones weigh exactly 0) or grow to `end`.
+        Keys and values may differ in head size (latent attention: MLA)."""
         if self.buf_k is None:
             self.capacity = max(self.capacity, end)
-            self.buf_k = torch.zeros(self.slots, h, self.capacity, d, dtype=k.dtype, device=k.device)
-            self.buf_v = torch.zeros_like(self.buf_k)
+            self.buf_k = torch.zeros(self.slots, k.shape[1], self.capacity, k.shape[3], dtype=k.dtype, device=k.device)
+            self.buf_v = torch.zeros(self.slots, v.shape[1], self.capacity, v.shape[3], dtype=v.dtype, device=v.device)
         elif end > self.buf_k.shape[2]:
             self._grow(end)
 
@@ -146,7 +146,7 @@ class SlotLayer(CacheLayerMixin):
         b, _, q, _ = key_states.shape
         assert b == len(step.rows), (b, step.rows)
         end = max(step.starts) + q
-        self._ensure(key_states, end)
+        self._ensure(key_states, value_states, end)
         assert self.buf_k is not None and self.buf_v is not None
         if b == 1:  # one row: a plain slice write
             r, s = step.rows[0], step.starts[0]
