@@ -149,7 +149,7 @@ def run_train(args: argparse.Namespace) -> int:
     from vlmspec.train.distill import DistillConfig, train_drafter
     from vlmspec.vision_compress import VisualConfig
 
-    spec = engine_spec(args, model=args.target)
+    spec = engine_spec(args, model=args.target, **process_device(args.device))
     factory.resolve_model(spec.model)  # no bundled model and no --target: say so before anything else
     if args.data != "toyworld" and not Path(args.data).is_file():
         raise UsageError(f"data file not found: {args.data} (use 'toyworld' or a JSONL file)")
@@ -181,6 +181,21 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"train: {summary['step']} steps, {summary['elapsed_s'] / 60:.1f} min of training steps "
               f"({summary['run_wall_s'] / 60:.1f} min this run with data, evals and the stop threshold); drafter in {args.out}/drafter")
     return 0
+
+
+def process_device(device: str | None) -> dict[str, str]:
+    """Under torchrun with CUDA, each process trains on its own GPU (cuda:LOCAL_RANK) unless
+    --device names one; {} otherwise (the device the options say)."""
+    import os
+
+    import torch
+
+    local = os.environ.get("LOCAL_RANK")
+    if local is None or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return {}
+    if device == "cuda" or (device is None and torch.cuda.is_available()):
+        return {"device": f"cuda:{int(local)}"}
+    return {}
 
 
 def run_eval_drafter(args: argparse.Namespace) -> int:
