@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from vlmspec.cli.options import (
@@ -85,6 +86,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="ToyWorld answers phrased as the target was aligned (its train-align --answer-style), so the drafter "
                         "learns on the contexts the target writes (default: short, the bundled toy's)")
     d.add_argument("--eval-every", type=positive_int("--eval-every"), default=200, help='evaluate the acceptance on held-out prompts every this many steps')
+    d.add_argument("--eval-n", type=non_negative_int("--eval-n"), default=12, help="held-out prompts of each evaluation (0: no evaluation)")
     d.add_argument("--minutes", type=float_in("--minutes", 0.0, 1e6, low_open=True), default=None, help='wall-clock budget of this run (checkpointed when spent; --resume continues)')
     d.add_argument("--seed", type=int, default=0, help='seed of the initialisation and of the data order')
     add_device_args(d)
@@ -160,13 +162,15 @@ def run_train(args: argparse.Namespace) -> int:
             raise UsageError("--init-from starts a new run; drop it to --resume one")
         if not Path(args.init_from).is_dir():
             raise UsageError(f"--init-from: {args.init_from} is not a drafter folder (config.json + model.safetensors)")
+    if args.acceptance_head and args.eval_n == 0:
+        raise UsageError("--acceptance-head chooses its stop threshold on the held-out prompts: give --eval-n 1 or more")
     if args.text_style != "plain" and not args.text_pairs:
         raise UsageError("--text-style shapes the --text-pairs; add --text-pairs N")
     target = factory.load(spec)
     check_draft_vocab(args.draft_vocab, target.vocab_size)
     cfg = DistillConfig(
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, w_ce=args.w_ce, w_feat=args.w_feat,
-        ttt_steps=args.ttt_steps, curriculum_steps=args.curriculum_steps, eval_every=args.eval_every,
+        ttt_steps=args.ttt_steps, curriculum_steps=args.curriculum_steps, eval_every=args.eval_every, eval_n=args.eval_n,
         minutes=args.minutes, seed=args.seed, regenerate=args.regenerate, draft_vocab=args.draft_vocab,
         acceptance_head=args.acceptance_head, text_pairs=args.text_pairs, text_share=args.text_share,
         answer_style=args.answer_style, text_style=args.text_style, init_from=args.init_from or "",
@@ -174,6 +178,8 @@ def run_train(args: argparse.Namespace) -> int:
     vis = VisualConfig(args.visual, args.ratio, args.decouple, args.global_feature, gate_cost=args.gate_cost if args.visual == "gate" else 0.0)
     cfg.visual = {} if vis.is_plain else vis.to_dict()
     train_drafter(target, args.data, args.out, cfg, resume=args.resume, progress=not args.json)  # DataError: one line
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, process 0 writes the drafter and reports
+        return 0
     summary = json.loads((Path(args.out) / "train_summary.json").read_text())
     if args.json:
         print(json.dumps(summary))
@@ -186,8 +192,6 @@ def run_train(args: argparse.Namespace) -> int:
 def process_device(device: str | None) -> dict[str, str]:
     """Under torchrun with CUDA, each process trains on its own GPU (cuda:LOCAL_RANK) unless
     --device names one; {} otherwise (the device the options say)."""
-    import os
-
     import torch
 
     local = os.environ.get("LOCAL_RANK")

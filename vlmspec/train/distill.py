@@ -216,7 +216,7 @@ def train_drafter(
         state["draft_vocab"] = trim_vocabulary(head, target, data, replace(cfg, batch_size=cfg.batch_size * world), text_pairs, regen)
     loss_fn: torch.nn.Module = DistillStep(head, cfg, VisualConfig.from_dict(cfg.visual).gate_cost)
     if world > 1:  # starts every process from process 0's weights, averages the gradients in backward
-        loss_fn = torch.nn.parallel.DistributedDataParallel(loss_fn, find_unused_parameters=True, broadcast_buffers=False)
+        loss_fn = torch.nn.parallel.DistributedDataParallel(loss_fn, find_unused_parameters=True)  # (a visual head's parts idle on text-only batches)
     held_out = heldout("distill-eval", cfg.eval_n)
     drafter = EagleDrafter(head, tree)
     tau = {"text": "-"}
@@ -247,7 +247,7 @@ def train_drafter(
         _save(out, head, opt, state)
         _plot(state["history"], out / "train_curve.png")
 
-    hooks = Hooks(step=step, save=save, evaluate=evaluate,
+    hooks = Hooks(step=step, save=save, evaluate=evaluate if cfg.eval_n > 0 else None,
                   postfix=lambda r: {"loss": f"{r['loss']:.3f}", "acc1": f"{r.get('acc1', 0):.2f}", "tau": tau["text"]})
     batches = conversations(data, cfg, rank, state["step"], text_pairs, world)
     stopped = train_loop(Stage.of(cfg, "train"), state, batches, opt, hooks, progress, stop_at, main)

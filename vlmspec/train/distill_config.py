@@ -27,7 +27,7 @@ class DistillConfig(TrainConfig):
     ttt_steps: int = 2  # 1 = no training-time test
     curriculum_steps: int = 0  # text-only share ramps from 1 to 0 over these steps (ToyWorld); 0 = off
     eval_every: int = 200
-    eval_n: int = 12
+    eval_n: int = 12  # held-out prompts of each evaluation (mean accepted length); 0 = no evaluation
     ckpt_every: int = 100
     # VLM-aware head variant (vision_compress.VisualConfig as a dict); {} = the plain EAGLE head
     visual: dict[str, Any] = field(default_factory=dict)
@@ -63,6 +63,8 @@ class DistillConfig(TrainConfig):
             raise ValueError(f"text_pairs must be >= 0 and text_share in [0, 1], got {self.text_pairs}, {self.text_share}")
         if self.text_style not in TEXT_STYLES:
             raise ValueError(f"text_style must be one of {TEXT_STYLES}, got {self.text_style!r}")
+        if self.acceptance_head and self.eval_n < 1:
+            raise ValueError("the acceptance head's stop threshold is chosen on the held-out prompts: eval_n must be >= 1")
         if self.answer_style not in toyworld.ANSWER_STYLES:
             raise ValueError(f"answer_style must be one of {sorted(toyworld.ANSWER_STYLES)}, got {self.answer_style!r}")
 
