@@ -170,7 +170,7 @@ def setup(target: Target, out: Path, cfg: DistillConfig, resume: bool) -> tuple[
     head = new_head(target, cfg)
     if cfg.init_from and not resume:
         warm_start(head, target, cfg.init_from)
-    opt = torch.optim.AdamW([{"params": list(head.parameters()), "peak": cfg.lr}], lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(list(head.parameters()), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     state = new_state()
     if resume:
         state = saved_state(out)

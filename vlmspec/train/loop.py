@@ -3,8 +3,8 @@ bundled targets): resume from the step a checkpoint saved, a progress bar, the w
 learning-rate schedule, evaluation, a wall-clock budget, checkpoints, and the run's summary.
 
 A trainer supplies what is its own through `Hooks`: one optimizer step on a batch, an evaluation,
-a checkpoint writer. Its batches must be a pure function of the step (exact resume), and its
-optimizer's parameter groups carry their peak rate (`Stage.peak` reads it from the group).
+a checkpoint writer. Its batches must be a pure function of the step (exact resume); `Stage.peak`
+gives each of its optimizer's parameter groups its peak rate.
 
     stage = Stage.of(cfg, "train")
     stopped = train_loop(stage, state, batches(state["step"]), opt, Hooks(step=..., save=...))
@@ -56,13 +56,14 @@ class Stage:
     eval_every: int = 0  # 0: never
     minutes: float | None = None
     counter: str = "step"  # the trainer-state key counting this stage's steps (and naming them in the history)
-    peak: Callable[[dict[str, Any]], float] = lambda group: group["peak"]  # a parameter group's peak rate
+    peak: Callable[[dict[str, Any]], float] = lambda group: group["peak"]  # a parameter group -> its peak rate
 
     @classmethod
     def of(cls, cfg: TrainConfig, desc: str, **changes: Any) -> "Stage":
-        """The stage a config's shared fields describe."""
+        """The stage a config's shared fields describe (every parameter group peaking at cfg.lr
+        unless `peak` is given)."""
         fields = dict(desc=desc, steps=cfg.steps, warmup=cfg.warmup, min_lr_ratio=cfg.min_lr_ratio, ckpt_every=cfg.ckpt_every,
-                      eval_every=cfg.eval_every, minutes=cfg.minutes)
+                      eval_every=cfg.eval_every, minutes=cfg.minutes, peak=lambda group: cfg.lr)
         return cls(**{**fields, **changes})
 
     def scale(self, step: int) -> float:
@@ -114,6 +115,7 @@ def train_loop(
     from tqdm import tqdm
 
     key = stage.counter
+    peaks = [stage.peak(g) for g in optimizer.param_groups]
     bar = tqdm(total=stage.steps, initial=state[key], disable=not (progress and main), desc=stage.desc, dynamic_ncols=True)
     t0, elapsed0 = time.perf_counter(), state["elapsed_s"]
     stopped = "steps"
@@ -125,8 +127,8 @@ def train_loop(
             stopped = f"--stop-at {stop_at}"
             break
         scale = stage.scale(step)
-        for group in optimizer.param_groups:
-            group["lr"] = scale * stage.peak(group)
+        for group, top in zip(optimizer.param_groups, peaks):
+            group["lr"] = scale * top
         record = hooks.step(step, batch)
         state[key] = step + 1
         state["elapsed_s"] = elapsed0 + time.perf_counter() - t0
