@@ -88,7 +88,7 @@ class SFTConfig(TrainConfig):
     # drowns after the projector's LayerNorm and the tower's gradient falls to ~1e-4); a small
     # rate keeps it near its well-conditioned start while the projector and decoder learn
     vision_lr_mult: float = 0.3
-    # stage 0 (vlmspec/train/vision_pretrain.py): the vision tower + projector learn to encode
+    # stage 0 (vision_pretrain.py): the vision tower + projector learn to encode
     # each cell's object, the sign's word and the chart's bars before the decoder sees them
     vision_steps: int = 1500
     vision_batch_size: int = 64
