@@ -318,30 +318,6 @@ def test_every_option_of_every_command_is_documented_with_its_default(capsys):
     assert "--max-new-tokens" in bench_help and "runs `bench run`" in bench_help  # bench run's options show on bench --help
 
 
-@pytest.mark.skipif(not __import__("vlmspec.assets", fromlist=["x"]).bundled_target(), reason="needs assets/toyworld-vlm")
-def test_eval_target_json_and_every_answer_written(capsys, tmp_path):
-    answers = tmp_path / "answers.json"
-    assert main(["eval-target", "--model", "toy", "--device", "cpu", "--n", "6", "--json", "--answers", str(answers)]) == 0
-    result = json.loads(capsys.readouterr().out)  # stdout is the one JSON object (progress goes to stderr)
-    items = json.loads(answers.read_text())
-    assert len(items) == 2 * result["n"] == 12 and {i["image"] for i in items} == {"real", "noise"}
-    for metric in ("counting", "attribute", "text_reading", "description_coverage"):
-        real = [i["scores"][metric] for i in items if i["image"] == "real" and metric in i["scores"]]
-        noise = [i["scores"][metric] for i in items if i["image"] == "noise" and metric in i["scores"]]
-        assert real and sum(real) / len(real) == pytest.approx(result[metric])
-        assert sum(noise) / len(noise) == pytest.approx(result["noise_image"][metric])
-    assert all(i["answer"] and i["reference"] for i in items if i["image"] == "real")
-
-
-@pytest.mark.parametrize("flags, message", [(["--sign-words"], "--word-weight"), (["--tower-stage0-only"], "--tower-tail"),
-                                            (["--warm-start", "nowhere"], "no checkpoint in nowhere"),
-                                            (["--warm-start", "nowhere", "--resume"], "give one of them")])
-def test_train_align_flags_that_need_another_are_one_line(capsys, model_dir, tmp_path, flags, message):
-    assert main(["train-align", "--base", str(model_dir), "--out", str(tmp_path / "run"), *flags]) == 2
-    err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err and not (tmp_path / "run").exists()
-
-
 @pytest.mark.parametrize("flags, message", [(["--init-from", "nowhere"], "is not a drafter folder"),
                                             (["--text-style", "varied"], "add --text-pairs")])
 def test_train_flags_that_need_another_are_one_line(capsys, model_dir, tmp_path, flags, message):

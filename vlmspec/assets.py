@@ -3,8 +3,8 @@
 - The real target (SmolLM2-135M-Instruct + EfficientNet-Lite0 in `fast_vlm`) is *built* on this
   machine by `vlmspec build-target` (`make setup` runs it) into $VLMSPEC_MODELS (default: the
   repository's models/ folder) from two pip packages:
-  * `smolvlm-base`: the untrained assembly (projector at its seeded init), what `vlmspec
-    train-align` starts from and what the parity tests run on;
+  * `smolvlm-base`: the untrained assembly (projector at its seeded init), what `python -m
+    vlmspec.recipes train-align` starts from and what the parity tests run on;
   * `smolvlm-toyworld`: the same with the trained parts committed in assets/smolvlm-toyworld/
     applied: the default model (issue #19). Where it is not built (no `make setup`), the default
     falls back to the toy.

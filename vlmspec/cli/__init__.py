@@ -3,9 +3,10 @@ options here and calls the library (engines through `vlmspec.factory`); nothing 
 
     vlmspec generate        vlmspec/cli/generate.py
     vlmspec serve           vlmspec/cli/serve.py      (lazily imports vlmspec.app)
-    vlmspec bench [run|verify-cost|kernel|server]      vlmspec/cli/bench.py (the research suites: python -m vlmspec.recipes)
-    vlmspec train-target | train | eval-target | eval-drafter    vlmspec/cli/train.py
-    vlmspec build-target | train-align                  vlmspec/cli/build.py
+    vlmspec bench [run|batch|verify-cost|kernel|server]   vlmspec/cli/bench.py
+    vlmspec train | eval-drafter                          vlmspec/cli/train.py
+    vlmspec build-target                                  vlmspec/cli/build.py
+    (how the bundled targets were trained, and the research suites: python -m vlmspec.recipes)
     number validators, engine options                  vlmspec/cli/options.py
 
 Bad input ends with one line on stderr and exit code 2: argparse's usage error for a bad option,

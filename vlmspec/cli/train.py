@@ -1,13 +1,15 @@
-"""`vlmspec train-target`, `train`, `eval-target`, `eval-drafter`: the trainers and their evaluations.
+"""`vlmspec train`, `eval-drafter`: training a drafter and measuring it.
 
 Targets and drafters load through `vlmspec.factory`; held-out prompts come from
-`vlmspec.data.heldout`; the work is `vlmspec.train.*`.
+`vlmspec.data.heldout`; the work is `vlmspec.train.*`. (The recipes that trained the bundled
+targets are `python -m vlmspec.recipes train-target | train-align | eval-target`.)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from vlmspec.cli.options import (
@@ -26,28 +28,6 @@ VISUAL_CHOICES = ("none", "gate", "uniform", "attention", "pool", "conv", "resam
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    t = sub.add_parser("train-target", help="train the toy target VLM (--model toy) from scratch on ToyWorld (resumable)")
-    t.add_argument("--out", required=True, help="run folder: checkpoint/, model/, loss.png")
-    t.add_argument("--steps", type=positive_int("--steps"), default=1300, help='SFT steps of the cosine schedule')
-    t.add_argument("--batch-size", type=positive_int("--batch-size"), default=16, help='samples per step')
-    t.add_argument("--lr", type=float_in("--lr", 0.0, 1.0, low_open=True), default=1e-3, help='peak learning rate')
-    t.add_argument("--minutes", type=float_in("--minutes", 0.0, 1e6, low_open=True), default=None, help="wall-clock budget of this run")
-    t.add_argument("--seed", type=int, default=0, help='seed of the initialisation and of the training scenes')
-    t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
-    t.add_argument("--init-from", help="exported model folder (e.g. runs/x/model or assets/toyworld-vlm) whose weights and processor start this run")
-    t.add_argument("--task-mix", help="training task mix, e.g. 'count=0.3,attribute=0.3,describe=0.2' (default: ToyWorld's mix)")
-    t.add_argument("--vision-steps", type=non_negative_int("--vision-steps"), default=1500,
-                   help="stage 0: steps of supervised vision-tower pre-training on scene labels (0 = none)")
-    t.add_argument("--stop-at", type=positive_int("--stop-at"), default=None,
-                   help="end this run after this SFT step (checkpointed; continue with --resume)")
-    t.add_argument("--aux-weight", type=float_in("--aux-weight", 0.0, 100.0), default=0.2,
-                   help="weight of the stage-0 probe loss kept on during SFT")
-    t.add_argument("--hidden", type=positive_int("--hidden"), default=None, help="decoder width (default 160, the bundled v4's)")
-    t.add_argument("--intermediate", type=positive_int("--intermediate"), default=None, help="decoder MLP width (default 448)")
-    t.add_argument("--heads", type=positive_int("--heads"), default=None, help="decoder attention heads (default 5)")
-    t.add_argument("--kv-heads", type=positive_int("--kv-heads"), default=None, help="decoder key/value heads (default 5)")
-    t.set_defaults(func=run_train_target)
-
     d = sub.add_parser("train", help="distil an EAGLE-style draft head from a frozen target (online logits)")
     d.add_argument("--target", help="target VLM folder or hub id (default: models/smolvlm-toyworld when built with trained parts, else the toy; 'toy' selects the toy)")
     d.add_argument("--data", default="toyworld", help="'toyworld' or a LLaVA-style JSONL file")
@@ -85,6 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="ToyWorld answers phrased as the target was aligned (its train-align --answer-style), so the drafter "
                         "learns on the contexts the target writes (default: short, the bundled toy's)")
     d.add_argument("--eval-every", type=positive_int("--eval-every"), default=200, help='evaluate the acceptance on held-out prompts every this many steps')
+    d.add_argument("--eval-n", type=non_negative_int("--eval-n"), default=12, help="held-out prompts of each evaluation (0: no evaluation)")
     d.add_argument("--minutes", type=float_in("--minutes", 0.0, 1e6, low_open=True), default=None, help='wall-clock budget of this run (checkpointed when spent; --resume continues)')
     d.add_argument("--seed", type=int, default=0, help='seed of the initialisation and of the data order')
     add_device_args(d)
@@ -102,54 +83,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     ed.add_argument("--json", action="store_true", help='print one JSON object instead of the table')
     ed.set_defaults(func=run_eval_drafter)
 
-    e = sub.add_parser("eval-target", help="score a target on held-out ToyWorld items, with real and with noise images")
-    e.add_argument("--model", help="target folder (default: models/smolvlm-toyworld when built with trained parts, else the toy; 'toy' selects the toy)")
-    add_device_args(e)
-    e.add_argument("--n", type=positive_int("--n"), default=600, help='held-out items in all, split evenly over the scored tasks')
-    e.add_argument("--seed", type=non_negative_int("--seed"), default=0, help='which block of held-out items (0 = the one the reported figures use)')
-    e.add_argument("--text-reference", help="a model folder with the same tokenizer (e.g. the untrained assembly, "
-                                            "vlmspec build-target --no-trained): also compare greedy answers to text-only prompts")
-    e.add_argument("--json", action="store_true", help='print one JSON object instead of the table')
-    e.add_argument("--answers", help="also write every item's answer, reference and score to this JSON file")
-    e.set_defaults(func=run_eval_target)
-
-
-def run_train_target(args: argparse.Namespace) -> int:
-    from vlmspec.train.target_sft import SFTConfig, TargetArch, parse_task_mix, saved_sizes, train
-
-    if args.resume and not (Path(args.out) / "checkpoint").is_dir():
-        raise UsageError(f"--resume: no checkpoint in {args.out}/checkpoint")
-    try:
-        mix = parse_task_mix(args.task_mix) if args.task_mix else None
-    except ValueError as exc:
-        raise UsageError(f"--task-mix: {exc}") from None
-    sizes = {k: v for k, v in (("hidden", args.hidden), ("intermediate", args.intermediate), ("heads", args.heads),
-                               ("kv_heads", args.kv_heads)) if v is not None}
-    if args.init_from and not sizes:  # the sizes of the model it starts from
-        sizes = saved_sizes(args.init_from)
-    arch = TargetArch(**sizes)
-    if arch.hidden % arch.heads or arch.heads % arch.kv_heads or (arch.hidden // arch.heads) % 2:
-        raise UsageError(f"--hidden {arch.hidden} / --heads {arch.heads} / --kv-heads {arch.kv_heads}: the width must split into "
-                         "heads of an even size, and the heads into equal key/value groups")
-    if args.resume and sizes:
-        raise UsageError("--resume continues with the sizes saved in the checkpoint; drop --hidden/--intermediate/--heads/--kv-heads")
-    cfg = SFTConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, minutes=args.minutes, seed=args.seed,
-                    vision_steps=args.vision_steps, aux_weight=args.aux_weight, task_mix=mix, arch=arch)
-    if args.init_from:
-        if args.resume:
-            raise UsageError("--init-from starts a new run; drop it to --resume one")
-        if not (Path(args.init_from) / "model.safetensors").is_file():
-            raise UsageError(f"--init-from: {args.init_from} is not an exported model folder (no model.safetensors)")
-    train(args.out, cfg, resume=args.resume, init_from=args.init_from, stop_at=args.stop_at)
-    return 0
-
 
 def run_train(args: argparse.Namespace) -> int:
     from vlmspec import factory
     from vlmspec.train.distill import DistillConfig, train_drafter
     from vlmspec.vision_compress import VisualConfig
 
-    spec = engine_spec(args, model=args.target)
+    spec = engine_spec(args, model=args.target, **process_device(args.device))
     factory.resolve_model(spec.model)  # no bundled model and no --target: say so before anything else
     if args.data != "toyworld" and not Path(args.data).is_file():
         raise UsageError(f"data file not found: {args.data} (use 'toyworld' or a JSONL file)")
@@ -160,13 +100,15 @@ def run_train(args: argparse.Namespace) -> int:
             raise UsageError("--init-from starts a new run; drop it to --resume one")
         if not Path(args.init_from).is_dir():
             raise UsageError(f"--init-from: {args.init_from} is not a drafter folder (config.json + model.safetensors)")
+    if args.acceptance_head and args.eval_n == 0:
+        raise UsageError("--acceptance-head chooses its stop threshold on the held-out prompts: give --eval-n 1 or more")
     if args.text_style != "plain" and not args.text_pairs:
         raise UsageError("--text-style shapes the --text-pairs; add --text-pairs N")
     target = factory.load(spec)
     check_draft_vocab(args.draft_vocab, target.vocab_size)
     cfg = DistillConfig(
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, w_ce=args.w_ce, w_feat=args.w_feat,
-        ttt_steps=args.ttt_steps, curriculum_steps=args.curriculum_steps, eval_every=args.eval_every,
+        ttt_steps=args.ttt_steps, curriculum_steps=args.curriculum_steps, eval_every=args.eval_every, eval_n=args.eval_n,
         minutes=args.minutes, seed=args.seed, regenerate=args.regenerate, draft_vocab=args.draft_vocab,
         acceptance_head=args.acceptance_head, text_pairs=args.text_pairs, text_share=args.text_share,
         answer_style=args.answer_style, text_style=args.text_style, init_from=args.init_from or "",
@@ -174,6 +116,8 @@ def run_train(args: argparse.Namespace) -> int:
     vis = VisualConfig(args.visual, args.ratio, args.decouple, args.global_feature, gate_cost=args.gate_cost if args.visual == "gate" else 0.0)
     cfg.visual = {} if vis.is_plain else vis.to_dict()
     train_drafter(target, args.data, args.out, cfg, resume=args.resume, progress=not args.json)  # DataError: one line
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, process 0 writes the drafter and reports
+        return 0
     summary = json.loads((Path(args.out) / "train_summary.json").read_text())
     if args.json:
         print(json.dumps(summary))
@@ -181,6 +125,19 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"train: {summary['step']} steps, {summary['elapsed_s'] / 60:.1f} min of training steps "
               f"({summary['run_wall_s'] / 60:.1f} min this run with data, evals and the stop threshold); drafter in {args.out}/drafter")
     return 0
+
+
+def process_device(device: str | None) -> dict[str, str]:
+    """Under torchrun with CUDA, each process trains on its own GPU (cuda:LOCAL_RANK) unless
+    --device names one; {} otherwise (the device the options say)."""
+    import torch
+
+    local = os.environ.get("LOCAL_RANK")
+    if local is None or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return {}
+    if device == "cuda" or (device is None and torch.cuda.is_available()):
+        return {"device": f"cuda:{int(local)}"}
+    return {}
 
 
 def run_eval_drafter(args: argparse.Namespace) -> int:
@@ -200,24 +157,4 @@ def run_eval_drafter(args: argparse.Namespace) -> int:
     else:
         for task, tau in taus.items():
             print(f"{task:>12}: {tau:.2f}")
-    return 0
-
-
-def run_eval_target(args: argparse.Namespace) -> int:
-    from vlmspec import factory
-    from vlmspec.train.target_eval import evaluate, format_table, text_agreement
-
-    spec = engine_spec(args)
-    target = factory.load(spec)
-    answers: list[dict] | None = [] if args.answers else None
-    result = evaluate(target, n=args.n, seed=args.seed, answers=answers)  # progress on stderr, so --json's stdout stays one object
-    if args.text_reference:
-        reference = factory.load(engine_spec(args, model=args.text_reference))
-        result["text_only"] = text_agreement(target, reference)
-    if answers is not None:
-        Path(args.answers).write_text(json.dumps(answers, indent=1))
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(format_table(result))
     return 0

@@ -6,7 +6,7 @@ so train / val / test splits are just disjoint seed ranges (:data:`SPLITS`).
 The world is deliberately *learnable* by a small LLaVA-architecture model (the bundled target,
 ``assets/toyworld-vlm``, has 4.1M parameters) whose CLIP ViT reads the 96x96 images in 32x32
 patches: 3x3 = 9 patches, exactly one per grid cell, so each object lies whole inside one image
-token (``TargetArch.patch_size`` in :mod:`vlmspec.train.target_sft`; 12-px patches, 8x8 = 64
+token (``TargetArch.patch_size`` in :mod:`vlmspec.recipes.train.target_sft`; 12-px patches, 8x8 = 64
 tokens with 2.67 x 2.67 patches per cell, did not learn to read the image within the CPU budget):
 
 * **object scenes**: 2-6 objects, one per cell of a 3x3 grid (cells are 32 px), 5 shapes,

@@ -14,7 +14,7 @@ model whose vision tower is a `timm_wrapper`), loaded by `AutoModelForImageTextT
 - processor: pad to square, resize to S, ImageNet mean/std; ChatML (SmolLM2's template for plain
   text, byte for byte, and `{"type": "image"}` parts as `<image>\\n`).
 
-The trained parts (`assets/smolvlm-toyworld/trained.safetensors`, written by `vlmspec train-align`)
+The trained parts (`assets/smolvlm-toyworld/trained.safetensors`, written by `python -m vlmspec.recipes train-align`)
 hold whole tensors that replace the base's (the projector, any vision layers trained) and LoRA pairs
 that are merged into the language model's weights (`W + B @ A`, B carrying the scale), in fp32
 before the cast to the stored dtype. The base weights are never committed; only these parts are.

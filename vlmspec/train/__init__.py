@@ -1,2 +1,3 @@
-"""Training and evaluation: `train-target` (SFT of the bundled VLM, `target_sft`), `train` (online
-distillation of draft heads, `distill`), `eval-target` (`target_eval`); data in `data`."""
+"""Training drafters: `vlmspec train` (online distillation of draft heads, `distill`) through the one
+training loop (`loop`), on `data`'s conversations and `magpie`'s text pairs. (The bundled targets'
+own trainers are recipes: `vlmspec.recipes.train`.)"""

@@ -1,10 +1,11 @@
-"""`vlmspec train-target`: train the bundled LLaVA-architecture target from scratch on ToyWorld.
+"""`python -m vlmspec.recipes train-target`: how the toy target (assets/toyworld-vlm) was made: the
+LLaVA-architecture target trained from scratch on ToyWorld.
 
-Next-token SFT on the answers only (prompt and image positions are masked), AdamW with linear
-warm-up and cosine decay, batches bucketed by length, safetensors checkpoints with exact resume
-(model, optimizer, step; the data order is a pure function of the step), a loss curve PNG.
-
-    vlmspec train-target --out runs/target --steps 3000 --batch-size 16 [--minutes 80] [--resume]
+Stage 0 pre-trains the vision tower and projector on scene labels (`vision_pretrain`); then
+next-token SFT on the answers only (prompt and image positions are masked), AdamW with linear
+warm-up and cosine decay (`vlmspec.train.loop`), batches bucketed by length, safetensors
+checkpoints with exact resume (model, optimizer, step; the data order is a pure function of the
+step), a loss curve PNG. The model card (assets/toyworld-vlm/README.md) has the commands.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from itertools import count
 from typing import Any, Iterator
 
 import torch
@@ -24,9 +26,10 @@ from vlmspec.data import toyworld
 from vlmspec.data.heldout import heldout
 from vlmspec.data.heldout import Conversation
 from vlmspec.data.processor import build_processor, corpus_for_tokenizer, llava_config_kwargs, train_tokenizer
-from vlmspec.train.common import clipped_step, save_checkpoint_dir, warmup_cosine
+from vlmspec.train.common import clipped_step, save_checkpoint_dir
+from vlmspec.train.loop import CKPT, Hooks, Stage, TrainConfig, new_state, train_loop, write_summary
 from vlmspec.train.data import encode_conversations
-from vlmspec.train.vision_pretrain import SceneProbe, image_tokens, pretrain_batch, scene_labels
+from vlmspec.recipes.train.vision_pretrain import SceneLabels, SceneProbe, image_tokens, pretrain_batch, scene_labels
 
 
 @dataclass
@@ -65,7 +68,7 @@ def saved_sizes(folder: str | Path) -> dict[str, int]:
 
 
 @dataclass
-class SFTConfig:
+class SFTConfig(TrainConfig):
     steps: int = 3000
     batch_size: int = 16
     lr: float = 1e-3
@@ -73,12 +76,10 @@ class SFTConfig:
     warmup: int = 100
     weight_decay: float = 0.05
     grad_clip: float = 1.0
-    seed: int = 0
     bucket: int = 4  # samples for `bucket` batches are drawn together and sorted by length
     ckpt_every: int = 100
     eval_every: int = 100
     eval_samples: int = 64
-    minutes: float | None = None  # wall-clock budget of this run; checkpoint and stop when spent
     # "sample": every sample weighs the same (short grounded answers are not drowned by long
     # descriptions, whose tokens are mostly phrasing); "token": the usual mean over all tokens
     loss_norm: str = "sample"
@@ -87,7 +88,7 @@ class SFTConfig:
     # drowns after the projector's LayerNorm and the tower's gradient falls to ~1e-4); a small
     # rate keeps it near its well-conditioned start while the projector and decoder learn
     vision_lr_mult: float = 0.3
-    # stage 0 (vlmspec/train/vision_pretrain.py): the vision tower + projector learn to encode
+    # stage 0 (vision_pretrain.py): the vision tower + projector learn to encode
     # each cell's object, the sign's word and the chart's bars before the decoder sees them
     vision_steps: int = 1500
     vision_batch_size: int = 64
@@ -230,13 +231,7 @@ def answer_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch
     return (per_sample / mask.sum(1).clamp(min=1)).mean()
 
 
-def lr_at(step: int, cfg: SFTConfig) -> float:
-    return warmup_cosine(step, cfg.steps, cfg.lr, cfg.warmup, cfg.min_lr_ratio)
-
-
 # ---------------------------------------------------------------------------------------- checkpoints
-CKPT = "checkpoint"
-
 
 def save_checkpoint(out: Path, model: torch.nn.Module, probe: torch.nn.Module, opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     weights = {**model.state_dict(), **{"probe." + k: v for k, v in probe.state_dict().items()}}
@@ -356,30 +351,51 @@ def param_groups(model: torch.nn.Module, probe: torch.nn.Module, cfg: SFTConfig)
 
 
 def pretrain_vision(model, probe, opt, processor, cfg: SFTConfig, state: dict[str, Any], out: Path, progress: bool) -> None:
-    """Stage 0: the probe loss only; the decoder's groups get no gradient. Resumable by step."""
-    from tqdm import tqdm
-
+    """Stage 0: the probe loss only, through the shared loop; the decoder's groups get no gradient
+    (rate 0). Resumable by `state["vision_step"]`."""
     if state["vision_step"] >= cfg.vision_steps:
         return
-    bar = tqdm(total=cfg.vision_steps, initial=state["vision_step"], disable=not progress, desc="stage 0 (vision)", dynamic_ncols=True)
-    t0, elapsed0 = time.perf_counter(), state["elapsed_s"]
-    while state["vision_step"] < cfg.vision_steps:
-        step = state["vision_step"]
-        lr = warmup_cosine(step, cfg.vision_steps, cfg.vision_lr, min(cfg.warmup, cfg.vision_steps // 10), cfg.min_lr_ratio)
-        for g in opt.param_groups:
-            g["lr"] = lr if g["part"] in ("vision", "stage0") else 0.0
-        pixels, labels = pretrain_batch(step, cfg.vision_batch_size, cfg.seed, processor)
-        loss, acc = probe(image_tokens(model, pixels), labels)
+    params = list(model.parameters()) + list(probe.parameters())
+
+    def step(_: int, batch: tuple[torch.Tensor, SceneLabels]) -> dict[str, float]:
+        loss, acc = probe(image_tokens(model, batch[0]), batch[1])
         loss.backward()
-        clipped_step(opt, list(model.parameters()) + list(probe.parameters()), cfg.grad_clip)
-        state["vision_step"] = step + 1
-        state["elapsed_s"] = elapsed0 + time.perf_counter() - t0
-        state["history"].append({"vision_step": step, "probe_loss": float(loss.detach()), **{f"acc_{k}": v for k, v in acc.items()}})
-        bar.update(1)
-        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", obj=f"{acc.get('obj', float('nan')):.2f}", word=f"{acc.get('word', float('nan')):.2f}")
-        if state["vision_step"] % cfg.ckpt_every == 0 or state["vision_step"] == cfg.vision_steps:
-            save_checkpoint(out, model, probe, opt, state)
-    bar.close()
+        clipped_step(opt, params, cfg.grad_clip)
+        return {"probe_loss": float(loss.detach()), **{f"acc_{k}": v for k, v in acc.items()}}
+
+    stage = Stage("stage 0 (vision)", cfg.vision_steps, min(cfg.warmup, cfg.vision_steps // 10), cfg.min_lr_ratio, cfg.ckpt_every,
+                  counter="vision_step", peak=lambda g: cfg.vision_lr if g["part"] in ("vision", "stage0") else 0.0)
+    batches = (pretrain_batch(s, cfg.vision_batch_size, cfg.seed, processor) for s in count(state["vision_step"]))
+    hooks = Hooks(step=step, save=lambda: save_checkpoint(out, model, probe, opt, state),
+                  postfix=lambda r: {"loss": f"{r['probe_loss']:.3f}", "obj": f"{r.get('acc_obj', float('nan')):.2f}"})
+    train_loop(stage, state, batches, opt, hooks, progress)
+
+
+def setup(out: Path, cfg: SFTConfig, resume: bool, init_from: str | Path | None) -> tuple[SFTConfig, Any, torch.nn.Module, SceneProbe, torch.optim.Optimizer, dict[str, Any]]:
+    """(config, processor, model, probe, optimizer, trainer state): resumed from out/checkpoint,
+    started from `init_from`'s weights and processor, or fresh."""
+    state = new_state(vision_step=0)
+    if resume:
+        saved = json.loads((out / CKPT / "trainer_state.json").read_text())
+        cfg = SFTConfig(**{**saved["config"], "arch": TargetArch(**saved["config"]["arch"]), "steps": cfg.steps, "minutes": cfg.minutes})
+    torch.manual_seed(cfg.seed)
+    if init_from is not None and not resume:
+        shutil.rmtree(out / "processor", ignore_errors=True)
+        from transformers import AutoProcessor
+
+        AutoProcessor.from_pretrained(init_from).save_pretrained(out / "processor")
+    processor = _processor(out, cfg.arch, resume)
+    model = build_model(processor, cfg.arch, cfg.seed)
+    probe = SceneProbe(model.config.text_config.hidden_size)
+    opt = torch.optim.AdamW(param_groups(model, probe, cfg), lr=cfg.lr, betas=(0.9, 0.98))
+    if resume:
+        state = {"vision_step": cfg.vision_steps, **load_checkpoint(out, model, probe, opt)}
+    elif init_from is not None:
+        n = warm_start(model, Path(init_from))
+        print(f"train-target: starting from {init_from} ({n} tensors)")
+        state["init_from"] = str(init_from)
+    state["config"] = asdict(cfg)
+    return cfg, processor, model, probe, opt, state
 
 
 def train(
@@ -394,79 +410,37 @@ def train(
     init_from: an exported model folder (weights + processor) this run starts from, e.g. a later
     stage with another task mix; set cfg.vision_steps = 0 to skip stage 0 then.
     stop_at: end this run after that SFT step (checkpointed; `resume` continues it)."""
-    from tqdm import tqdm
-
+    wall0 = time.perf_counter()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if resume and not (out / CKPT).is_dir():
         raise FileNotFoundError(f"--resume: no checkpoint in {out / CKPT}")
-    if resume:
-        saved = json.loads((out / CKPT / "trainer_state.json").read_text())
-        cfg = SFTConfig(**{**saved["config"], "arch": TargetArch(**saved["config"]["arch"]), "steps": cfg.steps, "minutes": cfg.minutes})
-    torch.manual_seed(cfg.seed)
-    if init_from is not None and not resume:
-        shutil.rmtree(out / "processor", ignore_errors=True)
-        from transformers import AutoProcessor
-
-        AutoProcessor.from_pretrained(init_from).save_pretrained(out / "processor")
-    processor = _processor(out, cfg.arch, resume)
-    model = build_model(processor, cfg.arch, cfg.seed)
-    probe = SceneProbe(model.config.text_config.hidden_size)
-    opt = torch.optim.AdamW(param_groups(model, probe, cfg), lr=cfg.lr, betas=(0.9, 0.98))
-    state: dict[str, Any] = {"step": 0, "vision_step": 0, "history": [], "elapsed_s": 0.0}
-    if resume:
-        state = {"vision_step": cfg.vision_steps, **load_checkpoint(out, model, probe, opt)}
-    elif init_from is not None:
-        n = warm_start(model, Path(init_from))
-        print(f"train-target: starting from {init_from} ({n} tensors)")
-        state["init_from"] = str(init_from)
-    state["config"] = asdict(cfg)
+    cfg, processor, model, probe, opt, state = setup(out, cfg, resume, init_from)
     model.train()
     pretrain_vision(model, probe, opt, processor, cfg, state, out, progress)
-    t0, elapsed0 = time.perf_counter(), state["elapsed_s"]
-    bar = tqdm(total=cfg.steps, initial=state["step"], disable=not progress, desc="train-target", dynamic_ncols=True)
-    stop_reason = "steps"
-    mult = {"vision": cfg.vision_lr_mult, "stage0": 1.0, "lm": 1.0}
-    for step, batch, scenes in batches(state["step"], cfg, processor):
-        if step >= cfg.steps:
-            break
-        if stop_at is not None and step >= stop_at:
-            stop_reason = f"--stop-at {stop_at}"
-            break
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg) * mult[g["part"]]
+
+    def step(_: int, item: tuple[int, dict[str, torch.Tensor], list[dict]]) -> dict[str, float]:
+        _, batch, scenes = item
         loss = sft_loss(model, batch, cfg.loss_norm)
+        total = loss
         if cfg.aux_weight > 0 and scenes:
-            aux, _ = probe(image_tokens(model, batch["pixel_values"]), scene_labels(scenes))
-            loss_total = loss + cfg.aux_weight * aux
-        else:
-            loss_total = loss
-        loss_total.backward()
+            total = loss + cfg.aux_weight * probe(image_tokens(model, batch["pixel_values"]), scene_labels(scenes))[0]
+        total.backward()
         clipped_step(opt, model.parameters(), cfg.grad_clip)
-        state["step"] = step + 1
-        state["elapsed_s"] = elapsed0 + time.perf_counter() - t0
-        state["history"].append({"step": step, "loss": float(loss.detach())})
-        bar.update(1)
-        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", lr=f"{lr_at(step, cfg):.1e}")
-        if state["step"] % cfg.eval_every == 0 or state["step"] == cfg.steps:
-            ev = eval_loss(model, processor, cfg)
-            state["history"].append({"step": step, **ev})
-            bar.write(f"step {state['step']}: held-out loss {ev['val_loss']:.4f}, image gap (shuffled - real) {ev['image_gap']:+.4f}")
-        out_of_time = cfg.minutes is not None and (time.perf_counter() - t0) > cfg.minutes * 60
-        if state["step"] % cfg.ckpt_every == 0 or state["step"] == cfg.steps or out_of_time:
-            save_checkpoint(out, model, probe, opt, state)
-            plot_curve(state["history"], out / "loss.png")
-        if out_of_time:
-            stop_reason = "time budget"
-            break
-    bar.close()
-    save_checkpoint(out, model, probe, opt, state)
-    plot_curve(state["history"], out / "loss.png")
+        return {"loss": float(loss.detach())}
+
+    def save() -> None:
+        save_checkpoint(out, model, probe, opt, state)
+        plot_curve(state["history"], out / "loss.png")
+
+    mult = {"vision": cfg.vision_lr_mult, "stage0": 1.0, "lm": 1.0}
+    stage = Stage.of(cfg, "train-target", peak=lambda g: cfg.lr * mult[g["part"]])
+    hooks = Hooks(step=step, save=save, evaluate=lambda _: eval_loss(model, processor, cfg), postfix=lambda r: {"loss": f"{r['loss']:.3f}"})
+    stopped = train_loop(stage, state, batches(state["step"], cfg, processor), opt, hooks, progress, stop_at)
+    save()
     export = out / "model"
     model.save_pretrained(export)
     processor.save_pretrained(export)
-    (out / "train_summary.json").write_text(
-        json.dumps({"step": state["step"], "elapsed_s": state["elapsed_s"], "stopped_by": stop_reason, "config": state["config"]}, indent=2)
-    )
-    print(f"train-target: step {state['step']}/{cfg.steps} ({stop_reason}), {state['elapsed_s'] / 60:.1f} min total; model in {export}")
+    write_summary(out, state, stopped, wall0)
+    print(f"train-target: step {state['step']}/{cfg.steps} ({stopped}), {state['elapsed_s'] / 60:.1f} min total; model in {export}")
     return export

@@ -1,4 +1,4 @@
-"""Stage 0 of `vlmspec train-target`: supervised pre-training of the vision tower + projector.
+"""Stage 0 of `python -m vlmspec.recipes train-target` (and the probes of `train-align`): supervised pre-training of the vision tower + projector.
 
 Real VLMs start from a pre-trained image encoder (CLIP, SigLIP); trained from scratch together
 with the decoder, our small tower never became informative within the CPU budget (measured in
@@ -96,10 +96,8 @@ def token_cells(n: int) -> torch.Tensor:
 
 
 class SceneProbe(nn.Module):
-    """Linear probes over projected image tokens (training only, never exported): one token per
-    cell [B, 9, H], or a g x g map [B, g*g, H] in which every token is asked about its own cell
-    (so each cell's content is written into all of its tokens, whatever the object's size); the
-    chart head reads the tokens pooled to cells."""
+    """Linear probes over projected image tokens, one per ToyWorld cell [B, 9, H] (training only,
+    never exported): each cell's object, size and sign word; the chart head reads all nine."""
 
     def __init__(self, hidden: int):
         super().__init__()
@@ -109,45 +107,26 @@ class SceneProbe(nn.Module):
         self.bars = nn.Linear(hidden * N_CELLS, MAX_BARS * (N_LABEL + N_COLOR + N_VALUE))
 
     def forward(self, feats: torch.Tensor, y: SceneLabels) -> tuple[torch.Tensor, dict[str, float]]:
-        """feats: [B, 9, H] or [B, g*g, H]. Returns (loss, accuracies)."""
+        """feats: [B, 9, H]. Returns (loss, accuracies)."""
         ce = nn.functional.cross_entropy
+        assert feats.shape[1] == N_CELLS, f"the scene probe reads one token per cell, got {feats.shape[1]} (pool_cells)"
         objects = ~y.is_chart
-        per_token = feats.shape[1] != N_CELLS
-        cell_of = token_cells(feats.shape[1]) if per_token else None  # [g*g]
         losses, acc = [], {}
         if objects.any():
             f = feats[objects]
             for name, head, tgt in (("obj", self.obj, y.obj), ("size", self.size, y.size), ("word", self.word, y.word)):
-                t = tgt[objects] if cell_of is None else tgt[objects][:, cell_of]  # [b, N]
-                logits = head(f)  # [b, N, C]
+                t = tgt[objects]  # [b, 9]
+                logits = head(f)  # [b, 9, C]
                 losses.append(ce(logits.flatten(0, 1), t.flatten()))
                 acc[name] = float((logits.argmax(-1) == t).float().mean())
         if y.is_chart.any():
-            cells = pool_cells(feats[y.is_chart]) if per_token else feats[y.is_chart]  # [c, 9, H]
-            logits = self.bars(cells.flatten(1)).view(-1, MAX_BARS, N_LABEL + N_COLOR + N_VALUE)
+            logits = self.bars(feats[y.is_chart].flatten(1)).view(-1, MAX_BARS, N_LABEL + N_COLOR + N_VALUE)
             parts = logits.split((N_LABEL, N_COLOR, N_VALUE), dim=-1)
             for name, lg, tgt in zip(("bar_label", "bar_color", "bar_value"), parts, (y.bar_label, y.bar_color, y.bar_value)):
                 t = tgt[y.is_chart]
                 losses.append(ce(lg.flatten(0, 1), t.flatten()))
                 acc[name] = float((lg.argmax(-1) == t).float().mean())
         return torch.stack(losses).mean(), acc
-
-
-class CellProbe(nn.Module):
-    """A linear probe asking every image token of a g x g map which ToyWorld cell it lies in
-    (training only): its loss writes the token's place into the token, which a CNN tower without a
-    position embedding does not do by itself."""
-
-    def __init__(self, hidden: int):
-        super().__init__()
-        self.cell = nn.Linear(hidden, N_CELLS)
-
-    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """tokens: [B, g*g, H] -> (cross-entropy, accuracy) of each token's cell."""
-        target = token_cells(tokens.shape[1]).expand(tokens.shape[0], -1)  # [B, g*g]
-        logits = self.cell(tokens)  # [B, g*g, 9]
-        loss = nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
-        return loss, float((logits.argmax(-1) == target).float().mean())
 
 
 # the word groups of `WordProbe`: (name, words, read per token (True) or per cell pooled (False),
@@ -159,7 +138,7 @@ WORD_GROUPS = (
     ("shape", toyworld.SHAPES, False, " "),
     ("size", toyworld.SIZES, False, " "),
 )
-SIGN_GROUP = ("sign", toyworld.WORDS, False, "")  # the sign's word in the cells of its row (`sign_words`)
+SIGN_GROUP = ("sign", toyworld.WORDS, False, "")  # the sign's word in the cells of its row
 POOLED = ("color", "shape", "size", "sign")  # the cell groups, in the order of `WordProbe.none`
 
 
@@ -181,20 +160,19 @@ class WordProbe(nn.Module):
     word, or none (a learned vector). Logits are ``scale * x . E[word] + bias``: the only way to win
     is to move the tokens along the directions in which the language model already tells "red"
     from "blue" and "top" from "bottom", so it reads the image tokens partly as the words it knows
-    (a learned linear head can be satisfied by any direction). With `sign_words`, also the sign's
-    word in the cells of its row, against the embeddings of the word as the answer quotes it."""
+    (a learned linear head can be satisfied by any direction). The sign's word too, in the cells
+    of its row, against the embeddings of the word as the answer quotes it."""
 
-    def __init__(self, vectors: dict[str, torch.Tensor], sign_words: bool = False):
-        """vectors: group name -> [C, H] word embeddings, for each group of `WORD_GROUPS` (and
-        `SIGN_GROUP` with `sign_words`)."""
+    def __init__(self, vectors: dict[str, torch.Tensor]):
+        """vectors: group name -> [C, H] word embeddings, for each group of `WORD_GROUPS` and `SIGN_GROUP`."""
         super().__init__()
-        self.groups = WORD_GROUPS + ((SIGN_GROUP,) if sign_words else ())
+        self.groups = WORD_GROUPS + (SIGN_GROUP,)
         hidden = next(iter(vectors.values())).shape[1]
         for name, words, per_token, _ in self.groups:
             assert vectors[name].shape == (len(words), hidden), f"{name}: {tuple(vectors[name].shape)}"
             self.register_buffer(f"w_{name}", vectors[name].float().clone(), persistent=False)
             self.register_parameter(f"b_{name}", nn.Parameter(torch.zeros(len(words) + (0 if per_token else 1))))
-        self.none = nn.Parameter(torch.zeros(len(POOLED) if sign_words else 3, hidden))  # the "none" class of each cell group
+        self.none = nn.Parameter(torch.zeros(len(POOLED), hidden))  # the "none" class of each cell group
         rms = float(torch.cat([vectors[name] for name, *_ in self.groups]).pow(2).mean().sqrt())  # of the groups read
         self.scale = nn.Parameter(torch.tensor(1.0 / (rms * rms * hidden) ** 0.5))  # logits of order 1 at the start
 
