@@ -155,3 +155,36 @@ def test_every_package_is_installed_and_app_is_not_top_level():
     assert set(cfg["packages"]) == on_disk, f"pyproject lists {sorted(set(cfg['packages']) ^ on_disk)} wrongly"
     assert cfg["package-dir"] == {"vlmspec.app": "app", "vlmspec.recipes": "recipes"}
     assert "app" not in cfg["packages"] and "recipes" not in cfg["packages"]
+
+
+# the two files allowed to be long: the Triton kernel (one kernel function) and ToyWorld's scene generator
+LONG_FILES = {"vlmspec/kernels/tree_attention.py", "vlmspec/data/toyworld.py"}
+LONG_FUNCTIONS = {("vlmspec/kernels/tree_attention.py", "_tree_attn_fwd")}
+
+
+def sizes(root: Path = ROOT) -> tuple[list[str], list[str]]:
+    """(modules over 500 lines, functions over 80 lines) under vlmspec/, app/ and recipes/, exemptions left out."""
+    long_files, long_functions = [], []
+    for top in ("vlmspec", "app", "recipes"):
+        for f in sorted((root / top).rglob("*.py")):
+            rel, src = f.relative_to(root).as_posix(), f.read_text()
+            if src.count("\n") > 500 and rel not in LONG_FILES:
+                long_files.append(f"{rel}: {src.count(chr(10))} lines")
+            for node in ast.walk(ast.parse(src)):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (rel, node.name) not in LONG_FUNCTIONS:
+                    if node.end_lineno - node.lineno + 1 > 80:
+                        long_functions.append(f"{rel}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines")
+    return long_files, long_functions
+
+
+def test_no_module_over_500_lines_and_no_function_over_80(tmp_path):
+    long_files, long_functions = sizes()
+    assert not long_files and not long_functions, long_files + long_functions
+    # negative control: a planted long module and a long function are both reported
+    (tmp_path / "vlmspec").mkdir()
+    body = "\n".join(f"    x{i} = {i}" for i in range(90))
+    (tmp_path / "vlmspec" / "big.py").write_text("def f():\n" + body + "\n" + "\n" * 420)
+    (tmp_path / "app").mkdir()
+    (tmp_path / "recipes").mkdir()
+    files, functions = sizes(tmp_path)
+    assert files == ["vlmspec/big.py: 511 lines"] and functions == ["vlmspec/big.py:1 f: 91 lines"], (files, functions)

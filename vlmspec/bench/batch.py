@@ -117,7 +117,9 @@ def measure(target: Target, drafter: Drafter, opts: BatchBenchOptions, progress:
                         cell.divergences.append(divergence(target, inputs, ref, r.token_ids))
                 bar.update(1)
     bar.close()
-    return {"env": {"model": target.name, "dtype": str(target.dtype).replace("torch.", ""), "device": str(target.device),
+    name = Path(target.name)
+    model = f"{name.parent.name}/{name.name}" if name.is_dir() else target.name  # a folder: its last two parts, not the machine's path
+    return {"env": {"model": model, "dtype": str(target.dtype).replace("torch.", ""), "device": str(target.device),
                     "max_new_tokens": opts.max_new_tokens, "repeats": opts.repeats, "threads": torch.get_num_threads()},
             "cells": [_summary(b, name, c) for (b, name), c in cells.items()]}
 

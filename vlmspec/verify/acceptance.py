@@ -124,7 +124,8 @@ def verify_rows(
     The greedy rows' argmaxes come to the host in one transfer for all of them."""
     assert target_logits.shape[0] == len(trees) == len(params) == len(generators)
     greedy = [b for b, p in enumerate(params) if p.greedy]
-    argmax = target_logits[greedy].argmax(-1).tolist() if greedy else []  # [len(greedy), N]
+    rows = target_logits if len(greedy) == len(trees) else target_logits[greedy]  # every row greedy: no copy
+    argmax = rows.argmax(-1).tolist() if greedy else []  # [len(greedy), N]
     out: list[Verdict | None] = [None] * len(trees)
     for b, am in zip(greedy, argmax):
         out[b] = _greedy_path(trees[b], am[: trees[b].size])

@@ -238,7 +238,7 @@ def _decode_rows(rows: list[_EagleSession], toks: list[torch.Tensor], feats: lis
     """The head over every row's new entries in one forward -> each row's outputs [n_b, H]."""
     counts = [t.shape[0] for t in toks]
     cache = _JointCache([s.cache.hf for s in rows], counts)
-    hidden = rows[0].head.decode(torch.cat(toks), torch.cat(feats), torch.cat(pos), _joint_mask(masks), cache,  # type: ignore[arg-type]
+    hidden = rows[0].head.decode(_cat(toks), _cat(feats), _cat(pos), _joint_mask(masks), cache,  # type: ignore[arg-type]
                                  direct, fuse, rows[0].global_feat)
     return list(hidden.split(counts))
 
@@ -339,7 +339,12 @@ def _grow(rows: list[_EagleSession], root_hidden: list[torch.Tensor], committed:
 def _log_probs(head: EagleHead, hidden: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each row's draft log-probs [F_b, V'] from its head outputs [F_b, H], in one LM-head product."""
     counts = [h.shape[0] for h in hidden]
-    return list(torch.log_softmax(head.decode_logits(torch.cat(hidden)), -1).split(counts))
+    return list(torch.log_softmax(head.decode_logits(_cat(hidden)), -1).split(counts))
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The rows' tensors end to end (one row: itself, not a copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class _Level(NamedTuple):
