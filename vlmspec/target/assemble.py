@@ -250,7 +250,7 @@ def assemble(out: str | Path, image_size: int = 384, dtype: str = "float32", tra
     model, processor, provenance = build_base(image_size, log=log)
     if trained is not None:
         meta = apply_trained(model, trained)
-        provenance["trained"] = {"file": str(trained), "sha256": sha256(trained), **meta}
+        provenance["trained"] = {"file": str(trained), "sha256": sha256(trained), **dict(sorted(meta.items()))}  # sorted: safetensors gives the header in no fixed order
         if meta.get("image_size") and int(meta["image_size"]) != image_size:
             log(f"build-target: note: the trained parts were trained at {meta['image_size']} px, this folder is {image_size} px")
         log(f"build-target: applied {Path(trained).name}")
