@@ -19,3 +19,15 @@ def tiny_target(arch: str, seed: int = 0):
 @pytest.fixture(params=["llava", "qwen2_5_vl", "idefics3"])
 def arch(request):
     return request.param
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny LLaVA saved as a model folder (what the CLI and the trainers load from disk)."""
+    from vlmspec.testing.tiny import build_tiny
+
+    d = tmp_path_factory.mktemp("tiny_llava")
+    model, processor = build_tiny("llava")
+    model.save_pretrained(d)
+    processor.save_pretrained(d)
+    return d

@@ -12,17 +12,6 @@ from vlmspec.recipes.train.align import AlignConfig
 from vlmspec.target import assemble
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from vlmspec.testing.tiny import build_tiny
-
-    d = tmp_path_factory.mktemp("tiny_llava")
-    model, processor = build_tiny("llava")
-    model.save_pretrained(d)
-    processor.save_pretrained(d)
-    return d
-
-
 def _tiny_base(folder):
     """A tiny fast_vlm folder with a processor (the toy's tokenizer, 96 px -> 3 x 3 = 9 image tokens,
     one per ToyWorld cell, so the trainer's cell probes apply)."""

@@ -6,18 +6,9 @@ import sys
 import pytest
 
 from vlmspec.cli import main
-from vlmspec.testing.tiny import build_tiny, tiny_image
+from vlmspec.testing.tiny import tiny_image
 from vlmspec.target import load_target
 from vlmspec.inputs import encode_prompt
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny_llava")
-    model, processor = build_tiny("llava")
-    model.save_pretrained(d)
-    processor.save_pretrained(d)
-    return d
 
 
 @pytest.fixture(scope="module")

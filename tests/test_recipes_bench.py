@@ -5,16 +5,6 @@ import json
 import pytest
 
 from vlmspec.recipes.__main__ import main
-from vlmspec.testing.tiny import build_tiny
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny_llava")
-    model, processor = build_tiny("llava")
-    model.save_pretrained(d)
-    processor.save_pretrained(d)
-    return d
 
 
 def _help(capsys, *argv):
