@@ -455,5 +455,15 @@ def save_report(report: dict[str, Any], out: Path | None = None, json_path: Path
 
 
 def mismatched(report: dict[str, Any]) -> list[str]:
-    """The methods that did not reproduce hf_generate's tokens at T=0."""
-    return [m for m, s in report["methods"].items() if s["matches_reference"] is False]
+    """The methods that did not reproduce hf_generate's tokens at T=0: in fp32 any difference; in a
+    lower precision one that starts where the reference's top-2 logits are more than a near-tie apart
+    (a batched or tree matmul may round an exact near-tie the other way there: `near_tie_divergences`)."""
+    exact = report["env"].get("dtype") == "torch.float32"
+    return [m for m, s in report["methods"].items() if s["matches_reference"] is False
+            and (exact or not s["divergences"] or not all(d["near_tie"] for d in s["divergences"]))]
+
+
+def near_tie_divergences(report: dict[str, Any]) -> dict[str, int]:
+    """{method: divergences} for the methods that differ from hf_generate at near-ties only (not fp32)."""
+    bad = set(mismatched(report))
+    return {m: len(s["divergences"]) for m, s in report["methods"].items() if s["matches_reference"] is False and m not in bad}
