@@ -50,6 +50,8 @@ def test_generate_policy_flag_and_self_speculation(capsys, model_dir):
     assert default["policy"] == "goodput" and fixed["policy"] == "fixed" and own["drafter"] == "self"
     assert default["token_ids"] == fixed["token_ids"] == own["token_ids"] == plain["token_ids"]
     assert len(fixed["depths"]) == fixed["num_target_forwards"] - 1
+    # #48 (3): plain decoding chose no depths and ran no policy (it said "fixed" and listed 9, 8, ..., 0)
+    assert plain["policy"] == "none" and plain["depths"] == [] and plain["num_target_forwards"] == 10
     with pytest.raises(SystemExit) as exc:
         main(["generate", *base, "--policy", "sometimes"])
     assert exc.value.code == 2 and "--policy" in capsys.readouterr().err

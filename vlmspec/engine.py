@@ -74,7 +74,7 @@ class GenerationResult:
     stats: SpecStats  # counters of this generation's verify forwards
     elapsed_s: float
     timings: dict[str, float]  # seconds: prefill, draft, verify, commit, other
-    policy: str = "fixed"  # the speculation policy that ran
+    policy: str = "fixed"  # the speculation policy that ran ("none": plain decoding, no depths)
     depths: list[int] = field(default_factory=list)  # [step]: levels the controller chose, per verify forward
 
     @property
@@ -170,7 +170,7 @@ class _Request:
     state: TargetState  # its slot of the batch's cache, its committed length
     session: Any  # DraftSession
     control: Controller  # this request's speculation controller
-    policy: str  # its policy's name
+    policy: str  # its policy's name ("none": plain decoding, the `none` drafter)
     tree: TreeConfig | None  # this request's tree shape (None: a drafter without one)
     rng: torch.Generator | None  # its own generator: its samples never depend on the rest of the batch
     eos: set[int]
@@ -180,7 +180,7 @@ class _Request:
     root: int = -1  # last emitted token, not yet in the target's KV cache
     emitted: list[int] = field(default_factory=list)
     stats: SpecStats = field(default_factory=SpecStats)
-    depths: list[int] = field(default_factory=list)  # the controller's choice per step
+    depths: list[int] = field(default_factory=list)  # the controller's choice per step (none when nothing drafts)
     finish: str = "length"
     done: bool = False
     pending: list[StepEvent] = field(default_factory=list)  # events not yet handed out (the prefill's token)
@@ -312,7 +312,8 @@ class Batch:
             drafted_depth = int(t.depth.max())
             r.stats.observe(t.size - 1, v.num_accepted, drafted_depth)
             r.control.observe(drafted_depth, v.num_accepted, seconds)  # the step's own time
-            r.depths.append(depth)
+            if r.policy != "none":  # plain decoding chooses no depth
+                r.depths.append(depth)
             r.root = v.next_token
             events.append((r, _emit(r, t.tokens[path[1:]].tolist() + [v.next_token], t.size - 1, v.num_accepted, depth)))
         clock.lap("other")
@@ -394,7 +395,8 @@ class SpecEngine:
         clock.lap("draft")
         rng = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
         policy = config.policy or self.speculation.policy(config.speculation.policy)
-        req = _Request(config, state, session, policy.start(), policy.name, tree, rng,
+        name = "none" if isinstance(self.drafter, NoDrafter) else policy.name  # plain decoding: no policy at work
+        req = _Request(config, state, session, policy.start(), name, tree, rng,
                        set() if config.ignore_eos else target.eos_token_ids, clock.t, state.seq_len, t_start)
         req.root = next_token(out.logits[0], config.sampling, rng)
         return req
