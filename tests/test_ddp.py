@@ -15,18 +15,8 @@ import pytest
 from safetensors.torch import load_file
 
 from vlmspec.cli import main
-from vlmspec.testing.tiny import build_tiny
 
 TOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny_llava")
-    model, processor = build_tiny("llava")
-    model.save_pretrained(d)
-    processor.save_pretrained(d)
-    return d
 
 
 def _argv(target, out, batch):
@@ -43,14 +33,14 @@ def _max_diff(a, b):
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def test_two_processes_train_the_weights_one_process_trains_on_the_doubled_batch(tiny_dir, tmp_path, capsys):
+def test_two_processes_train_the_weights_one_process_trains_on_the_doubled_batch(model_dir, tmp_path, capsys):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "vlmspec.cli",
-           *_argv(tiny_dir, tmp_path / "two", 2)]
+           *_argv(model_dir, tmp_path / "two", 2)]
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert main(_argv(tiny_dir, tmp_path / "one", 4)) == 0
-    assert main(_argv(tiny_dir, tmp_path / "half", 2)) == 0
+    assert main(_argv(model_dir, tmp_path / "one", 4)) == 0
+    assert main(_argv(model_dir, tmp_path / "half", 2)) == 0
     capsys.readouterr()
     two, one, half = _head(tmp_path / "two"), _head(tmp_path / "one"), _head(tmp_path / "half")
     diff = _max_diff(two, one)

@@ -224,12 +224,10 @@ class SlotCache(DynamicCache):
             else:
                 raise ConfigError(f"the model's decoder has layers of kind {kind!r}, which this transformers has no cache for")
         self._kw = kwargs
+        self.rollback_blockers = rollback_blockers(kinds)  # read on every commit: computed once
         self.layers = layers
         self._fixed = bool(layers)  # a config gave the layers; without one, slot layers are added as the model writes
 
-    @property
-    def rollback_blockers(self) -> dict[str, list[int]]:
-        return rollback_blockers(self.kinds)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         while len(self.layers) <= layer_idx:  # a cache built without a config: every layer full attention
