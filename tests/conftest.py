@@ -1,4 +1,5 @@
 import functools
+import os
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ def tiny_target(arch: str, seed: int = 0):
     from vlmspec.testing.tiny import build_tiny
 
     model, processor = build_tiny(arch, seed=seed)
-    return Target(model, processor, name=f"tiny-{arch}")
+    # VLMSPEC_TEST_DEVICE=cuda runs the tiny-model tests on a GPU (scripts/gpu-check.sh does, for the batch tests)
+    return Target(model.to(os.environ.get("VLMSPEC_TEST_DEVICE", "cpu")), processor, name=f"tiny-{arch}")
 
 
 @pytest.fixture(params=["llava", "qwen2_5_vl", "idefics3"])
