@@ -48,6 +48,11 @@ KERNEL_CASES = {
     "g8_n7_p0_d128_bf16": (1, 1, 8, 7, 0, 128, "bfloat16", "random", None, ""),
     "g1_n16_p64_d256_f32": (1, 1, 1, 16, 64, 256, "float32", "random", None, ""),
     "g1_n16_p10_d16_f16": (1, 1, 1, 16, 10, 16, "float16", "random", None, ""),
+    # batched verify: each row its own prefix length (up to P) and its own tree; keys after a row's tree unread
+    "ragged_b3_g4_n7_p300_d64_f32": (3, 1, 4, 7, 300, 64, "float32", "random", None, "ragged"),
+    "ragged_b4_g1_n9_p200_d64_f32_split4": (4, 2, 1, 9, 200, 64, "float32", "random", 4, "ragged"),
+    "ragged_b2_g2_n40_p70_d128_f32_packed": (2, 1, 2, 40, 70, 128, "float32", "random", None, "ragged packed"),
+    "ragged_b3_g4_n16_p90_d64_bf16_split2": (3, 1, 4, 16, 90, 64, "bfloat16", "random", 2, "ragged"),
 }
 # |out - ref| <= atol + rtol * |ref| elementwise (a 1-ulp rounding difference of the output passes)
 TOL = {"float32": (1e-5, 1e-5), "float16": (1e-3, 2e-3), "bfloat16": (8e-3, 1.6e-2)}
@@ -75,6 +80,10 @@ def _run_kernel_case(spec: tuple) -> dict:
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator().manual_seed(zlib.crc32(repr(spec).encode()))  # not hash(): salted per process
     mask = _make_mask(n, kind, gen)
+    lengths = p
+    if "ragged" in extra:  # row 0 the longest, the others shorter (one with no prefix at all), each its own tree
+        lengths = torch.tensor([p] + [int(torch.randint(0, p, (1,), generator=gen)) for _ in range(bsz - 2)] + [0][: bsz - 1])
+        mask = torch.stack([mask] + [_make_mask(n, kind, gen) for _ in range(bsz - 1)])
     if extra == "noncontig":  # like HF: [B, N, Hq, D] viewed as [B, Hq, N, D]
         q = torch.randn(bsz, n, hkv * g, d, generator=gen).to(dtype).transpose(1, 2)
     else:
@@ -82,9 +91,13 @@ def _run_kernel_case(spec: tuple) -> dict:
     k = torch.randn(bsz, hkv, p + n, d, generator=gen).to(dtype)
     v = torch.randn(bsz, hkv, p + n, d, generator=gen).to(dtype)
     scale = 1.0 / math.sqrt(d)
-    tree = ta.pack_tree_mask(mask) if extra == "packed" else mask
-    out = ta.tree_attention(q, k, v, tree, p, scale, num_splits=splits)
-    ref = ta.tree_attention_reference(q, k, v, mask, p, scale)
+    tree = torch.stack([ta.pack_tree_mask(m) for m in mask.reshape(-1, n, n)]) if "packed" in extra else mask
+    if "ragged" in extra:  # the keys after each shorter row's tree hold garbage the kernel must not read
+        for b, length in enumerate(lengths.tolist()):
+            k[b, :, length + n :] = float("nan")
+            v[b, :, length + n :] = float("nan")
+    out = ta.tree_attention(q, k, v, tree, lengths, scale, num_splits=splits)
+    ref = ta.tree_attention_reference(q, k, v, mask, lengths, scale)
     assert out.shape == ref.shape and out.dtype == dtype
     return {"err": float((out.float() - ref.float()).abs().max()), "ratio": _tol_ratio(out, ref, dtype_name)}
 
@@ -261,9 +274,9 @@ def test_analyse_mask_accepts_tree_rejects_others() -> None:
     gen = torch.Generator().manual_seed(5)
     m = ancestor_mask(random_parents(6, gen))
     add = tree_attention_mask(m, 4, torch.float16)
-    assert torch.equal(ta._analyse_mask(add, 6), ta.pack_tree_mask(m))
+    assert torch.equal(ta._analyse_mask(add, 6)[0], ta.pack_tree_mask(m))
     booled = add == 0
-    assert torch.equal(ta._analyse_mask(booled, 6), ta.pack_tree_mask(m))
+    assert torch.equal(ta._analyse_mask(booled, 6)[0], ta.pack_tree_mask(m))
     hidden_prefix = add.clone()
     hidden_prefix[0, 0, 2, 1] = torch.finfo(torch.float16).min
     assert ta._analyse_mask(hidden_prefix, 6) is None
@@ -280,7 +293,22 @@ def test_mask_cache_not_fooled_by_in_place_edit() -> None:
     assert ta._tree_bits_for(add, 4) is first  # cached (same object, same version)
     add[0, 0, 3, 3 + 1] = torch.finfo(torch.float32).min  # node 3 no longer sees node 1
     second = ta._tree_bits_for(add, 4)
-    assert second is not first and not torch.equal(second, first)
+    assert second is not first and not torch.equal(second[0], first[0])
+    ta.clear_mask_cache()
+
+
+def test_a_described_mask_is_read_without_analysis_until_edited() -> None:
+    ta.clear_mask_cache()
+    ta.reset_stats()
+    m = ancestor_mask(torch.tensor([-1, 0, 0, 1]))
+    add = tree_attention_mask(m, 3, torch.float32).expand(2, 1, 4, 7).clone()
+    bits, lengths = ta.pack_tree_mask(m)[None].expand(2, 4, 1), torch.tensor([3, 2], dtype=torch.int32)
+    ta.describe_mask(add, bits, lengths)
+    got = ta._tree_bits_for(add, 4)
+    assert torch.equal(got[0], bits) and torch.equal(got[1], lengths) and ta.STATS["mask_analyses"] == 0
+    add[1, 0, 0, 0] = torch.finfo(torch.float32).min  # edited after the description: analysed again
+    again = ta._tree_bits_for(add, 4)
+    assert ta.STATS["mask_analyses"] == 1 and again is None  # the rows now differ: not one tree for all
     ta.clear_mask_cache()
 
 

@@ -9,14 +9,17 @@ is a bit-packed [N, ceil(N / 32)] int32 matrix (bit j of row i: query i may see 
 Public pieces:
 
 * ``tree_attention(q, k, v, tree_mask, prefix_len, scale)``: the kernel (q [B, Hq, N, D],
-  k / v [B, Hkv, P + N, D], Hq a multiple of Hkv) -> [B, Hq, N, D] in q's dtype.
+  k / v [B, Hkv, P + N, D], Hq a multiple of Hkv) -> [B, Hq, N, D] in q's dtype. Rows may differ:
+  ``prefix_len`` a [B] tensor of per-row prefix lengths P_b (row b's tree keys at P_b .. P_b + N - 1,
+  the keys after them unread) and ``tree_mask`` [B, N, N] / [B, N, W] per-row trees.
 * ``tree_attention_reference``: the same in plain PyTorch (fp32 softmax), for tests.
 * ``pack_tree_mask``: [N, N] bool -> [N, ceil(N / 32)] int32 bits.
 * ``triton_tree_attention_forward`` + ``register(name)``: a transformers attention function. A
   model loaded with ``attn_implementation=register()`` (default name ``"vlmspec_tree"``) runs the
-  kernel whenever the 4D mask it is given is "full prefix + tree" (what
-  ``vlmspec.tree.tree_attention_mask`` builds), and transformers' SDPA otherwise (prefill,
-  no mask, padded batches, CPU tensors, ...).
+  kernel whenever the 4D mask it is given is "full prefix + tree": either described by its maker
+  with ``describe_mask`` (per-row lengths and trees, e.g. the rows of a batched verify, read with no
+  host sync) or found so by analysing it (one host sync; every batch slice alike), and
+  transformers' SDPA otherwise (prefill, no mask, windowed layers, CPU tensors, ...).
 
 The kernel is launched on CUDA tensors, or on any tensors under Triton's interpreter
 (``TRITON_INTERPRET=1`` in the environment before the first kernel call: the kernels are
@@ -43,6 +46,7 @@ except (ImportError, RuntimeError):  # pragma: no cover - no triton, or a broken
     _HAS_TRITON = False
 
 __all__ = [
+    "describe_mask",
     "kernel_available",
     "pack_tree_mask",
     "register",
@@ -107,11 +111,11 @@ def pack_tree_mask(mask: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_tree_mask(bits: torch.Tensor, m: int) -> torch.Tensor:
-    """Inverse of pack_tree_mask: [N, W] int32 -> [N, m] bool."""
+    """Inverse of pack_tree_mask: [..., N, W] int32 -> [..., N, m] bool."""
     b = bits.to(torch.int64) & 0xFFFFFFFF
     shifts = torch.arange(32, device=bits.device)
-    unpacked = (b[:, :, None] >> shifts) & 1  # [N, W, 32]
-    return unpacked.reshape(bits.shape[0], -1)[:, :m].to(torch.bool)
+    unpacked = (b[..., None] >> shifts) & 1  # [..., N, W, 32]
+    return unpacked.reshape(*bits.shape[:-1], -1)[..., :m].to(torch.bool)
 
 
 def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -126,24 +130,29 @@ def tree_attention_reference(
     k: torch.Tensor,
     v: torch.Tensor,
     tree_mask: torch.Tensor,
-    prefix_len: int,
+    prefix_len: int | torch.Tensor,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Naive tree attention: GQA expanded, the full [N, P + N] mask, softmax in fp32. Returns q's dtype."""
+    """Naive tree attention: GQA expanded, a dense per-row [N, K] mask, softmax in fp32. Returns q's
+    dtype. Shapes as `tree_attention` (per-row prefix lengths and trees included)."""
     b, hq, n, d = q.shape
     hkv = k.shape[1]
     assert hq % hkv == 0, "Hq must be a multiple of Hkv"
-    assert k.shape[2] == prefix_len + n, f"k has {k.shape[2]} positions, expected P + N = {prefix_len + n}"
+    lengths = [int(x) for x in torch.as_tensor(prefix_len).reshape(-1).expand(b)]
+    assert k.shape[2] >= max(lengths) + n, f"k has {k.shape[2]} positions, fewer than P + N = {max(lengths) + n}"
     if tree_mask.dtype != torch.bool:
         tree_mask = unpack_tree_mask(tree_mask, n)
+    trees = tree_mask.reshape(-1, n, n).expand(b, n, n).to(q.device)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    kf = _repeat_kv(k.float(), hq // hkv)
-    vf = _repeat_kv(v.float(), hq // hkv)
-    allowed = torch.cat([torch.ones(n, prefix_len, dtype=torch.bool, device=q.device), tree_mask.to(q.device)], dim=1)
-    scores = torch.matmul(q.float(), kf.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, vf).to(q.dtype)
+    out = []
+    for row, p in enumerate(lengths):  # row b reads its own P_b + N keys only
+        kf = _repeat_kv(k[row : row + 1, :, : p + n].float(), hq // hkv)
+        vf = _repeat_kv(v[row : row + 1, :, : p + n].float(), hq // hkv)
+        allowed = torch.cat([torch.ones(n, p, dtype=torch.bool, device=q.device), trees[row]], dim=1)
+        scores = torch.matmul(q[row : row + 1].float(), kf.transpose(-1, -2)) * scale
+        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        out.append(torch.matmul(probs, vf))
+    return torch.cat(out).to(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,12 +161,12 @@ def tree_attention_reference(
 
 
 def _tree_attn_fwd(
-    Q, K, V, Bits, O, Opart, Lse,
+    Q, K, V, Bits, Lens, O, Opart, Lse,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_on, stride_od,
-    P, N, G, HKV, HQ, N_WORDS, KEYS_PER_SPLIT, NUM_SPLITS,
+    stride_bits_b, N, G, HKV, HQ, N_WORDS, KEYS_PER_SPLIT, NUM_SPLITS,
     qk_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -167,11 +176,15 @@ def _tree_attn_fwd(
 ):
     # Grid: (row blocks, B * Hkv, splits). The rows of a block are (query head in the GQA group,
     # tree query) pairs flattened as g * N + i, so the g query heads sharing a KV head read it once.
+    # Batch row b has its own prefix length P = Lens[b] (its tree keys at P .. P + N - 1, any keys
+    # after them unread) and its own tree bits (stride_bits_b = 0: one tree for every row).
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
     b = pid_bh // HKV
     kvh = pid_bh % HKV
+    P = tl.load(Lens + b)
+    Bits = Bits + b * stride_bits_b
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < G * N
@@ -356,17 +369,19 @@ def _launch(
     k: torch.Tensor,
     v: torch.Tensor,
     bits: torch.Tensor,
-    prefix_len: int,
+    lengths: torch.Tensor,
     scale: float,
     out: torch.Tensor,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """out: a [B, Hq, N, D] tensor (any strides, e.g. a transposed [B, N, Hq, D] buffer)."""
+    """bits: [N, W] (every row's tree) or [B, N, W] int32, contiguous; lengths: [B] int32, each row's
+    prefix length (P_b + N <= K, the keys' length); out: a [B, Hq, N, D] tensor (any strides, e.g. a
+    transposed [B, N, Hq, D] buffer). Nothing here reads the device: no host sync."""
     fwd, combine = _kernels()
     bsz, hq, n, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
-    kv_len = prefix_len + n
+    kv_len = k.shape[2]  # the longest row's P_b + N at most: the key range the splits cover
     block_m, block_n, num_warps, num_stages = _config(q.dtype, d, g * n)
     m_blocks = -(-(g * n) // block_m)
     kv_blocks = -(-kv_len // block_n)
@@ -382,9 +397,9 @@ def _launch(
         opart = lse = out  # unused
     grid = (m_blocks, bsz * hkv, splits)
     fwd[grid](
-        q, k, v, bits, out, opart, lse,
+        q, k, v, bits, lengths, out, opart, lse,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        prefix_len, n, g, hkv, hq, bits.shape[1], keys_per_split, splits,
+        bits.stride(0) if bits.ndim == 3 else 0, n, g, hkv, hq, bits.shape[-1], keys_per_split, splits,
         float(scale) * _LOG2E,
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=splits > 1, IEEE=ieee,
         num_warps=num_warps, num_stages=num_stages,
@@ -397,7 +412,7 @@ def _launch(
     return out
 
 
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int) -> None:
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> None:
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError("q, k, v must be [B, H, L, D]")
     bsz, hq, n, d = q.shape
@@ -405,8 +420,10 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len:
         raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)}")
     if hq % k.shape[1] != 0:
         raise ValueError(f"Hq={hq} is not a multiple of Hkv={k.shape[1]}")
-    if k.shape[2] != prefix_len + n:
-        raise ValueError(f"k has {k.shape[2]} positions, expected prefix_len + N = {prefix_len + n}")
+    if len(lengths) != bsz or min(lengths) < 0:
+        raise ValueError(f"prefix lengths {lengths}: one per batch row ({bsz}), none negative")
+    if k.shape[2] < max(lengths) + n:
+        raise ValueError(f"k has {k.shape[2]} positions, fewer than the longest prefix + N = {max(lengths) + n}")
     if q.dtype not in _SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"unsupported dtypes {q.dtype}/{k.dtype}/{v.dtype}: fp16, bf16 or fp32, all alike")
     if not supported_head_dim(d):
@@ -418,30 +435,36 @@ def tree_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     tree_mask: torch.Tensor,
-    prefix_len: int,
+    prefix_len: int | torch.Tensor,
     scale: float | None = None,
     *,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """Tree attention with the Triton kernel.
 
-    q [B, Hq, N, D]; k, v [B, Hkv, P + N, D]; tree_mask either [N, N] bool (True = visible) or the
-    packed int32 [N, ceil(N / 32)] bits from pack_tree_mask. Returns [B, Hq, N, D] in q's dtype.
+    q [B, Hq, N, D]; k, v [B, Hkv, K, D] with K >= P_b + N for every row; prefix_len: one P for every
+    row (then K = P + N) or a [B] tensor of per-row P_b (row b's tree keys at P_b .. P_b + N - 1);
+    tree_mask: [N, N] or [B, N, N] bool (True = visible), or the packed int32 [N, ceil(N / 32)] /
+    [B, N, ceil(N / 32)] bits from pack_tree_mask. Returns [B, Hq, N, D] in q's dtype.
     num_splits: split the keys over that many programs per row block (None: pick from the SM count).
     """
-    _check_inputs(q, k, v, prefix_len)
+    bsz, n = q.shape[0], q.shape[2]
+    lengths = [int(x) for x in torch.as_tensor(prefix_len).reshape(-1).expand(bsz)]
+    _check_inputs(q, k, v, lengths)
+    if isinstance(prefix_len, int) and k.shape[2] != prefix_len + n:
+        raise ValueError(f"k has {k.shape[2]} positions, expected prefix_len + N = {prefix_len + n}")
     if not _can_run_on(q):
         raise RuntimeError("the tree attention kernel needs CUDA tensors (or TRITON_INTERPRET=1)")
-    n = q.shape[2]
     if tree_mask.dtype == torch.bool:
-        bits = pack_tree_mask(tree_mask.to(q.device))
+        bits = torch.stack([pack_tree_mask(m) for m in tree_mask.to(q.device).reshape(-1, n, tree_mask.shape[-1])])
     else:
-        bits = tree_mask.to(device=q.device, dtype=torch.int32).contiguous()
-    if bits.shape[0] != n or bits.shape[1] < (n + 31) // 32:
-        raise ValueError(f"tree mask bits {tuple(bits.shape)} do not fit N={n}")
+        bits = tree_mask.to(device=q.device, dtype=torch.int32).reshape(-1, *tree_mask.shape[-2:]).contiguous()
+    if bits.shape[0] not in (1, bsz) or bits.shape[1] != n or bits.shape[2] < (n + 31) // 32:
+        raise ValueError(f"tree mask bits {tuple(bits.shape)} do not fit B={bsz}, N={n}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    return _launch(q, k, v, bits, prefix_len, scale, out, num_splits)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=q.device)
+    return _launch(q, k, v, bits if bits.shape[0] == bsz else bits[0], lens, scale, out, num_splits)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -458,7 +481,9 @@ def reset_stats() -> None:
         STATS[key] = 0
 
 
-# (weakref to the mask's base tensor, storage offset, shape, strides, version) -> packed bits or None
+# (weakref to the mask's base tensor, storage offset, shape, strides, version) -> what the kernel
+# reads for it: (packed bits [N, W] or [B, N, W], per-row prefix lengths [B] int32 or None: every
+# row's prefix is K - N), or None when the mask is not 'full prefix + tree'
 _MASK_CACHE: list[tuple[Any, tuple, Any]] = []
 _MASK_CACHE_SIZE = 8
 
@@ -469,8 +494,10 @@ def _mask_key(mask: torch.Tensor) -> tuple[Any, tuple]:
     return base, sig
 
 
-def _analyse_mask(mask: torch.Tensor, n: int) -> torch.Tensor | None:
-    """A [.., .., N, P + N] HF mask -> packed tree bits, or None if it is not 'full prefix + tree'."""
+def _analyse_mask(mask: torch.Tensor, n: int) -> tuple[torch.Tensor, None] | None:
+    """A [.., .., N, P + N] HF mask -> (packed tree bits, None), or None if it is not 'full prefix +
+    tree'. Reads the device (one host sync), and needs every batch slice alike: a mask's maker that
+    knows its rows says what it holds with `describe_mask` instead."""
     m2 = mask[0, 0]
     if mask.dtype == torch.bool:
         visible = m2
@@ -488,19 +515,34 @@ def _analyse_mask(mask: torch.Tensor, n: int) -> torch.Tensor | None:
         checks.append((mask == m2).all())
     if not bool(torch.stack(checks).all().item()):
         return None
-    return pack_tree_mask(visible[:, p:])
+    return pack_tree_mask(visible[:, p:]), None
 
 
-def _tree_bits_for(mask: torch.Tensor, n: int) -> torch.Tensor | None:
+def _remember(mask: torch.Tensor, entry: tuple[torch.Tensor, torch.Tensor | None] | None) -> None:
     base, sig = _mask_key(mask)
-    for ref, s, bits in _MASK_CACHE:
-        if s == sig and ref() is base:
-            return bits
-    bits = _analyse_mask(mask, n)
-    STATS["mask_analyses"] += 1
-    _MASK_CACHE.insert(0, (weakref.ref(base), sig, bits))
+    _MASK_CACHE.insert(0, (weakref.ref(base), sig, entry))
     del _MASK_CACHE[_MASK_CACHE_SIZE:]
-    return bits
+
+
+def describe_mask(mask: torch.Tensor, bits: torch.Tensor, lengths: torch.Tensor) -> None:
+    """Say what a [B, 1, N, K] 4D mask holds, so the kernel reads it without analysing it: row b sees
+    its first lengths[b] keys and, among its tree's N keys at lengths[b] .. lengths[b] + N - 1, those
+    of bits[b] (packed [B, N, ceil(N / 32)] int32, `pack_tree_mask` per row); nothing after. bits and
+    lengths ([B] int32) on the mask's device. The maker vouches for it (the kernel does not check);
+    an in-place edit of the mask afterwards voids the description (the mask is analysed again)."""
+    assert bits.ndim == 3 and lengths.shape == (bits.shape[0],), (tuple(bits.shape), tuple(lengths.shape))
+    _remember(mask, (bits.to(torch.int32).contiguous(), lengths.to(torch.int32)))
+
+
+def _tree_bits_for(mask: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    base, sig = _mask_key(mask)
+    for ref, s, entry in _MASK_CACHE:
+        if s == sig and ref() is base:
+            return entry
+    entry = _analyse_mask(mask, n)
+    STATS["mask_analyses"] += 1
+    _remember(mask, entry)
+    return entry
 
 
 def clear_mask_cache() -> None:
@@ -552,12 +594,15 @@ def triton_tree_attention_forward(
 
     if _kernel_applies(module, query, key, value, attention_mask, dropout, kwargs):
         n = query.shape[2]
-        bits = _tree_bits_for(attention_mask, n)
-        if bits is not None:
+        entry = _tree_bits_for(attention_mask, n)
+        if entry is not None:
+            bits, lengths = entry
             bsz, hq, _, d = query.shape
+            if lengths is None:  # an analysed mask: every row's prefix is all keys but the tree's
+                lengths = torch.full((bsz,), key.shape[2] - n, dtype=torch.int32, device=query.device)
             out = torch.empty(bsz, n, hq, d, dtype=query.dtype, device=query.device)
             scale = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
-            _launch(query, key, value, bits, key.shape[2] - n, scale, out.transpose(1, 2))
+            _launch(query, key, value, bits, lengths, scale, out.transpose(1, 2))
             STATS["kernel"] += 1
             return out, None
     STATS["fallback"] += 1

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from vlmspec.errors import ConfigError, ContextLengthError, InputError
+from vlmspec.kernels import tree_attention
 from vlmspec.kv_cache import ATTENTION_KINDS, blocker_message, cache_kwarg, layer_kinds, rollback_blockers
 from vlmspec.slot_cache import SlotCache, single_slot_reason
 from vlmspec.transfer import to_device
@@ -311,7 +312,7 @@ class Target:
         masked: other rows' longer prefixes, stale entries of rejected drafts, and the padding nodes
         after its own, which see only themselves (no row is all masked)."""
         if len(states) == 1 and trees[0].size == n:  # one row: its own mask is the batch's
-            return self.tree_masks(states[0], trees[0])
+            return self._described(self.tree_masks(states[0], trees[0]), states, trees, n)
         width = max(s.seq_len for s in states) + n
         lo = torch.finfo(self.dtype).min
         per_row = [self.tree_masks(s, t) for s, t in zip(states, trees)]
@@ -325,7 +326,26 @@ class Target:
                 pad = torch.arange(tree.size, n, device=self.device)
                 full[b, 0, pad, state.seq_len + pad] = 0
             out[kind] = full
-        return out[None] if kinds == [None] else out  # type: ignore[index]
+        return self._described(out[None] if kinds == [None] else out, states, trees, n)  # type: ignore[index]
+
+    def _described(self, masks: torch.Tensor | dict[str, torch.Tensor], states: list[TargetState], trees: list[DraftTree],
+                   n: int) -> torch.Tensor | dict[str, torch.Tensor]:
+        """With the Triton tree kernel as the attention, say what the full-attention mask holds (each
+        row's committed length and its tree's ancestors, padding nodes seeing themselves), so the
+        kernel takes every row at its own offset and reads nothing back from the device. Windowed
+        kinds are not described: their masks go to SDPA, or are analysed when every row is alike."""
+        full = masks.get("full_attention") if isinstance(masks, dict) else masks if self._mask_kinds == ["full_attention"] else None
+        if full is None or self.attention != tree_attention.DEFAULT_NAME:
+            return masks
+        eye = torch.eye(n, dtype=torch.bool)
+        bits = []
+        for tree in trees:
+            allowed = eye.clone()
+            allowed[: tree.size, : tree.size] = tree.ancestor_mask()
+            bits.append(tree_attention.pack_tree_mask(allowed))
+        lengths = torch.tensor([s.seq_len for s in states], dtype=torch.int32)
+        tree_attention.describe_mask(full, to_device(torch.stack(bits), self.device), to_device(lengths, self.device))
+        return masks
 
     @torch.no_grad()
     def forward_batch(self, states: list[TargetState], trees: list[DraftTree]) -> BatchOut:
