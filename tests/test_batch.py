@@ -203,13 +203,13 @@ def test_eagle_drafts_every_row_together_as_it_drafts_each_alone(stop_threshold)
     cfg = EagleConfig.from_target(target)
     cfg.acceptance_head = bool(stop_threshold)
     torch.manual_seed(5)
-    head = EagleHead(cfg, target.input_embeddings(), target.output_embeddings()).to(target.dtype)
+    head = EagleHead(cfg, target.input_embeddings(), target.output_embeddings()).to(target.device, target.dtype)
     drafter = EagleDrafter(head, TreeConfig(depth=5, top_k=3, total_tokens=12), stop_threshold=stop_threshold)
     prompts = []
     for text, seeds in [(t, s) for t, s, _, _ in RAGGED[:4]]:
         inputs = encode_prompt(target, text, [tiny_image(s) for s in seeds])
         _, out = target.prefill(inputs)
-        prompts.append(PromptContext(inputs["input_ids"][0], out.features, inputs))
+        prompts.append(PromptContext(inputs["input_ids"][0].cpu(), out.features, inputs))
     joint = [drafter.start(p) for p in prompts]
     alone = [drafter.start(p) for p in prompts]
     g = torch.Generator().manual_seed(0)
@@ -223,7 +223,7 @@ def test_eagle_drafts_every_row_together_as_it_drafts_each_alone(stop_threshold)
         sizes += [t.size for t in a]
         for s_j, s_a, t in zip(joint, alone, a):
             path = t.path_to(min(t.size - 1, 2))
-            feats = torch.randn(len(path), target.hidden_size, generator=g)
+            feats = torch.randn(len(path), target.hidden_size, generator=g).to(target.device)
             s_j.commit(t.tokens[path], feats)
             s_a.commit(t.tokens[path], feats)
         roots = [int(x) for x in torch.randint(target.vocab_size, (4,), generator=g)]

@@ -7,7 +7,7 @@ sync. Pinned, non-blocking host->device copies do not sync and do not warn. The 
 recorded with the filter at "always", so repeats from one line are all counted.
 
 The bound per verify step, from reading the code (tiny llava: 2 decoder layers):
-    draft    1   `_EagleSession.propose`: the whole tree in one device->host read (any depth)
+    draft    1   `EagleDrafter.propose_batch`: the whole tree in one device->host read (any depth)
     verify   3   `Target.forward_tree`: ancestor mask, token ids, position ids to the device
              1   `verify_greedy` argmax / `verify_sampling` probabilities to the host
     commit   L   `KVCache.commit`: the kept indices to the device, once per target layer
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from vlmspec.draft.base import TreeConfig
-from vlmspec.draft.eagle import EagleDrafter, _EagleSession
+from vlmspec.draft.eagle import EagleDrafter
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.inputs import encode_prompt
 from vlmspec.sampling import SamplingParams
@@ -65,17 +65,17 @@ def cuda_target():
 
 
 def _count_propose(monkeypatch, counter: SyncCounter) -> list[int]:
-    """Wrap `_EagleSession.propose` to record the syncs inside each call."""
+    """Wrap the drafter's batched proposal (what the engine calls each step) to record the syncs inside each call."""
     per_call: list[int] = []
-    real = _EagleSession.propose
+    real = EagleDrafter.propose_batch
 
-    def propose(self, root, max_depth):
+    def propose_batch(self, sessions, roots, max_depths):
         before = counter.count
-        tree = real(self, root, max_depth)
+        trees = real(self, sessions, roots, max_depths)
         per_call.append(counter.count - before)
-        return tree
+        return trees
 
-    monkeypatch.setattr(_EagleSession, "propose", propose)
+    monkeypatch.setattr(EagleDrafter, "propose_batch", propose_batch)
     return per_call
 
 
