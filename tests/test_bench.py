@@ -165,3 +165,26 @@ def test_bf16_divergences_at_near_ties_are_reported_not_failed_and_fp32_ones_fai
     assert mismatched(report("torch.bfloat16", True, False)) == ["vlmspec_eagle"]  # one not at a near-tie
     assert mismatched(report("torch.float32", True)) == ["vlmspec_eagle"]  # fp32 is exact: a near-tie is no excuse
     assert mismatched(report("torch.bfloat16")) == [] and near_tie_divergences(report("torch.bfloat16")) == {}
+
+
+def test_bench_batch_runs_every_size_and_way_and_finds_batched_answers_equal(tmp_path):
+    """vlmspec bench batch on a tiny model (fp32): every (B, way) cell, each batched answer compared
+    with its batch-1 run (all equal), the per-step timings and the goal ratios in the table."""
+    from conftest import tiny_target
+    from vlmspec.bench import batch as bench_batch
+    from vlmspec.draft.base import TreeConfig
+    from vlmspec.draft.eagle import EagleDrafter
+
+    target = tiny_target("llava")
+    drafter = EagleDrafter.random_init(target, TreeConfig(depth=3, top_k=2, total_tokens=6), seed=1)
+    opts = bench_batch.BatchBenchOptions(sizes=(1, 3), trees=(4,), max_new_tokens=6, repeats=1)
+    report = bench_batch.measure(target, drafter, opts, progress=False)
+    cells = {(c["batch"], c["way"]): c for c in report["cells"]}
+    assert set(cells) == {(b, w) for b in (1, 3) for w in ("plain", "eagle 4 nodes")}
+    for c in cells.values():
+        assert c["mismatched"] == 0 and c["requests"] == c["batch"] and c["tokens_per_s"] > 0
+        assert 0 < c["step_ms"]["median"] <= c["step_ms"]["max"] and c["rounds"] >= 1
+    table = bench_batch.markdown(report)
+    assert "B=3 best tree (eagle 4 nodes) / B=1 speculative" in table and "| 3 | plain |" in table
+    bench_batch.plot(report, tmp_path / "batch.png")
+    assert (tmp_path / "batch.png").stat().st_size > 0

@@ -58,6 +58,7 @@ class _Cell:
     latency_s: list[float] = field(default_factory=list)
     phases: list[dict[str, float]] = field(default_factory=list)  # seconds by phase, per run
     rounds: list[int] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)  # every step's wall time, all runs (a one-off cost shows as an outlier)
     cache_mb: float = 0.0
     mismatched: int = 0  # requests whose tokens differ from their batch-1 run
     divergences: list[dict[str, Any]] = field(default_factory=list)  # where, and the batch-1 run's top-2 margin there
@@ -78,14 +79,18 @@ def ways(target: Target, drafter: Drafter, trees: tuple[int, ...]) -> list[_Way]
     return out
 
 
-def _run(way: _Way, requests: list[dict[str, torch.Tensor]], max_new_tokens: int) -> tuple[float, list[Any], Any]:
+def _run(way: _Way, requests: list[dict[str, torch.Tensor]], max_new_tokens: int) -> tuple[float, list[Any], Any, list[float]]:
+    """One batch of `requests` joining at once -> (seconds, results, the batch, each step's ms)."""
     batch = way.engine.batch(len(requests))
     cfg = way.config(max_new_tokens)
     t0 = time.perf_counter()
     running = [batch.add(inputs, cfg) for inputs in requests]
+    steps = []
     while batch.requests:
+        t_step = time.perf_counter()
         batch.step()
-    return time.perf_counter() - t0, [r.result for r in running], batch
+        steps.append(1e3 * (time.perf_counter() - t_step))
+    return time.perf_counter() - t0, [r.result for r in running], batch, steps
 
 
 def measure(target: Target, drafter: Drafter, opts: BatchBenchOptions, progress: bool = True) -> dict[str, Any]:
@@ -104,12 +109,13 @@ def measure(target: Target, drafter: Drafter, opts: BatchBenchOptions, progress:
     for rep in range(opts.repeats):
         for b in opts.sizes:
             for way in rotated(all_ways, rep + b):
-                seconds, results, batch = _run(way, requests[:b], opts.max_new_tokens)
+                seconds, results, batch, steps = _run(way, requests[:b], opts.max_new_tokens)
                 cell = cells[(b, way.name)]
                 cell.tokens_per_s.append(sum(len(r.token_ids) for r in results) / seconds)
                 cell.latency_s.append(statistics.mean(r.elapsed_s for r in results))
                 cell.phases.append(dict(batch.timings))
                 cell.rounds.append(batch.rounds)
+                cell.step_ms += steps
                 cell.cache_mb = max(cell.cache_mb, batch.cache.nbytes() / 2**20)
                 for inputs, r, ref in zip(requests, results, alone[way.name]):
                     if r.token_ids != ref:
@@ -131,7 +137,8 @@ def _summary(b: int, way: str, c: _Cell) -> dict[str, Any]:
     return {"batch": b, "way": way, "tokens_per_s": statistics.median(c.tokens_per_s),
             "tokens_per_s_range": [min(c.tokens_per_s), max(c.tokens_per_s)], "latency_s": statistics.median(c.latency_s),
             "phases_s": phases, "ms_per_round": {k: 1e3 * v / rounds for k, v in phases.items() if k != "prefill"} if rounds else {},
-            "rounds": rounds, "cache_mb": round(c.cache_mb, 1), "requests": b * runs, "mismatched": c.mismatched,
+            "rounds": rounds, "step_ms": {"median": statistics.median(c.step_ms), "max": max(c.step_ms)} if c.step_ms else {},
+            "cache_mb": round(c.cache_mb, 1), "requests": b * runs, "mismatched": c.mismatched,
             "near_ties": sum(d["near_tie"] for d in c.divergences), "divergences": c.divergences}
 
 
@@ -156,12 +163,14 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [f"{env['model']}, {env['dtype']} on {env['device']} ({env['threads']} threads), {env['max_new_tokens']} new tokens "
              f"per request, median of {env['repeats']} runs (range in brackets)", "",
              "| B | way | tokens/s in total | latency per request (s) | ms per step: draft / verify / commit / other | "
-             "prefill s | cache MB | answers that differ from batch 1 |", "|---:|---|---:|---:|---|---:|---:|---:|"]
+             "step ms: median / slowest | prefill s | cache MB | answers that differ from batch 1 |", "|---:|---|---:|---:|---|---|---:|---:|---:|"]
     for c in report["cells"]:
         lo, hi = c["tokens_per_s_range"]
         ms = c["ms_per_round"]
         split = " / ".join(f"{ms.get(k, 0):.1f}" for k in ("draft", "verify", "commit", "other"))
-        lines.append(f"| {c['batch']} | {c['way']} | {c['tokens_per_s']:.1f} [{lo:.1f}-{hi:.1f}] | {c['latency_s']:.2f} | {split} | "
+        step = c.get("step_ms") or {}
+        steps = f"{step['median']:.1f} / {step['max']:.1f}" if step else "-"
+        lines.append(f"| {c['batch']} | {c['way']} | {c['tokens_per_s']:.1f} [{lo:.1f}-{hi:.1f}] | {c['latency_s']:.2f} | {split} | {steps} | "
                      f"{c['phases_s']['prefill']:.2f} | {c['cache_mb']} | {_differ(c)} |")
     lines += ["", *(f"- {k}: {v:.2f}x" for k, v in ratios(report).items())]
     return "\n".join(lines)
