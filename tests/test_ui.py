@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import os
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("prometheus_client")
 
-from conftest import tiny_target
+from conftest import browser_page, needs_browser, tiny_target
 from PIL import Image
 
 from vlmspec.control import SpeculationOptions, depth_summary
@@ -37,9 +36,6 @@ from vlmspec.engine import SpecEngine
 
 
 ROOT = Path(__file__).resolve().parents[1]
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
 MODEL = "tiny-llava"
 # with this image and prompt the tiny random model soon repeats itself: the n-gram drafter gets hits
 PROMPT = "the cat sat on the mat. the cat sat on the"
@@ -208,20 +204,9 @@ def test_ui_can_be_turned_off(engines):
 # ------------------------------------------------------------------------------------------ (2) a real browser
 
 
-def _have_browser() -> bool:
-    if not os.path.exists(CHROMIUM):
-        return False
-    try:
-        import playwright.sync_api  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@pytest.mark.browser
-@pytest.mark.skipif(not _have_browser(), reason=f"needs {CHROMIUM} (apt-get install chromium) and the playwright package")
+@needs_browser
 def test_browser_upload_prompt_run(engines, tmp_path):
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     png = cat_png(tmp_path)
     with LiveServer(create_app(engines, settings())) as srv:
@@ -233,55 +218,40 @@ def test_browser_upload_prompt_run(engines, tmp_path):
         expected = api["choices"][0]["message"]["content"]
         assert expected
 
-        with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-            try:
-                page = browser.new_page(viewport={"width": 1440, "height": 1000})
-                page.set_default_timeout(30_000)
-                page.goto(f"{srv.url}/ui/", wait_until="domcontentloaded")
-                expect(page.locator("#run")).to_be_visible()
-                expect(page.locator("#vlmspec-header")).to_contain_text("ngram")  # the load event ran
-                # replace the preselected sample with an uploaded file
-                page.locator("#image-input button[aria-label='Remove Image']").first.click()
-                page.locator("#image-input input[type=file]").set_input_files(str(png))
-                expect(page.locator("#image-input img")).to_be_visible()
-                prompt = page.locator("#prompt textarea")
-                prompt.fill(PROMPT)
-                page.locator("#run").click()
-                expect(page.locator("#vs-speedup")).to_be_visible(timeout=60_000)  # both runs done
-                spec = page.locator("#spec-answer textarea").input_value()
-                plain = page.locator("#plain-answer textarea").input_value()
-                assert spec.strip() and spec == plain == expected
-                expect(page.locator("#spec-stats")).to_contain_text("tok/s")
-                expect(page.locator("#plain-stats")).to_contain_text("tok/s")
-                expect(page.locator("#speedup")).to_contain_text("identical outputs")
-                assert page.locator("#vs-steps .vs-step").count() >= 2
-                # item 3: the step chips wrap inside their panel (they overflowed it on long answers)
-                assert page.evaluate("() => { const e = document.querySelector('#vs-steps');"
-                                     " return e.scrollWidth <= e.clientWidth + 1 }")
-                page.screenshot(path=str(tmp_path / "demo_ui.png"), full_page=True)  # docs/: the slow test below
-            finally:
-                browser.close()
+        with browser_page() as (_, page):
+            page.goto(f"{srv.url}/ui/", wait_until="domcontentloaded")
+            expect(page.locator("#run")).to_be_visible()
+            expect(page.locator("#vlmspec-header")).to_contain_text("ngram")  # the load event ran
+            # replace the preselected sample with an uploaded file
+            page.locator("#image-input button[aria-label='Remove Image']").first.click()
+            page.locator("#image-input input[type=file]").set_input_files(str(png))
+            expect(page.locator("#image-input img")).to_be_visible()
+            prompt = page.locator("#prompt textarea")
+            prompt.fill(PROMPT)
+            page.locator("#run").click()
+            expect(page.locator("#vs-speedup")).to_be_visible(timeout=60_000)  # both runs done
+            spec = page.locator("#spec-answer textarea").input_value()
+            plain = page.locator("#plain-answer textarea").input_value()
+            assert spec.strip() and spec == plain == expected
+            expect(page.locator("#spec-stats")).to_contain_text("tok/s")
+            expect(page.locator("#plain-stats")).to_contain_text("tok/s")
+            expect(page.locator("#speedup")).to_contain_text("identical outputs")
+            assert page.locator("#vs-steps .vs-step").count() >= 2
+            # item 3: the step chips wrap inside their panel (they overflowed it on long answers)
+            assert page.evaluate("() => { const e = document.querySelector('#vs-steps');"
+                                 " return e.scrollWidth <= e.clientWidth + 1 }")
+            page.screenshot(path=str(tmp_path / "demo_ui.png"), full_page=True)  # docs/: the slow test below
 
 
 @contextlib.contextmanager
 def _ui_page(app, timeout_ms: int = 30_000):
     """(server, browser, a 1440 x 1000 page on /ui/) for `app`, closed afterwards."""
-    from playwright.sync_api import sync_playwright
-
-    with LiveServer(app) as srv, sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1440, "height": 1000})
-            page.set_default_timeout(timeout_ms)
-            page.goto(f"{srv.url}/ui/", wait_until="domcontentloaded")
-            yield srv, browser, page
-        finally:
-            browser.close()
+    with LiveServer(app) as srv, browser_page(timeout_ms=timeout_ms) as (browser, page):
+        page.goto(f"{srv.url}/ui/", wait_until="domcontentloaded")
+        yield srv, browser, page
 
 
-@pytest.mark.browser
-@pytest.mark.skipif(not _have_browser(), reason=f"needs {CHROMIUM} (apt-get install chromium) and the playwright package")
+@needs_browser
 def test_browser_sample_pick_preview_loads_and_narrow_page_fits(engines):
     """#22 item 1: picking a sample showed a broken preview (its URL lacked the /ui prefix: 404);
     item 3: at 420 px the gallery's last column was cut off."""
@@ -352,8 +322,7 @@ def test_idle_server_cpu_figure(engines):
 
 
 @pytest.mark.slow
-@pytest.mark.browser
-@pytest.mark.skipif(not _have_browser(), reason=f"needs {CHROMIUM} (apt-get install chromium) and the playwright package")
+@needs_browser
 def test_docs_screenshot_default_model_on_the_default_sample():
     """docs/demo_ui.png: the page as a user first sees it after pressing Run: the default model and
     drafter (`make serve`), the default sample and prompt. Rewrites the committed screenshot."""
