@@ -408,6 +408,17 @@ def test_unknown_drafter_is_refused_before_the_model_loads(capsys, monkeypatch):
     assert "model folder not found" in capsys.readouterr().err
 
 
+def test_drafter_help_names_every_kind_of_drafter(capsys):
+    """#48 item 9: `generate --help` did not mention self, self:E or hub ids (serve shares the option)."""
+    import re
+
+    for command in ("generate", "serve"):
+        text = re.sub(r"\s+", " ", _help(capsys, command).split("options:", 1)[1])
+        drafter = text[text.index("--drafter DRAFTER"):text.index("--device DEVICE")]
+        for kind in ("'none'", "'ngram'", "'eagle'", "'self'", "'self:E'", "'self:E:K'", "a drafter folder", "hub id", "auto"):
+            assert kind in drafter, (command, kind, drafter)
+
+
 def test_usage_errors_are_one_line(capsys):
     """#48: an argparse error printed the whole usage block; now one line that says where the options are."""
     with pytest.raises(SystemExit) as exc:
