@@ -167,6 +167,23 @@ def test_gradio_api_is_one_named_endpoint_with_the_pages_names_defaults_and_json
         assert default["plain"]["text"] and default["message"] is None  # the default image was used (no "no image" note)
 
 
+def test_the_serving_docs_gradio_client_example_runs(engines):
+    """docs/serving.md's gradio_client example, run against a live demo (#48 item 8's names and JSON)."""
+    import re
+    import subprocess
+    import sys
+
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "serving.md").read_text(), flags=re.DOTALL)
+              if "gradio_client" in b]
+    assert len(blocks) == 1, blocks
+    with LiveServer(create_app(engines, settings())) as srv:
+        code = blocks[0].replace("http://127.0.0.1:8000", srv.url)
+        assert srv.url in code
+        run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().endswith(" True"), run.stdout  # greedy: identical outputs
+
+
 def _run_page(handlers, image, speculative=True, plain=True):
     """The page's Run handler to completion: its last outputs."""
     async def go():
