@@ -15,6 +15,7 @@ Files
 ``worker.py``     Job and Service: the bounded queue and the worker thread that owns the engines
 ``metrics.py``    Prometheus metrics (acceptance figures from vlmspec.stats.SpecStats)
 ``routes.py``     create_app: the edge middleware (API key, request metrics), routes, error handlers, lifespan
+``site.py``       the site's files for browsers: the OpenAPI 3.0 document /docs renders, /favicon.ico
 ``serve.py``      serve(): print the URLs and run uvicorn
 ``ui_runner.py``  the demo's runs through the worker (ServiceRunner, RunState, Comparison)
 ``ui.py``         the Gradio Blocks of the demo, mounted at /ui
@@ -49,7 +50,9 @@ Routes
 ``GET  /v1/models``            the served model (``/v1/models/{model}``: one).
 ``GET  /healthz``              liveness (never needs the API key).
 ``GET  /metrics``              Prometheus text (a per-app registry).
-``GET  /docs``                 OpenAPI UI.
+``GET  /docs``                 OpenAPI UI (Swagger UI, offline; it reads ``/docs/openapi.json``, the
+                                schema in OpenAPI 3.0 terms; ``/openapi.json`` is the 3.1 original).
+``GET  /favicon.ico``          the site's icon.
 ``GET  /ui``                   Gradio demo (app/ui.py) when gradio is installed and ``ServerSettings.ui``;
                                 it runs its generations through the same worker and queue as the API.
 
@@ -66,8 +69,22 @@ gone, timeout, shutdown) between engine steps.
 Metrics (all prefixed ``vlmspec_``): see ``metrics.METRIC_NAMES``.
 """
 
-from .routes import create_app
-from .serve import serve
+from fastapi import FastAPI
+
+from .routes import create_app as create_api_app
 from .settings import ServerSettings
+from .site import add_site_routes
+from .worker import Engines
+
+
+def create_app(engines: Engines, settings: ServerSettings | None = None) -> FastAPI:
+    """The service's FastAPI app: the API (routes.create_app, which takes `engines` as it says) and
+    the site's files around it (site.add_site_routes: the OpenAPI 3.0 document /docs renders, /favicon.ico)."""
+    app = create_api_app(engines, settings)
+    add_site_routes(app)
+    return app
+
+
+from .serve import serve  # noqa: E402  (after create_app, which serve.py calls)
 
 __all__ = ["ServerSettings", "create_app", "serve"]

@@ -144,26 +144,69 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def validation_error(exc: ValidationError) -> APIError:
-    """A pydantic error on the request body -> a 400 naming the parameter as the client wrote it."""
-    errors = exc.errors(include_url=False)
-    # the deepest error: for a union (str | list of parts) that is the branch the client meant
-    err = max(errors, key=lambda e: len(e.get("loc", ()))) if errors else {"type": "invalid", "loc": (), "msg": str(exc)}
-    if err["type"] == "json_invalid":
-        return APIError(400, f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}", code="invalid_json")
-    loc = [str(p) for p in err.get("loc", ()) if p not in ("function-after", "union")]
-    # drop pydantic's union-member tags ("str", "list[...]", "text", ...) for a readable parameter path
-    loc = [p for p in loc if p.isidentifier() or p.isdigit()]
-    loc = [p for p in loc if p not in ("str", "TextPart", "ImagePart") and not p.startswith("list")]
+# pydantic's union-member tags in an error's location -> what that member takes, in the client's words
+_KINDS = (("str", "a string"), ("list", "an array"), ("int", "an integer"), ("float", "a number"), ("bool", "a boolean"),
+          ("dict", "an object"))
+
+
+def _is_kind_error(err: dict[str, Any]) -> bool:
+    """The value is of another JSON type than this (union member) takes: "Input should be a valid string"."""
+    return err["type"].endswith("_type")
+
+
+def _param(loc: tuple[Any, ...]) -> str | None:
+    """An error location -> the parameter as the client wrote it (pydantic's union tags dropped)."""
+    parts = [str(p) for p in loc if p not in ("function-after", "union")]
+    parts = [p for p in parts if p.isidentifier() or p.isdigit()]
+    parts = [p for p in parts if p not in ("str", "TextPart", "ImagePart") and not p.startswith("list")]
     # and the discriminated union's tag: messages.0.content.1.image_url.image_url.url -> ...content.1.image_url.url
-    param = re.sub(r"(content\.\d+)\.(?:text|image_url)\.", r"\1.", ".".join(loc)) or None
-    if err["type"] == "model_type" and not loc:
+    return re.sub(r"(content\.\d+)\.(?:text|image_url)\.", r"\1.", ".".join(parts)) or None
+
+
+def _kind(tag: str) -> str:
+    return next((words for prefix, words in _KINDS if tag == prefix or tag.startswith(prefix + "[")), tag)
+
+
+def _problem(err: dict[str, Any]) -> str:
+    """What is wrong with the value, in one clause (pydantic's message where it is already plain)."""
+    ctx = err.get("ctx") or {}
+    if err["type"] == "too_long" and "max_length" in ctx:
+        return f"at most {ctx['max_length']} items are allowed, got {ctx.get('actual_length', 'more')}"
+    if err["type"] == "too_short" and "min_length" in ctx:
+        got = ctx.get("actual_length")
+        need = f"at least {ctx['min_length']} item{'s' if ctx['min_length'] != 1 else ''} needed"
+        return f"the array is empty ({need})" if got == 0 else f"{got} items, {need}"
+    return err["msg"]
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    """A pydantic error on the request body -> a 400 naming the parameter as the client wrote it.
+
+    Of a union (``str | list of parts``, ``str | list[str]``), the member the client meant is the one
+    whose JSON type the value has: its error is reported ("at most 4 items"), not the other member's
+    "Input should be a valid string"; a value of neither type gets "expected a string or an array"."""
+    errors = exc.errors(include_url=False)
+    if not errors:
+        return APIError(400, f"invalid request: {exc}", code="invalid_value")
+    if errors[0]["type"] == "json_invalid":
+        err = errors[0]
+        return APIError(400, f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}", code="invalid_json")
+    meant = [e for e in errors if not _is_kind_error(e)] or errors
+    err = max(meant, key=lambda e: len(e.get("loc", ())))  # the deepest: inside the member the client meant
+    param = _param(err.get("loc", ()))
+    if err["type"] == "model_type" and param is None:
         return APIError(400, "the request body must be a JSON object", code="invalid_json")
     if err["type"] == "extra_forbidden":
         return APIError(400, f"unrecognized request argument supplied: {param}", param=param, code="unknown_parameter")
     if err["type"] == "missing":
         return APIError(400, f"missing required parameter: {param}", param=param, code="missing_required_parameter")
-    return APIError(400, f"invalid value for {param or 'the request'}: {err['msg']}", param=param, code="invalid_value")
+    members = [e for e in errors if _is_kind_error(e) and _param(e["loc"]) == param]
+    if meant is errors and len(members) > 1 and len({len(e["loc"]) for e in members}) == 1:
+        # no member took the value's type: say what the parameter takes
+        kinds = [_kind(str(e["loc"][-1])) for e in members]
+        return APIError(400, f"invalid value for {param}: expected {' or '.join(dict.fromkeys(kinds))}", param=param,
+                        code="invalid_value")
+    return APIError(400, f"invalid value for {param or 'the request'}: {_problem(err)}", param=param, code="invalid_value")
 
 
 def model_not_found(model: str, settings: ServerSettings) -> APIError:

@@ -11,7 +11,6 @@ import uvicorn
 
 from vlmspec.engine import SpecEngine
 
-from .routes import create_app
 from .settings import ServerSettings
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -21,6 +20,8 @@ def serve(engine: SpecEngine, settings: ServerSettings, host: str = "127.0.0.1",
           log_level: str = "info") -> int:
     """Serve `engine` (and plain decoding over its target) until interrupted. Returns the exit code:
     0, or 130 after Ctrl-C."""
+    from . import create_app
+
     app = create_app(engine, settings)
     print_urls(settings, engine.drafter.name, host, port, app.state.ui_path, sys.stderr, app.state.docs_path)
     try:
@@ -35,6 +36,8 @@ def serving(engine: SpecEngine, settings: ServerSettings) -> Iterator[str]:
     """The service over `engine` on 127.0.0.1 and a free port, in a background thread, for the
     length of the block; yields its base URL (what `vlmspec bench server` sends its requests to)."""
     from vlmspec.testing.live_server import LiveServer
+
+    from . import create_app
 
     with LiveServer(create_app(engine, settings)) as srv:
         yield srv.url

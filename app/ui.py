@@ -9,6 +9,10 @@ speedup, and a step-by-step view where each target forward's emitted tokens (acc
 bonus token) are highlighted, and the steps where the speculation controller drafted nothing are
 marked. The speculation controls (policy, max depth, tree size) become the speculative job's
 `GenerationConfig.speculation`; they are hidden when the drafter has no tree.
+
+The page is also one Gradio API endpoint, /run (gradio_client: ``Client(url).predict(image=..., prompt=...,
+api_name="/run")``): its inputs carry the page's names and defaults (the served drafter's tree and
+policy, as the page shows them on load), its outputs the page's HTML and a JSON record of the runs.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import gradio as gr
 from vlmspec.assets import SAMPLE_IMAGES
 from vlmspec.control import POLICIES, SpeculationOptions, depth_summary
 
-from .ui_runner import Comparison, RunError, RunState, ServiceRunner
+from .ui_runner import Comparison, ImageSource, RunError, RunState, ServiceRunner
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
 DEFAULT_PROMPT = "Describe the picture."
@@ -42,6 +46,18 @@ TOY_NOTE = ("The toy model (4 M parameters, trained from scratch on ToyWorld) re
 
 
 DEFAULT_SAMPLE = "toyworld_scene.png"  # the page opens on it: a scene the default model can describe
+
+
+# the gallery's captions for a model aligned on ToyWorld only (the page's note above says what it reads)
+READS, GUESSES = "✓ reads it", "✗ guesses"
+
+
+def sample_captions(samples: list[Path], reads_toyworld_only: bool) -> list[tuple[str, str]]:
+    """The gallery's (image, caption) pairs: for a model aligned on ToyWorld only, which samples it
+    reads (the ToyWorld ones) and on which it guesses (the photos); else the file names."""
+    if not reads_toyworld_only:
+        return [(str(p), p.stem) for p in samples]
+    return [(str(p), READS if p.name.startswith("toyworld") else GUESSES) for p in samples]
 
 
 def sample_images(folder: Path = SAMPLE_IMAGES) -> list[Path]:
@@ -70,9 +86,11 @@ CSS = """
             max-width: 100%; box-sizing: border-box; overflow-wrap: anywhere; max-height: 24em; overflow-y: auto; }
 .vs-step { border-radius: 4px; padding: 2px 1px; margin: 0 1px; -webkit-box-decoration-break: clone; box-decoration-break: clone; }
 #samples .grid-container { grid-template-columns: repeat(auto-fill, minmax(64px, 1fr)) !important; }
+#samples .caption-label { max-width: 94%; font-size: .7em; padding: 1px 4px; opacity: .92; }
 .vs-step sub { font-size: .65em; color: #334155; font-family: var(--font); margin-left: 1px; }
 .vs-t1 { background: #e2e8f0; } .vs-t2 { background: #bbf7d0; } .vs-t3 { background: #86efac; }
-.vs-t4 { background: #4ade80; } .vs-t5 { background: #22c55e; } .vs-t6 { background: #16a34a; color: white; }
+.vs-t4 { background: #4ade80; } .vs-t5 { background: #22c55e; } .vs-t6 { background: #15803d; color: white; }
+.vs-t6 sub { color: #f0fdf4; }  /* 4.8:1 on its green (#334155 was 3.1:1 on #16a34a) */
 .vs-alt { outline: 1px solid #94a3b8; }
 .vs-d0 { outline: 1px dashed #b45309; }
 .vs-legend span { display: inline-block; padding: 0 .5em; margin-right: .3em; border-radius: 4px; font-size: .85em; }
@@ -83,17 +101,23 @@ def _tier(n: int) -> int:
     return max(1, min(n, 6))
 
 
-def render_steps(state: RunState | None) -> str:
-    """The step view: one highlighted span per target forward (its text, subscript: tokens emitted)."""
+NO_RUN = "no run yet: press Run, and each target forward of the speculative run shows here"
+SPEC_OFF = "speculative decoding is off"
+
+
+def render_steps(state: RunState | None, idle: str = NO_RUN) -> str:
+    """The step view: one highlighted span per target forward (its text, subscript: tokens emitted);
+    `idle` where there is no speculative run."""
     legend = ('<div class="vs-legend vs-muted">tokens per target forward: '
               + "".join(f'<span class="vs-t{k}">{k if k < 6 else "6+"}</span>' for k in range(1, 7))
               + " &nbsp;(the subscript: tokens this forward emitted = accepted drafts + 1; "
               + '<span class="vs-d0">dashed</span>: the controller drafted nothing)</div>')
     if state is None:
-        return legend + '<div class="vs-steps vs-muted">speculative decoding is off</div>'
+        return legend + f'<div class="vs-steps vs-muted" id="vs-steps-idle">{html.escape(idle)}</div>'
     if not state.steps:
-        body = "waiting for the worker ..." if state.waiting else ""
-        return legend + f'<div class="vs-steps vs-muted">{body}</div>'
+        body = ("no steps: the run failed" if state.error else "waiting for the worker ..." if state.waiting
+                else "starting ...")
+        return legend + f'<div class="vs-steps vs-muted" id="vs-steps-idle">{body}</div>'
     spans = []
     for i, (text, n, acc, drafted, depth) in enumerate(state.steps):
         what = "prefill" if i == 0 else f"forward {i}"
@@ -123,6 +147,10 @@ def render_stats(state: RunState | None, label: str) -> str:
 
 
 def _pending_banner(cmp: Comparison) -> str:
+    failed = next((r for r in (cmp.spec, cmp.plain) if r is not None and r.error), None)
+    if failed is not None:
+        msg = f"{failed.mode} decoding failed: {failed.error}"
+        return f'<div class="vs-banner"><span class="vs-bad" id="vs-message">{html.escape(msg)}</span></div>'
     running = [r.mode for r in (cmp.spec, cmp.plain) if r is not None and r.result is None and not r.error]
     msg = f"running {running[0]} decoding ..." if running else "done"
     if cmp.spec is not None and cmp.spec.result is not None and cmp.plain is None:
@@ -159,21 +187,53 @@ def render_summary(cmp: Comparison | None, temperature: float = 0.0, note: str =
             f'<span>{s.num_target_forwards} vs {p.num_target_forwards} target forwards</span>{check}{extra}</div>')
 
 
-def render_message(message: str) -> tuple[str, str, str, str, str, str]:
-    """The page's outputs cleared, with `message` in the summary (no run was made)."""
+Outputs = tuple[str, str, str, str, str, str, dict[str, Any]]  # what the page and /run show, in _output_column's order
+
+
+def render_message(message: str, modes_off: bool = False) -> Outputs:
+    """The page's outputs cleared, with `message` in the summary (no run was made; `modes_off`: because
+    both modes were unticked, which their stats say)."""
     banner = f'<div class="vs-banner"><span class="vs-bad" id="vs-message">{html.escape(message)}</span></div>'
-    return banner, "", render_stats(None, "speculative decoding"), "", render_stats(None, "plain decoding"), render_steps(None)
+    details = {"message": message, "speculative": None, "plain": None, "speedup": None, "identical": None}
+    spec_stats, plain_stats = ((render_stats(None, "speculative decoding"), render_stats(None, "plain decoding")) if modes_off
+                               else ("", ""))
+    return banner, "", spec_stats, "", plain_stats, render_steps(None), details
 
 
-def render_outputs(cmp: Comparison, temperature: float, note: str = "") -> tuple[str, str, str, str, str, str]:
-    """(summary, speculative answer, its stats, plain answer, its stats, step view) for the page."""
+def render_outputs(cmp: Comparison, temperature: float, note: str = "") -> Outputs:
+    """(summary, speculative answer, its stats, plain answer, its stats, step view, the runs as JSON)."""
     return (render_summary(cmp, temperature, note),
             cmp.spec.text if cmp.spec else "", render_stats(cmp.spec, "speculative decoding"),
             cmp.plain.text if cmp.plain else "", render_stats(cmp.plain, "plain decoding"),
-            render_steps(cmp.spec))
+            render_steps(cmp.spec, SPEC_OFF), {"message": note or None, **cmp.summary()})
 
 
 # ------------------------------------------------------------------------------------------ the Blocks
+
+
+def image_input(sample: str | None, **kwargs: Any) -> gr.Image:
+    """A gr.Image whose value reaches the handler undecoded: the uploaded file's path (or a pasted data
+    URL; Gradio has checked the path is an upload or a sample), which the runner decodes with the API's
+    checks and messages. Gradio's own decoding answered a non-image with its internals and the server's
+    temporary path. Its API example is `sample`, the image it opens on (Gradio's is a photo on GitHub).
+
+    The two methods are set on the instance: a gr.Image subclass would make Gradio write a .pyi stub
+    of this module beside it at import."""
+    image = gr.Image(value=sample, type="filepath", **kwargs)
+
+    def undecoded(payload: Any) -> str | None:
+        if payload is None:
+            return None
+        return payload.url if payload.url and payload.url.startswith("data:") else payload.path
+
+    def example() -> Any:
+        if sample is None:
+            return gr.Image.example_payload(image)
+        return {"path": sample, "url": sample, "orig_name": Path(sample).name, "meta": {"_type": "gradio.FileData"}}
+
+    image.preprocess = undecoded  # type: ignore[method-assign]
+    image.example_payload = example  # type: ignore[method-assign]
+    return image
 
 
 @dataclass
@@ -184,23 +244,23 @@ class _Inputs:
     max_tokens: gr.Slider
     temperature: gr.Slider
     speculative: gr.Checkbox
-    compare: gr.Checkbox
+    plain: gr.Checkbox
     tree_size: gr.Slider
     policy: gr.Radio
     max_depth: gr.Slider
     run: gr.Button
 
-    def run_args(self) -> list[Any]:  # in the order of _Handlers.on_run's parameters
-        return [self.image, self.prompt, self.max_tokens, self.temperature, self.speculative, self.compare, self.tree_size,
+    def run_args(self) -> list[Any]:  # in the order of _Handlers.on_run's parameters (named alike: /run's names)
+        return [self.image, self.prompt, self.max_tokens, self.temperature, self.speculative, self.plain, self.tree_size,
                 self.policy, self.max_depth]
 
 
-def _input_column(samples: list[Path], cap: int) -> _Inputs:
+def _input_column(samples: list[Path], cap: int, reads_toyworld_only: bool) -> _Inputs:
     first = str(samples[0]) if samples else None
     with gr.Column(scale=2, min_width=320):
-        image = gr.Image(value=first, type="pil", label="image (upload, paste, or pick a sample below)",
-                         sources=["upload", "clipboard"], height=260, elem_id="image-input")
-        gallery = gr.Gallery(value=[str(p) for p in samples], label="sample images", columns=4, height=230,
+        image = image_input(first, label="image (upload, paste, or pick a sample below)", sources=["upload", "clipboard"],
+                            height=260, elem_id="image-input")
+        gallery = gr.Gallery(value=sample_captions(samples, reads_toyworld_only), label="sample images", columns=4, height=230,
                              allow_preview=False, object_fit="cover", elem_id="samples", visible=bool(samples))
         prompt = gr.Textbox(value=DEFAULT_PROMPT, label="prompt", lines=2, elem_id="prompt")
         with gr.Row():
@@ -208,15 +268,15 @@ def _input_column(samples: list[Path], cap: int) -> _Inputs:
             temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="temperature", elem_id="temperature")
         with gr.Row():
             speculative = gr.Checkbox(value=True, label="speculative decoding", elem_id="speculative")
-            compare = gr.Checkbox(value=True, label="also run plain decoding (speedup)", elem_id="compare")
+            plain = gr.Checkbox(value=True, label="also run plain decoding (speedup)", elem_id="compare")
         with gr.Row():
             policy = gr.Radio(list(POLICIES), value=POLICIES[0], label="speculation policy", visible=False, elem_id="policy",
                               info="goodput: drafts as deep as pays, from the acceptance so far (0 when nothing is accepted); fixed: always the full depth")
-            max_depth = gr.Slider(0, 16, value=5, step=1, label="max draft depth (0: never draft)", visible=False, elem_id="max-depth")
+            max_depth = gr.Slider(0, 16, value=0, step=1, label="max draft depth (0: never draft)", visible=False, elem_id="max-depth")
         tree_size = gr.Slider(1, 128, value=16, step=1, label="draft tree size (drafted tokens per forward)",
                               visible=False, elem_id="tree-size")
         run = gr.Button("Run", variant="primary", elem_id="run")
-    return _Inputs(image, gallery, prompt, max_tokens, temperature, speculative, compare, tree_size, policy, max_depth, run)
+    return _Inputs(image, gallery, prompt, max_tokens, temperature, speculative, plain, tree_size, policy, max_depth, run)
 
 
 def _output_column() -> list[Any]:
@@ -235,12 +295,22 @@ def _output_column() -> list[Any]:
                                         elem_id="plain-answer")
                 plain_stats = gr.Markdown("", elem_id="plain-stats", label="plain decoding stats", show_label=False)
         gr.Markdown("#### step by step: what each target forward emitted (speculative run; hover a step for details)")
-        steps = gr.HTML(render_steps(RunState("speculative")), elem_id="steps", label="steps of the speculative run", show_label=False)
-    return [summary, spec_text, spec_stats, plain_text, plain_stats, steps]
+        steps = gr.HTML(render_steps(None), elem_id="steps", label="steps of the speculative run", show_label=False)
+        with gr.Accordion("the runs as JSON (what the API endpoint /run returns last)", open=False):
+            details = gr.JSON(None, label="runs", elem_id="runs-json")
+    return [summary, spec_text, spec_stats, plain_text, plain_stats, steps, details]
+
+
+def controls(info: dict[str, Any]) -> dict[str, Any]:
+    """The speculation controls' values for the served drafter (its tree's size and depth, the
+    engine's policy): what the page shows on load and /run's API defaults."""
+    n, depth = info["tree_total_tokens"], info["tree_depth"]
+    return {"tree_size": n or 16, "policy": info["policy"] if info["policy"] in POLICIES else POLICIES[0], "max_depth": depth or 0}
 
 
 class _Handlers:
-    """The page's event handlers (bound methods, so Gradio sees their real signatures)."""
+    """The page's event handlers (bound methods, so Gradio sees their real signatures: on_run's
+    parameter names are /run's)."""
 
     def __init__(self, runner: ServiceRunner, samples: list[Path]) -> None:
         self.runner, self.samples = runner, samples
@@ -252,9 +322,10 @@ class _Handlers:
                 + (f" · tree of {n} drafted tokens, {depth} deep · policy **{info['policy']}**" if n else "")
                 + " · every run goes through the server's worker queue, like the API"
                 + (f"\n\n{MODEL_NOTE}" if info.get("default_model") else f"\n\n{TOY_NOTE}" if info.get("toy_model") else ""))
-        slider = gr.update(visible=n is not None, value=n if n else 16, maximum=max(128, n or 0))
-        policy = gr.update(visible=n is not None, value=info["policy"] if info["policy"] in POLICIES else POLICIES[0])
-        max_depth = gr.update(visible=n is not None, value=depth or 0, maximum=max(16, depth or 0))
+        values = controls(info)
+        slider = gr.update(visible=n is not None, value=values["tree_size"], maximum=max(128, n or 0))
+        policy = gr.update(visible=n is not None, value=values["policy"])
+        max_depth = gr.update(visible=n is not None, value=values["max_depth"], maximum=max(16, depth or 0))
         return text, slider, policy, max_depth
 
     def on_pick(self, evt: gr.SelectData) -> Any:
@@ -262,38 +333,60 @@ class _Handlers:
             return gr.update()
         return str(self.samples[evt.index])
 
-    async def on_run(self, img: Any, text: str, n_tokens: float, temp: float, spec_on: bool, plain_on: bool,
-                     tree_n: float | None, policy: str | None = None, max_depth: float | None = None,
-                     ) -> AsyncIterator[tuple[str, ...]]:
-        if not spec_on and not plain_on:  # not an error: a message where the speedup goes, the old run cleared
-            yield render_message(NO_MODE)
+    async def on_run(self, image: ImageSource, prompt: str, max_tokens: float, temperature: float, speculative: bool,
+                     plain: bool, tree_size: float | None, policy: str | None = None, max_depth: float | None = None,
+                     ) -> AsyncIterator[Outputs]:
+        if not speculative and not plain:  # not an error: a message where the speedup goes, the old run cleared
+            yield render_message(NO_MODE, modes_off=True)
             return
-        note = NO_IMAGE_NOTE if img is None else ""
-        last, cmp = 0.0, None
-        knobs = SpeculationOptions(policy=policy if policy in POLICIES else None, tree_tokens=int(tree_n) if tree_n else None,
-                                   max_depth=int(max_depth) if max_depth is not None else None)
-        try:
-            async for cmp in self.runner.compare(img, text, max_tokens=int(n_tokens), temperature=float(temp),
-                                                 speculative=bool(spec_on), plain=bool(plain_on), speculation=knobs):
-                now = time.monotonic()
-                done = any(r is not None and (r.result is not None or r.error) for r in (cmp.spec, cmp.plain))
-                if now - last < 0.05 and not done:  # at most ~20 page updates a second
-                    continue
-                last = now
-                yield render_outputs(cmp, float(temp), note)
+        try:  # bad input (a non-image, a bomb, an empty prompt): the API's one-line message, the old run cleared
+            picture, prompt = self.runner.inputs(image, prompt)
         except RunError as exc:
-            raise gr.Error(str(exc)) from None
+            yield render_message(str(exc))
+            return
+        note = NO_IMAGE_NOTE if picture is None else ""
+        last, cmp = 0.0, None
+        knobs = SpeculationOptions(policy=policy if policy in POLICIES else None, tree_tokens=int(tree_size) if tree_size else None,
+                                   max_depth=int(max_depth) if max_depth is not None else None)
+        async for cmp in self.runner.compare(picture, prompt, max_tokens=int(max_tokens), temperature=float(temperature),
+                                             speculative=bool(speculative), plain=bool(plain), speculation=knobs):
+            now = time.monotonic()
+            done = any(r is not None and (r.result is not None or r.error) for r in (cmp.spec, cmp.plain))
+            if now - last < 0.05 and not done:  # at most ~20 page updates a second
+                continue
+            last = now
+            yield render_outputs(cmp, float(temperature), note)
         if cmp is not None:
-            yield render_outputs(cmp, float(temp), note)
+            yield render_outputs(cmp, float(temperature), note)
+
+
+class DemoBlocks(gr.Blocks):
+    """The demo's Blocks, whose API info gives /run the defaults the page shows: the speculation
+    controls' values for the served drafter (`controls`), read when a client asks (the worker has
+    loaded the engine by then; the page's components are built before it has)."""
+
+    def __init__(self, runner: ServiceRunner, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.runner = runner
+
+    def get_api_info(self, all_endpoints: bool = False, page: str | None = None) -> Any:
+        info = super().get_api_info(all_endpoints=all_endpoints, page=page)
+        values = controls(self.runner.info())
+        for endpoint in info["named_endpoints"].values():
+            for param in endpoint["parameters"]:
+                if param.get("parameter_name") in values:
+                    param["parameter_default"] = values[param["parameter_name"]]
+        return info
 
 
 def build_ui(runner: ServiceRunner) -> gr.Blocks:
     samples = sample_images()
     handlers = _Handlers(runner, samples)
-    with gr.Blocks(title="vlmspec demo", analytics_enabled=False) as demo:
+    info = runner.info()
+    with DemoBlocks(runner, title="vlmspec demo", analytics_enabled=False) as demo:
         header = gr.Markdown(f"{TITLE}\nloading ...", elem_id="vlmspec-header")
         with gr.Row(equal_height=False):
-            inputs = _input_column(samples, int(runner.settings.max_tokens_cap))
+            inputs = _input_column(samples, int(runner.settings.max_tokens_cap), bool(info["default_model"] or info["toy_model"]))
             outputs = _output_column()
         # one documented API endpoint, /run (gradio_client: Client(url).predict(..., api_name="/run"));
         # the page-only events are kept out of the API
@@ -302,7 +395,9 @@ def build_ui(runner: ServiceRunner) -> gr.Blocks:
         inputs.gallery.select(handlers.on_pick, outputs=inputs.image, queue=False, api_visibility="private")
         inputs.run.click(handlers.on_run, inputs=inputs.run_args(), outputs=outputs, concurrency_limit=1, api_name="run",
                          api_description="Answer the prompt about the image with speculative and (optionally) plain "
-                                         "decoding; streams the outputs as the runs progress.")
+                                         "decoding; streams the outputs as the runs progress (the last one: both runs "
+                                         "done). The last output is the runs as JSON: speedup, identical, and per run "
+                                         "its text, tokens/s, target forwards, accepted tokens, policy and depths.")
         inputs.prompt.submit(handlers.on_run, inputs=inputs.run_args(), outputs=outputs, concurrency_limit=1,
                              api_visibility="private")
     return demo

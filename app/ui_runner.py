@@ -5,9 +5,9 @@
         cmp.spec.text, cmp.plain.text, cmp.speedup, cmp.identical
 
 The runner submits a `Job` and awaits its messages on the event loop, so the model is only ever
-touched by the worker thread. The image goes through `vlmspec.inputs.checked_rgb` with the
-server's limits; the speculation knobs (policy, max depth, tree size) become this job's
-`GenerationConfig.speculation`.
+touched by the worker thread. The image goes through `vlmspec.inputs` with the server's limits, as
+the API's do (an uploaded file is decoded there, so a non-image or a bomb gets the API's message);
+the speculation knobs (policy, max depth, tree size) become this job's `GenerationConfig.speculation`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from vlmspec import assets
 from vlmspec.control import SpeculationOptions
 from vlmspec.engine import GenerationConfig, GenerationResult
 from vlmspec.errors import InputError
-from vlmspec.inputs import checked_rgb, user_turn
+from vlmspec.inputs import checked_rgb, decode_data_url, load_image_file, user_turn
 from vlmspec.sampling import SamplingParams
 from vlmspec.text import Completion, TextEvent
 
@@ -33,8 +33,15 @@ from .settings import ServerSettings
 from .worker import Job, Service
 
 
+# what the demo hands the runner: a decoded image, an uploaded file's path or a data URL, or none
+ImageSource = Image.Image | str | Path | None
+
+
 class RunError(Exception):
     """A generation the service refused or failed (queue full, timeout, bad input, ...)."""
+
+
+NOT_RUN = "not run: the speculative run failed"  # the plain run's error when the speculative one failed first
 
 
 @dataclass
@@ -56,6 +63,9 @@ class RunState:
             return self.result.tokens_per_s
         dt = time.monotonic() - self.t0
         return self.tokens / dt if dt > 0 else 0.0
+
+    def fail(self, message: str) -> None:
+        self.error, self.waiting = message, False
 
     def apply(self, kind: str, payload: Any) -> None:
         """One worker message: "start" (prompt tokens), "event" (TextEvent) or "done" (Completion)."""
@@ -112,8 +122,9 @@ def _run_summary(r: RunState | None) -> dict[str, Any] | None:
     return {"text": r.text, "error": r.error, "tokens": r.tokens, "tokens_per_s": r.tokens_per_s,
             "target_forwards": res.num_target_forwards if res else None,
             "mean_accepted_length": res.mean_accepted_length if res else None,
+            "drafted_tokens": res.num_drafted if res else None, "accepted_tokens": res.num_accepted if res else None,
             "steps": [step[1] for step in r.steps], "policy": res.policy if res else None,
-            "depths": res.depths if res else None}
+            "depths": res.depths if res else None, "finish_reason": res.finish_reason if res else None}
 
 
 class ServiceRunner:
@@ -131,22 +142,33 @@ class ServiceRunner:
                 "default_model": any(Path(a).resolve() == default for a in self.settings.model_aliases),
                 "toy_model": any(Path(a).resolve() == assets.BUNDLED_TARGET.resolve() for a in self.settings.model_aliases)}
 
-    def _job(self, image: Image.Image | None, prompt: str, speculative: bool, max_tokens: int, temperature: float,
-             seed: int | None, speculation: SpeculationOptions | None) -> Job:
+    def inputs(self, image: ImageSource, prompt: str | None) -> tuple[Image.Image | None, str]:
+        """(the image as RGB, or None; the prompt stripped), or RunError with the one-line message the
+        API gives for the same input (no file path in it)."""
         prompt = (prompt or "").strip()
         if not prompt:
-            raise RunError("the prompt is empty")
+            raise RunError("the prompt is empty: type a question or an instruction about the image")
+        limits = self.settings.image_limits()
         try:
-            images = [] if image is None else [checked_rgb(image, self.settings.image_limits(), "image")]
+            if image is None or isinstance(image, Image.Image):
+                return (None if image is None else checked_rgb(image, limits, "image")), prompt
+            if str(image).startswith("data:"):
+                return decode_data_url(str(image), limits, "image"), prompt
+            return load_image_file(image, limits, "image"), prompt
         except InputError as exc:
             raise RunError(exc.message) from None
+
+    def _job(self, image: ImageSource, prompt: str, speculative: bool, max_tokens: int, temperature: float,
+             seed: int | None, speculation: SpeculationOptions | None) -> Job:
+        picture, prompt = self.inputs(image, prompt)
+        images = [] if picture is None else [picture]
         max_tokens = max(1, min(int(max_tokens), self.settings.max_tokens_cap))
         config = GenerationConfig(max_new_tokens=max_tokens, sampling=SamplingParams(temperature=float(temperature)),
                                   seed=seed, speculation=speculation if speculative and speculation else SpeculationOptions())
         return Job.on_loop(user_turn(prompt, len(images)), images, config, speculative=speculative,
                            timeout_s=self.settings.request_timeout_s)
 
-    async def stream(self, image: Image.Image | None, prompt: str, *, speculative: bool, max_tokens: int = 64,
+    async def stream(self, image: ImageSource, prompt: str, *, speculative: bool, max_tokens: int = 64,
                      temperature: float = 0.0, seed: int | None = 0, speculation: SpeculationOptions | None = None,
                      ) -> AsyncIterator[RunState]:
         """Submit one job and yield its RunState after each engine step (and once when it is done)."""
@@ -169,7 +191,7 @@ class ServiceRunner:
         finally:
             job.cancel("disconnect")  # the UI went away mid-stream: a no-op once the job finished
 
-    async def compare(self, image: Image.Image | None, prompt: str, *, max_tokens: int = 64, temperature: float = 0.0,
+    async def compare(self, image: ImageSource, prompt: str, *, max_tokens: int = 64, temperature: float = 0.0,
                       seed: int | None = 0, speculative: bool = True, plain: bool = True,
                       speculation: SpeculationOptions | None = None) -> AsyncIterator[Comparison]:
         """The speculative run, then the plain run (each through the worker); yields the pair as it fills."""
@@ -181,7 +203,9 @@ class ServiceRunner:
                     cmp.spec = st
                     yield cmp
             except RunError as exc:
-                cmp.spec.error = str(exc)
+                cmp.spec.fail(str(exc))
+                if cmp.plain is not None:
+                    cmp.plain.fail(NOT_RUN)
                 yield cmp
                 return
         if plain:
@@ -190,7 +214,7 @@ class ServiceRunner:
                     cmp.plain = st
                     yield cmp
             except RunError as exc:
-                cmp.plain.error = str(exc)
+                cmp.plain.fail(str(exc))
                 yield cmp
 
     async def compare_final(self, *args: Any, **kwargs: Any) -> Comparison | None:

@@ -1,3 +1,4 @@
+import contextlib
 import functools
 import os
 
@@ -33,3 +34,42 @@ def model_dir(tmp_path_factory):
     model.save_pretrained(d)
     processor.save_pretrained(d)
     return d
+
+
+# ------------------------------------------------------------------------------------------ a real browser
+# Debian's chromium driven by Playwright (never `playwright install`); tests that need it are marked
+# @needs_browser and skipped where either is missing.
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+
+def have_browser() -> bool:
+    if not os.path.exists(CHROMIUM):
+        return False
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def needs_browser(test):
+    """@pytest.mark.browser, skipped without chromium or playwright."""
+    reason = f"needs {CHROMIUM} (apt-get install chromium) and the playwright package"
+    return pytest.mark.browser(pytest.mark.skipif(not have_browser(), reason=reason)(test))
+
+
+@contextlib.contextmanager
+def browser_page(width: int = 1440, height: int = 1000, timeout_ms: int = 30_000):
+    """(browser, a page of width x height), closed afterwards."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": width, "height": height})
+            page.set_default_timeout(timeout_ms)
+            yield browser, page
+        finally:
+            browser.close()

@@ -2,6 +2,7 @@
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -153,6 +154,50 @@ def test_serve_help_lists_its_options(capsys):
     out = _help(capsys, "serve")
     for opt in ("--port", "--host", "--api-key", "--model", "--drafter", "--tree-depth", "--max-queue", "--no-ui", "--log-level"):
         assert opt in out, opt
+
+
+# serve's option -> the ServerSettings field it sets
+SERVE_SETTINGS = {"max_queue": "max_queue", "request_timeout": "request_timeout_s", "max_tokens_cap": "max_tokens_cap",
+                  "max_images": "max_images", "max_image_pixels": "max_image_pixels",
+                  "max_image_aspect_ratio": "max_image_aspect_ratio", "max_body_bytes": "max_body_bytes"}
+
+
+def test_serve_sets_every_image_and_body_limit(capsys, monkeypatch):
+    """#48 item 11: the docs said `serve --help` lists the image limits; only --max-images existed
+    (the pixel, aspect-ratio and body limits could not be set from the command line)."""
+    pytest.importorskip("fastapi")
+    import vlmspec.app
+    from vlmspec import factory
+    from vlmspec.app import ServerSettings
+    from vlmspec.cli import build_parser
+    from vlmspec.cli import serve as serve_cli
+
+    out = _help(capsys, "serve")
+    for opt in ("--max-images", "--max-image-pixels", "--max-image-aspect-ratio", "--max-body-bytes"):
+        assert opt in out, opt
+    defaults = build_parser().parse_args(["serve"])  # one set of defaults: the CLI's are the settings'
+    assert {field: getattr(defaults, opt) for opt, field in SERVE_SETTINGS.items()} == \
+        {field: getattr(ServerSettings(), field) for field in SERVE_SETTINGS.values()}
+
+    seen = {}
+
+    def fake_serve(engine, settings, *args):
+        seen["settings"] = settings
+        return 0
+
+    monkeypatch.setattr(factory, "build_engine", lambda spec: SimpleNamespace(drafter=SimpleNamespace(name="none")))
+    monkeypatch.setattr(serve_cli, "describe_speculation", lambda engine: "policy none")
+    monkeypatch.setattr(vlmspec.app, "serve", fake_serve)
+    argv = ["serve", "--port", "0", "--drafter", "none", "--max-image-pixels", "1000", "--max-image-aspect-ratio", "3.5",
+            "--max-body-bytes", "5000", "--max-images", "2"]
+    assert main(argv) == 0
+    settings = seen["settings"]
+    assert (settings.max_image_pixels, settings.max_image_aspect_ratio, settings.max_body_bytes, settings.max_images) == (1000, 3.5, 5000, 2)
+    limits = settings.image_limits()
+    assert (limits.max_pixels, limits.max_aspect_ratio, limits.remote_max_bytes) == (1000, 3.5, 5000)
+    with pytest.raises(SystemExit):  # checked like every number
+        main(["serve", "--max-image-aspect-ratio", "0.5"])
+    assert "--max-image-aspect-ratio must be in [1.0, 1000000.0], got 0.5" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -361,6 +406,17 @@ def test_unknown_drafter_is_refused_before_the_model_loads(capsys, monkeypatch):
     monkeypatch.undo()
     assert main(["generate", "--drafter", "self:x", "--prompt", "hi", "--model", "/does/not/exist"]) == 2  # control: a known name passes the check
     assert "model folder not found" in capsys.readouterr().err
+
+
+def test_drafter_help_names_every_kind_of_drafter(capsys):
+    """#48 item 9: `generate --help` did not mention self, self:E or hub ids (serve shares the option)."""
+    import re
+
+    for command in ("generate", "serve"):
+        text = re.sub(r"\s+", " ", _help(capsys, command).split("options:", 1)[1])
+        drafter = text[text.index("--drafter DRAFTER"):text.index("--device DEVICE")]
+        for kind in ("'none'", "'ngram'", "'eagle'", "'self'", "'self:E'", "'self:E:K'", "a drafter folder", "hub id", "auto"):
+            assert kind in drafter, (command, kind, drafter)
 
 
 def test_usage_errors_are_one_line(capsys):

@@ -39,6 +39,8 @@ from vlmspec.errors import InputError, TargetLoadError
 # ---------------------------------------------------------------------------------------- images
 # formats PIL may decode for us: the common web formats only
 IMAGE_FORMATS = ("PNG", "JPEG", "MPO", "GIF", "WEBP", "BMP")
+# what every caller (API, demo, CLI, training data) says about bytes that are no image it can read
+NOT_AN_IMAGE = f"the data is not an image in a supported format ({', '.join(IMAGE_FORMATS)})"
 _DATA_URL = re.compile(r"^data:(?P<mime>[^;,]*)(?P<params>(?:;[^;,]*)*),(?P<data>.*)$", re.DOTALL)
 
 
@@ -61,9 +63,8 @@ def decode_image(data: bytes, limits: ImageLimits, param: str | None = None) -> 
             im = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)  # reads the header only
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
         raise InputError("the image has too many pixels", param=param, code="image_too_large") from None
-    except Exception as exc:  # noqa: BLE001  (UnidentifiedImageError, or a broken header: any failure is bad input)
-        raise InputError(f"the bytes are not a supported image ({', '.join(IMAGE_FORMATS)}): {exc.__class__.__name__}",
-                         param=param, code="invalid_image") from None
+    except Exception:  # noqa: BLE001  (UnidentifiedImageError, a KeyError from a plugin, a broken header: any failure is bad input)
+        raise InputError(NOT_AN_IMAGE, param=param, code="invalid_image") from None
     check_size(im, limits, param)
     try:
         im.load()  # decodes the first frame; a truncated or corrupt file raises here

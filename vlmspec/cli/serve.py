@@ -40,6 +40,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds from a request's arrival to its last token")
     p.add_argument("--max-tokens-cap", type=positive_int("--max-tokens-cap"), default=1024, help="the most max_tokens a request may ask for")
     p.add_argument("--max-images", type=non_negative_int("--max-images"), default=4, help="images per request")
+    p.add_argument("--max-image-pixels", type=positive_int("--max-image-pixels"), default=4096 * 4096,
+                   help="pixels per image (width x height, read from the header before decoding: larger ones, "
+                        "decompression bombs included, get a 400)")
+    p.add_argument("--max-image-aspect-ratio", type=float_in("--max-image-aspect-ratio", 1.0, 1e6), default=100.0,
+                   help="longest side / shortest side of an image")
+    p.add_argument("--max-body-bytes", type=positive_int("--max-body-bytes"), default=20 * 1024 * 1024,
+                   help="bytes per request body (413 above), and per remote image with --allow-remote-images; "
+                        "the demo's uploads too")
     p.add_argument("--no-ui", action="store_true", help="do not mount the Gradio demo at /ui")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="uvicorn's log level")
     p.set_defaults(func=run)
@@ -91,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         model=served_name(model, args.served_model_name), model_aliases=(model,), api_key=args.api_key,
         allow_remote_images=args.allow_remote_images, max_queue=args.max_queue, request_timeout_s=args.request_timeout,
-        max_tokens_cap=args.max_tokens_cap, max_images=args.max_images, ui=not args.no_ui,
+        max_tokens_cap=args.max_tokens_cap, max_images=args.max_images, max_image_pixels=args.max_image_pixels,
+        max_image_aspect_ratio=args.max_image_aspect_ratio, max_body_bytes=args.max_body_bytes, ui=not args.no_ui,
     )
     code = serve(engine, settings, args.host, args.port, args.log_level)
     return code if isinstance(code, int) else 0
