@@ -8,6 +8,18 @@ import torch
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _cost_cache_in_a_temp_dir(tmp_path_factory):
+    """Measured cost models go to a folder of the test session, never the user's cache."""
+    prev = os.environ.get("VLMSPEC_CACHE_DIR")
+    os.environ["VLMSPEC_CACHE_DIR"] = str(tmp_path_factory.mktemp("vlmspec-cache"))
+    yield
+    if prev is None:
+        os.environ.pop("VLMSPEC_CACHE_DIR", None)
+    else:
+        os.environ["VLMSPEC_CACHE_DIR"] = prev
+
+
 @functools.lru_cache(maxsize=None)
 def tiny_target(arch: str, seed: int = 0):
     """A Target over a tiny random HF VLM of `arch` (built once per test session)."""

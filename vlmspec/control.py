@@ -33,8 +33,18 @@ measured seconds to the model's (decayed mean), a plain step's by the plain step
 Until a plain step has been timed it keeps the model's seconds, so a drafted step found dearer
 than modelled (a long image prompt makes a tree's attention dearer) counts wholly against drafting.
 
-Batched serving will pass the batch's size to `choose` and a cost model per batch size (SmartSpec's
-goodput is defined over the batch); today a step serves one request.
+Over a batch (SmartSpec's goodput is defined over the batch) the rows' depths are chosen together,
+`choose_depths`: one step verifies every row's tree in one forward padded to the largest tree and
+drafts every level for all rows at once, so its cost follows the batch size and its deepest row
+(`BatchCost`, measured at start-up per batch size). The goodput rows of a step share one depth D,
+
+    D* = argmax_D  sum_b E_b[min(D, max_depth_b)] / T_B[max(D, deepest fixed row)]
+
+each row's E_b from its own acceptance history, with the same margin over D = 0; rows of the fixed
+policy keep their own choice. As the batch grows a drafted step costs more plain steps and D*
+falls, to 0 (plain decoding) where drafting no longer pays for the batch. With one row, or without
+a batch cost, each row's controller chooses alone as above. Inside a batch a row's step times are
+not its own, so they do not correct its cost model.
 """
 
 from __future__ import annotations
@@ -103,6 +113,36 @@ class CostModel:
             top = max(top, s0 + (s1 - s0) * (depth - d0) / (d1 - d0))
             table.append(top)
         return cls(base, *line, by_depth=tuple(table))
+
+
+@dataclass(frozen=True)
+class BatchCost:
+    """Seconds of one batched step by batch size: a `CostModel` (depth -> seconds of a step whose
+    deepest row drafts that deep) per measured size B, first B = 1. Between measured sizes it reads
+    linearly in B; past the largest it extends the last two sizes' line (never below the largest's)."""
+
+    by_size: tuple[tuple[int, CostModel], ...]
+
+    def __post_init__(self) -> None:
+        sizes = [b for b, _ in self.by_size]
+        if not sizes or sizes[0] != 1 or sizes != sorted(set(sizes)):
+            raise ValueError(f"a batch cost needs increasing batch sizes starting at 1, got {sizes}")
+
+    def seconds(self, batch: int, depth: int) -> float:
+        pts = self.by_size
+        if len(pts) == 1 or batch <= 1:
+            return pts[0][1].seconds(depth)
+        (b0, m0), (b1, m1) = next(((a, b) for a, b in zip(pts, pts[1:]) if batch <= b[0]), pts[-2:])
+        s0, s1 = m0.seconds(depth), m1.seconds(depth)
+        return max(s0 + (s1 - s0) * (batch - b0) / (b1 - b0), min(s0, s1))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {str(b): m.as_dict() for b, m in self.by_size}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "BatchCost":
+        return cls(tuple((int(b), CostModel(m["step_s"], m["draft_s"], m["per_level_s"], tuple(m["by_depth"])))
+                         for b, m in sorted(data.items(), key=lambda kv: int(kv[0]))))
 
 
 class Controller(Protocol):
@@ -281,6 +321,7 @@ class Speculation:
 
     default: str = "fixed"
     cost: CostModel | None = None
+    batch_cost: BatchCost | None = None  # per batch size, for rows decoded together (None: each row chooses alone)
 
     def __post_init__(self) -> None:
         if self.default not in POLICIES:
@@ -293,10 +334,33 @@ class Speculation:
         return FixedPolicy()
 
 
+def choose_depths(controls: list[Controller], max_depths: list[int], cost: BatchCost | None) -> list[int]:
+    """Every row's depth for one step (see the module docstring: goodput over the batch). Rows whose
+    max depth is negative (a full context) get 0 and are not asked."""
+    tracked = [i for i, c in enumerate(controls) if isinstance(c, AcceptanceTracker) and max_depths[i] > 0]
+    if len(controls) == 1 or cost is None or not tracked:
+        return [c.choose(m) if m >= 0 else 0 for c, m in zip(controls, max_depths)]
+    depths = [0 if (i in tracked or m < 0) else c.choose(m) for i, (c, m) in enumerate(zip(controls, max_depths))]
+    floor, rows = max(depths), len(controls)
+    policy: GoodputPolicy = controls[tracked[0]].policy  # type: ignore[attr-defined]
+
+    def goodput(depth: int) -> float:
+        tokens = sum(controls[i].expected_tokens(min(depth, max_depths[i])) for i in tracked)  # type: ignore[attr-defined]
+        return tokens / cost.seconds(rows, max(depth, floor))
+
+    best = max(range(max(max_depths[i] for i in tracked) + 1), key=lambda d: (goodput(d), -d))
+    if best > 0 and goodput(best) < (1.0 + policy.min_gain) * goodput(0):
+        best = 0
+    for i in tracked:
+        depths[i] = min(best, max_depths[i])
+        controls[i].chosen.append(depths[i])  # type: ignore[attr-defined]
+    return depths
+
+
 def depth_summary(depths: list[int]) -> str:
     """[0, 0, 5, 5, 5] -> '0x2 5x3': how often a request's controller chose each depth."""
     return " ".join(f"{d}x{depths.count(d)}" for d in sorted(set(depths)))
 
 
-__all__ = ["AcceptanceTracker", "Controller", "CostModel", "FixedPolicy", "GoodputPolicy", "POLICIES", "Policy",
+__all__ = ["AcceptanceTracker", "BatchCost", "Controller", "CostModel", "choose_depths", "FixedPolicy", "GoodputPolicy", "POLICIES", "Policy",
            "Speculation", "SpeculationOptions", "depth_summary"]

@@ -4,16 +4,33 @@ own tree timing it falls back on (`vlmspec.target.timing`).
 
     cost = measure_cost(engine, encode_prompt(engine.target, COST_PROMPT))   # CostModel
     SpecEngine(target, drafter, Speculation("goodput", cost))
+    cost, batch_cost = measured_costs(engine, batch_sizes=(2, 4, 8))          # both, through the cache
+
+Measuring takes tens of seconds on a CPU, so `measured_costs` keeps what it measured in a cache file
+per model, drafter, device, dtype, thread count and versions (`cost_cache_dir()`), and measures
+again when any of them changes.
 """
 
 from __future__ import annotations
 
-from vlmspec.control import CostModel, FixedPolicy
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vlmspec.control import BatchCost, CostModel, FixedPolicy
 from vlmspec.draft.base import TreeConfig
 from vlmspec.engine import GenerationConfig, SpecEngine
+from vlmspec.inputs import encode_prompt
 from vlmspec.target.timing import time_tree_extras
 
 COST_PROMPT = "Write a short story about a lighthouse keeper."
+CACHE_VERSION = 1  # bump when what is measured, or how, changes: older files are then not read
 
 
 def tree_nodes(tree: TreeConfig, depth: int) -> int:
@@ -59,4 +76,100 @@ def measure_cost(engine: SpecEngine, inputs: dict, depths: tuple[int, ...] | Non
     return CostModel.fit(samples)
 
 
-__all__ = ["COST_PROMPT", "measure_cost", "tree_nodes"]
+def measure_batch_cost(engine: SpecEngine, inputs: dict, sizes: tuple[int, ...], depths: tuple[int, ...] | None = None,
+                       tokens: int = 12, repeats: int = 2, single: CostModel | None = None) -> BatchCost:
+    """Seconds per batched step by batch size: for each B in `sizes`, B copies of `inputs` decoded
+    together at each fixed depth (default 0, 1, 2 and the tree's full depth; the fastest of `repeats`
+    runs), fitted into one `CostModel` per size. B = 1 is `single` (measured by `measure_cost` when
+    not given)."""
+    tree = engine.drafter.tree or TreeConfig()
+    depths = tuple(sorted({0, *(depths or (1, 2, tree.depth))} & set(range(tree.depth + 1))))
+    by_size = [(1, single or measure_cost(engine, inputs))]
+    for size in sorted({b for b in sizes if b > 1}):
+        best = dict.fromkeys(depths, float("inf"))
+        for _ in range(repeats):
+            for depth in depths:
+                batch = engine.batch(size)
+                config = GenerationConfig(max_new_tokens=max(tokens, depth + 2), ignore_eos=True, policy=FixedPolicy(depth))
+                for _ in range(size):
+                    batch.add(inputs, config)
+                while batch.requests:
+                    batch.step()
+                best[depth] = min(best[depth], sum(v for k, v in batch.timings.items() if k != "prefill") / max(batch.rounds, 1))
+        by_size.append((size, CostModel.fit(best)))
+    return BatchCost(tuple(by_size))
+
+
+def cost_cache_dir() -> Path:
+    """Where measured cost models are kept: $VLMSPEC_CACHE_DIR, else $XDG_CACHE_HOME/vlmspec, else ~/.cache/vlmspec."""
+    if os.environ.get("VLMSPEC_CACHE_DIR"):
+        return Path(os.environ["VLMSPEC_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vlmspec"
+
+
+def fingerprint(module: torch.nn.Module | None) -> str:
+    """A short digest of a module's weights (names, shapes and sums of its first and last tensors):
+    other weights in the same folder give another digest. '' for no module."""
+    if module is None:
+        return ""
+    params = list(module.state_dict().items())
+    h = hashlib.sha256()
+    for name, t in params[:4] + params[-4:]:
+        t = t.detach().float()
+        h.update(f"{name}{tuple(t.shape)}{float(t.sum()):.9e}{float(t.abs().sum()):.9e}".encode())
+    h.update(str(len(params)).encode())
+    return h.hexdigest()[:16]
+
+
+def cost_key(engine: SpecEngine, batch_sizes: tuple[int, ...]) -> dict[str, Any]:
+    """What a measured cost depends on: the model and its weights, the drafter and its weights and
+    tree, the device, dtype and thread count, torch's and transformers' versions, the sizes measured."""
+    import transformers
+
+    target, drafter = engine.target, engine.drafter
+    tree = drafter.tree
+    return {"version": CACHE_VERSION, "model": target.name, "model_weights": fingerprint(target.model),
+            "drafter": drafter.name, "drafter_weights": fingerprint(getattr(drafter, "head", None)),
+            "drafter_options": repr(getattr(drafter, "stop_threshold", None)),
+            "tree": None if tree is None else [tree.depth, tree.top_k, tree.total_tokens],
+            "device": str(target.device), "dtype": str(target.dtype), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": transformers.__version__, "batch_sizes": sorted(set(batch_sizes) | {1})}
+
+
+def measured_costs(engine: SpecEngine, batch_sizes: tuple[int, ...] = (), cache_dir: Path | None = None,
+                   log=None) -> tuple[CostModel, BatchCost | None]:
+    """The goodput policy's cost model (batch 1) and, for `batch_sizes` beyond 1, the batched one:
+    read from the cache when measured before for the same `cost_key`, else measured (saying so on
+    `log`, default stderr, with how long it took) and saved."""
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    key = cost_key(engine, batch_sizes)
+    folder = cache_dir or cost_cache_dir()
+    path = folder / f"cost-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]}.json"
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text())
+            if data["key"] == key:
+                batch = BatchCost.from_dict(data["batch"]) if data.get("batch") else None
+                return BatchCost.from_dict({"1": data["single"]}).by_size[0][1], batch
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            log(f"vlmspec: ignoring an unreadable cost cache {path} ({err}); measuring again")
+    sizes = tuple(b for b in sorted(set(batch_sizes)) if b > 1)
+    log(f"vlmspec: measuring the goodput policy's cost model for {engine.target.name} with {engine.drafter.name} "
+        f"on {engine.target.device} ({str(engine.target.dtype).replace('torch.', '')})"
+        + (f", batch sizes 1, {', '.join(map(str, sizes))}" if sizes else "") + ": once, kept in " + str(folder))
+    t0 = time.perf_counter()
+    inputs = encode_prompt(engine.target, COST_PROMPT)
+    single = measure_cost(engine, inputs)
+    batch = measure_batch_cost(engine, inputs, sizes, single=single) if sizes else None
+    log(f"vlmspec: cost model measured in {time.perf_counter() - t0:.1f} s")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"key": key, "single": single.as_dict(), "batch": batch.as_dict() if batch else None}, indent=1))
+        tmp.replace(path)
+    except OSError as err:
+        log(f"vlmspec: could not keep the cost model in {folder} ({err}); the next start measures again")
+    return single, batch
+
+
+__all__ = ["COST_PROMPT", "cost_cache_dir", "cost_key", "fingerprint", "measure_batch_cost", "measure_cost", "measured_costs", "tree_nodes"]

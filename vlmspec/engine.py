@@ -25,7 +25,7 @@ from typing import Any, Iterator
 
 import torch
 
-from vlmspec.control import Controller, Policy, Speculation, SpeculationOptions
+from vlmspec.control import Controller, Policy, Speculation, SpeculationOptions, choose_depths
 from vlmspec.draft.base import Drafter, NoDrafter, PromptContext, TreeConfig, propose_all
 from vlmspec.sampling import SamplingParams, next_token
 from vlmspec.stats import SpecStats
@@ -294,7 +294,7 @@ class Batch:
         target = self.engine.target
         clock = Clock(target.device, any(r.config.sync_timings for r in reqs))
         t_step = time.perf_counter()
-        depths = [r.control.choose(r.max_depth(target.max_positions)) for r in reqs]
+        depths = choose_depths([r.control for r in reqs], [r.max_depth(target.max_positions) for r in reqs], self.engine.speculation.batch_cost)
         trees = [t.truncate_depth(d) for t, d in zip(propose_all(self.engine.drafter, [r.session for r in reqs], [r.root for r in reqs], depths), depths)]
         clock.lap("draft")
         out = target.forward_batch([r.state for r in reqs], trees)  # logits [B, N, V]
@@ -311,7 +311,7 @@ class Batch:
         for r, t, v, path, depth in zip(reqs, trees, verdicts, paths, depths):
             drafted_depth = int(t.depth.max())
             r.stats.observe(t.size - 1, v.num_accepted, drafted_depth)
-            r.control.observe(drafted_depth, v.num_accepted, seconds)  # the step's own time
+            r.control.observe(drafted_depth, v.num_accepted, seconds if len(reqs) == 1 else None)  # a batch's time is not the row's own
             if r.policy != "none":  # plain decoding chooses no depth
                 r.depths.append(depth)
             r.root = v.next_token

@@ -9,8 +9,10 @@ The CLI, the server and the benchmarks build engines here and nowhere else:
 Resolution rules: no model -> the aligned real target when it is built (`vlmspec build-target`
 with the trained parts), else the committed toy; "toy" -> the toy; drafter "auto" -> the EAGLE drafter shipped for that model (the toy's, the
 default model's), else n-gram; "eagle" -> that drafter (the name the service shows for it); device None -> CUDA when available; dtype "auto" -> bfloat16 on CUDA, float32 on CPU;
-policy "goodput" (the default) -> the engine's cost model is measured at build (`vlmspec.cost.measure_cost`,
-three rounds of 16 tokens at every depth from 0 to the tree's on a short text prompt, about 20 s in fp32 here for a depth-5 tree, growing with the depth) unless the drafter never drafts.
+policy "goodput" (the default) -> the engine's cost model is measured at build (`vlmspec.cost.measured_costs`:
+three rounds of 16 tokens at every depth from 0 to the tree's on a short text prompt, about 20 s in fp32 here for a depth-5 tree,
+growing with the depth, and per batch size up to `max_batch` for batched serving) unless the drafter never drafts; it is kept in a
+cache file per model, drafter, device and dtype, so the next build with the same ones reads it instead.
 Bad choices raise `ConfigError` with a message that says what to pass instead.
 """
 
@@ -23,12 +25,11 @@ import torch
 
 from vlmspec import assets
 from vlmspec.control import POLICIES, CostModel, Speculation
-from vlmspec.cost import COST_PROMPT, measure_cost
+from vlmspec.cost import measured_costs
 from vlmspec.draft import NoDrafter, TreeConfig, check_drafter_name, default_tree, load_drafter
 from vlmspec.draft.base import Drafter
 from vlmspec.engine import SpecEngine
 from vlmspec.errors import ConfigError
-from vlmspec.inputs import encode_prompt
 from vlmspec.target import Target, load_target
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,6 +47,7 @@ class EngineSpec:
     tree_topk: int | None = None
     tree_tokens: int | None = None
     policy: str = "goodput"  # the default speculation policy of the engine's requests (goodput | fixed)
+    max_batch: int = 1  # requests decoded together at most (the service's batch): the goodput cost model is measured up to it
 
 
 # the prompt the cost model is measured on at build (step times hardly depend on the prompt)
@@ -144,17 +146,26 @@ def drafter_for(spec: EngineSpec, target: Target) -> Drafter:
 def build_engine(spec: EngineSpec) -> SpecEngine:
     if spec.policy not in POLICIES:
         raise ConfigError(f"--policy must be one of {', '.join(POLICIES)}, got {spec.policy!r}")
+    if spec.max_batch < 1:
+        raise ConfigError(f"--max-batch must be at least 1, got {spec.max_batch}")
     target = load(spec)
     engine = SpecEngine(target, drafter_for(spec, target))
-    return with_policy(engine, spec.policy)
+    return with_policy(engine, spec.policy, max_batch=spec.max_batch)
 
 
-def with_policy(engine: SpecEngine, policy: str, cost: CostModel | None = None) -> SpecEngine:
-    """`engine` whose requests default to `policy`; goodput gets `cost`, measured here when not given
-    (nothing is measured for a drafter that never drafts: its requests run plain steps anyway)."""
+def batch_sizes(max_batch: int) -> tuple[int, ...]:
+    """The batch sizes the batched cost model is measured at: powers of two below `max_batch`, and it."""
+    return tuple(sorted({b for b in (2, 4, 8, 16, 32, 64) if b < max_batch} | {max_batch})) if max_batch > 1 else ()
+
+
+def with_policy(engine: SpecEngine, policy: str, cost: CostModel | None = None, max_batch: int = 1) -> SpecEngine:
+    """`engine` whose requests default to `policy`; goodput gets `cost`, measured here (or read from
+    the cost cache) when not given, per batch size up to `max_batch` too (nothing is measured for a
+    drafter that never drafts: its requests run plain steps anyway)."""
+    batch_cost = None
     if policy == "goodput" and cost is None and not isinstance(engine.drafter, NoDrafter):
-        cost = measure_cost(engine, encode_prompt(engine.target, COST_PROMPT))
-    return SpecEngine(engine.target, engine.drafter, Speculation(policy, cost))
+        cost, batch_cost = measured_costs(engine, batch_sizes(max_batch))
+    return SpecEngine(engine.target, engine.drafter, Speculation(policy, cost, batch_cost))
 
 
 def plain_engine(engine: SpecEngine) -> SpecEngine:

@@ -1,0 +1,109 @@
+"""Goodput over the batch (SmartSpec): the rows' depths chosen together from each row's acceptance
+history and a cost per batch size; the measured cost kept in a cache file per model, drafter,
+device and dtype."""
+import pytest
+import torch
+
+from conftest import tiny_target
+from vlmspec.control import AcceptanceTracker, BatchCost, CostModel, FixedPolicy, GoodputPolicy, Speculation, choose_depths
+from vlmspec.cost import measured_costs
+from vlmspec.draft.base import TreeConfig
+from vlmspec.draft.eagle import EagleDrafter
+from vlmspec.engine import GenerationConfig, SpecEngine
+from vlmspec.inputs import encode_prompt
+
+# a step's seconds by depth 0..5 at B = 1, 4 and 8: at B = 1 a drafted level costs a tenth of a
+# plain step; at B = 8 a drafted step costs 2.5-3.5 steps of 8 plain rows
+B1 = CostModel.fit({0: 1.0, 1: 1.1, 2: 1.2, 5: 1.5})
+B4 = CostModel.fit({0: 1.6, 1: 2.2, 2: 2.6, 5: 3.2})
+B8 = CostModel.fit({0: 2.0, 1: 5.0, 2: 6.4, 5: 7.0})
+COST = BatchCost(((1, B1), (4, B4), (8, B8)))
+
+
+def _tracker(accepted_per_step: int, steps: int = 6, depth: int = 5) -> AcceptanceTracker:
+    """A request whose drafts had `accepted_per_step` tokens accepted of `depth` every step so far."""
+    t = GoodputPolicy(B1).start()
+    for _ in range(steps):
+        t.observe(depth, accepted_per_step)
+    return t
+
+
+def test_batch_cost_reads_between_and_past_the_measured_sizes():
+    assert COST.seconds(1, 2) == pytest.approx(1.2) and COST.seconds(8, 5) == pytest.approx(7.0)
+    assert COST.seconds(6, 0) == pytest.approx((1.6 + 2.0) / 2)  # halfway between B = 4 and 8
+    assert COST.seconds(16, 0) == pytest.approx(2.0 + (2.0 - 1.6) * 2)  # the 4 -> 8 line extended
+    with pytest.raises(ValueError, match="starting at 1"):
+        BatchCost(((4, B4),))
+    assert BatchCost.from_dict(COST.as_dict()) == COST
+
+
+def test_one_row_chooses_as_its_own_controller_does():
+    a, b = _tracker(4), _tracker(4)
+    got = choose_depths([a], [5], COST)
+    assert got == [b.choose(5)] and got[0] > 0
+
+
+def test_the_batch_drafts_less_as_it_grows_and_not_at_all_when_it_does_not_pay():
+    """Rows that accept 2 of 5 drafted tokens: alone drafting pays; at B = 4 less deep; at B = 8 a
+    drafted step costs over 3 plain steps for about 3 tokens per row, so the batch decodes plainly."""
+    chosen = {b: choose_depths([_tracker(2) for _ in range(b)], [5] * b, COST) for b in (1, 4, 8)}
+    assert chosen[1][0] > 0
+    assert 0 < chosen[4][0] < 5 and len(set(chosen[4])) == 1
+    assert chosen[8] == [0] * 8
+    # negative control: rows whose drafts are all accepted keep drafting deep at B = 8
+    assert choose_depths([_tracker(5) for _ in range(8)], [5] * 8, COST) == [5] * 8
+
+
+def test_rows_keep_their_own_limits_and_fixed_rows_their_own_depth():
+    rows = [_tracker(5), _tracker(5), FixedPolicy(3).start()]
+    depths = choose_depths(rows, [5, 1, 5], COST)
+    assert depths == [5, 1, 3]
+    assert rows[0].chosen[-1] == 5 and rows[1].chosen[-1] == 1  # each tracker records its own depth
+    assert choose_depths(rows, [5, 5, 5], None) == [rows[0].choose(5), rows[1].choose(5), 3]  # no batch cost: alone
+
+
+def test_a_batch_under_a_cost_that_says_drafting_never_pays_decodes_plainly_and_losslessly():
+    target = tiny_target("llava")
+    drafter = EagleDrafter.random_init(target, TreeConfig(depth=3, top_k=2, total_tokens=6), seed=1)
+    never = BatchCost(((1, CostModel.fit({0: 1.0, 3: 1.1})), (2, CostModel.fit({0: 1.0, 3: 50.0}))))
+    engine = SpecEngine(target, drafter, Speculation("goodput", never.by_size[0][1], never))
+    texts = ["once upon a time", "the quick brown fox jumps over"]
+    requests = [(encode_prompt(target, t), GenerationConfig(max_new_tokens=10, ignore_eos=True)) for t in texts]
+    alone = [engine.generate(i, c) for i, c in requests]
+    together = engine.generate_many(requests, slots=2)
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert all(max(r.depths) > 0 for r in alone)  # alone, drafting looks cheap: it drafts
+    assert all(set(r.depths) == {0} for r in together)  # two rows at 50x the price: never
+
+
+def test_the_cost_model_is_measured_once_and_measured_again_when_the_model_drafter_or_dtype_changes(tmp_path, monkeypatch):
+    from vlmspec import cost as cost_module
+
+    calls, logs = [], []
+    real = cost_module.measure_cost
+
+    def counting(engine, inputs, *args, **kwargs):
+        calls.append(engine)
+        return real(engine, inputs, depths=(0, 1), tokens=4, repeats=1)
+
+    monkeypatch.setattr(cost_module, "measure_cost", counting)
+    target = tiny_target("llava")
+    tree = TreeConfig(depth=2, top_k=2, total_tokens=4)
+    engine = SpecEngine(target, EagleDrafter.random_init(target, tree, seed=1))
+    first = measured_costs(engine, (2,), cache_dir=tmp_path, log=logs.append)
+    assert len(calls) == 1 and any("measuring" in m for m in logs) and any("measured in" in m for m in logs)
+    again = measured_costs(engine, (2,), cache_dir=tmp_path, log=logs.append)
+    assert len(calls) == 1 and again == first  # read back, not measured
+    other = SpecEngine(target, EagleDrafter.random_init(target, tree, seed=2))  # same folder-less name, other weights
+    measured_costs(other, (2,), cache_dir=tmp_path, log=logs.append)
+    assert len(calls) == 2
+    model, processor = tiny_target("llava").model, tiny_target("llava").processor
+    from vlmspec.target import Target
+
+    bf16 = Target(type(model)._from_config(model.config, dtype=torch.bfloat16).eval(), processor, name=target.name)
+    bf16.model.load_state_dict({k: v.to(torch.bfloat16) for k, v in model.state_dict().items()})
+    measured_costs(SpecEngine(bf16, EagleDrafter.random_init(bf16, tree, seed=1)), (2,), cache_dir=tmp_path, log=logs.append)
+    assert len(calls) == 3
+    measured_costs(engine, (2, 4), cache_dir=tmp_path, log=logs.append)  # other batch sizes: measured for them
+    assert len(calls) == 4
+    assert len(list(tmp_path.glob("cost-*.json"))) == 4
