@@ -151,7 +151,7 @@ def test_bench_help_lists_the_sub_benchmarks(capsys):
 
 def test_serve_help_lists_its_options(capsys):
     out = _help(capsys, "serve")
-    for opt in ("--port", "--host", "--api-key", "--model", "--drafter", "--tree-depth", "--max-queue", "--no-ui", "--log-level"):
+    for opt in ("--port", "--host", "--api-key", "--model", "--drafter", "--tree-depth", "--max-batch", "--max-queue", "--no-ui", "--log-level"):
         assert opt in out, opt
 
 
@@ -163,6 +163,7 @@ def test_serve_help_lists_its_options(capsys):
         (["bench", "verify-cost", "--sizes", "1,x"], "--sizes must be an integer"),
         (["serve", "--port", "70000"], "--port must be in [0, 65535]"),
         (["serve", "--max-tokens-cap", "0"], "--max-tokens-cap must be >= 1"),
+        (["serve", "--max-batch", "0"], "--max-batch must be >= 1"),
         (["eval-drafter", "--n", "0"], "--n must be >= 1"),
     ],
 )

@@ -35,7 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="require 'Authorization: Bearer KEY' on every route but /healthz (default: $VLMSPEC_API_KEY, else open)")
     p.add_argument("--allow-remote-images", action="store_true", help="let clients pass http(s) image URLs (the server fetches them)")
     p.add_argument("--served-model-name", default=None, help="the `model` name clients send (default: the model folder's name)")
-    p.add_argument("--max-queue", type=non_negative_int("--max-queue"), default=16, help="requests waiting for the worker")
+    p.add_argument("--max-batch", type=positive_int("--max-batch"), default=8,
+                   help="requests decoded together (continuous batching; 1: one at a time)")
+    p.add_argument("--max-queue", type=non_negative_int("--max-queue"), default=16, help="requests waiting for a free slot")
     p.add_argument("--request-timeout", type=float_in("--request-timeout", 0.0, 1e6, low_open=True), default=120.0,
                    help="seconds from a request's arrival to its last token")
     p.add_argument("--max-tokens-cap", type=positive_int("--max-tokens-cap"), default=1024, help="the most max_tokens a request may ask for")
@@ -90,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         raise
     settings = ServerSettings(
         model=served_name(model, args.served_model_name), model_aliases=(model,), api_key=args.api_key,
-        allow_remote_images=args.allow_remote_images, max_queue=args.max_queue, request_timeout_s=args.request_timeout,
+        allow_remote_images=args.allow_remote_images, max_batch=args.max_batch, max_queue=args.max_queue, request_timeout_s=args.request_timeout,
         max_tokens_cap=args.max_tokens_cap, max_images=args.max_images, ui=not args.no_ui,
     )
     code = serve(engine, settings, args.host, args.port, args.log_level)
