@@ -141,7 +141,7 @@ def test_generate_stop_string_cuts_the_text(capsys, model_dir):
 
 def test_bench_help_lists_the_sub_benchmarks(capsys):
     out = _help(capsys, "bench")
-    for which in ("run", "verify-cost", "kernel", "server"):
+    for which in ("run", "verify-cost", "kernel", "server", "load"):
         assert which in out
     assert "--max-new-tokens" in _help(capsys, "bench", "run")
     assert "--sizes" in _help(capsys, "bench", "verify-cost")
