@@ -61,10 +61,18 @@ class LoadOptions:
 
 @dataclass
 class Endpoint:
-    """Where a way sends its requests: the server's base URL and the `model` it serves."""
+    """A way on a server: where its requests go (the base URL, the `model` served) and that server's max_batch."""
 
     url: str
     model: str
+    way: str  # a key of WAYS
+    max_batch: int
+    label: str = ""  # how the tables and plots name it (default: the way)
+
+    def __post_init__(self) -> None:
+        if self.way not in WAYS:
+            raise ValueError(f"unknown way {self.way!r}: expected one of {list(WAYS)}")
+        self.label = self.label or self.way
 
 
 def bodies(model: str, opts: LoadOptions, way: str) -> list[dict[str, Any]]:
@@ -160,19 +168,19 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def sweep(targets: dict[str, Endpoint], opts: LoadOptions, progress: bool = True) -> dict[str, Any]:
-    """Every way (name -> where it sends) at every concurrency, interleaved. Returns the report."""
-    reqs = {way: bodies(t.model, opts, way) for way, t in targets.items()}
-    for way, t in targets.items():  # warm-up: each way's first requests are not measured
+def sweep(endpoints: list[Endpoint], opts: LoadOptions, progress: bool = True) -> dict[str, Any]:
+    """Every endpoint (a way on a server) at every concurrency, interleaved. Returns the report."""
+    reqs = {e.label: bodies(e.model, opts, e.way) for e in endpoints}
+    for e in endpoints:  # warm-up: each way's first requests are not measured
         if opts.warmup:
-            run_level(t, reqs[way], 1, opts.warmup)
+            run_level(e, reqs[e.label], 1, opts.warmup)
     levels: list[dict[str, Any]] = []
     for k, clients in enumerate(opts.concurrency):
-        for way in rotated(list(targets), k):
-            level = run_level(targets[way], reqs[way], clients, max(opts.requests, 2 * clients))
-            levels.append({"way": way, **level})
+        for e in rotated(endpoints, k):
+            level = run_level(e, reqs[e.label], clients, max(opts.requests, 2 * clients))
+            levels.append({"way": e.way, "max_batch": e.max_batch, "series": e.label, **level})
             if progress:
-                print(f"  {way:>8} x{clients:<3} {level['tokens_per_s']:7.1f} tokens/s  p50 {level['latency_p50_s']:.2f} s  "
+                print(f"  {e.label:>18} x{clients:<3} {level['tokens_per_s']:7.1f} tokens/s  p50 {level['latency_p50_s']:.2f} s  "
                       f"p99 {level['latency_p99_s']:.2f} s  TTFT p50 {level['ttft_p50_s']:.2f} s  batch {level['mean_batch']:.1f}", flush=True)
     _check_answers(levels)
     return {"options": {"concurrency": list(opts.concurrency), "requests": opts.requests, "max_tokens": opts.max_tokens,
@@ -180,9 +188,9 @@ def sweep(targets: dict[str, Endpoint], opts: LoadOptions, progress: bool = True
 
 
 def _check_answers(levels: list[dict[str, Any]]) -> None:
-    """Each level's `changed`: its answers that differ from the same way's answers at the lowest concurrency."""
-    for way in dict.fromkeys(lv["way"] for lv in levels):
-        mine = [lv for lv in levels if lv["way"] == way]
+    """Each level's `changed`: its answers that differ from the same series' answers at the lowest concurrency."""
+    for series in dict.fromkeys(lv["series"] for lv in levels):
+        mine = [lv for lv in levels if lv["series"] == series]
         ref = min(mine, key=lambda lv: lv["clients"])["answers"]
         for lv in mine:
             lv["changed"] = sum(1 for i, text in lv["answers"].items() if i in ref and ref[i] != text)
@@ -190,8 +198,10 @@ def _check_answers(levels: list[dict[str, Any]]) -> None:
 
 def ratios(report: dict[str, Any]) -> dict[str, float]:
     """The issue's figures that a sweep gives: throughput at 8 clients over 1, goodput over plain,
-    p99 at 8 clients over the 1-client latency, and 1 client over the one-at-a-time service."""
-    cell = {(lv["way"], lv["clients"]): lv for lv in report["levels"]}
+    p99 at 8 clients over the 1-client latency, and 1 client over the one-at-a-time service (the
+    batched ways on the first max_batch of the run)."""
+    first = next((lv["max_batch"] for lv in report["levels"] if lv["way"] != "baseline"), None)
+    cell = {(lv["way"], lv["clients"]): lv for lv in report["levels"] if lv["way"] == "baseline" or lv["max_batch"] == first}
     out: dict[str, float] = {}
     ways = {w for w, _ in cell}
     for way in sorted(ways - {"baseline"}):
@@ -208,12 +218,13 @@ def ratios(report: dict[str, Any]) -> dict[str, float]:
 
 def markdown(report: dict[str, Any]) -> str:
     env, o = report.get("env", {}), report["options"]
-    head = (f"{env.get('model', '?')}, {env.get('dtype', '?')} on {env.get('device', '?')}, max_batch {env.get('max_batch', '?')} "
-            f"(baseline: max_batch 1); {o['max_tokens']} tokens per request, at least {o['requests']} requests per level (2 per client)")
-    lines = [head, "", "| way | clients | requests | tokens/s | latency p50 / p99 (s) | TTFT p50 / p99 (s) | mean batch | answers changed |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for lv in sorted(report["levels"], key=lambda lv: (list(WAYS).index(lv["way"]) if lv["way"] in WAYS else 99, lv["clients"])):
-        lines.append(f"| {lv['way']} | {lv['clients']} | {lv['requests']} | {lv['tokens_per_s']:.1f} | {lv['latency_p50_s']:.2f} / "
+    head = (f"{env.get('model', '?')}, {env.get('dtype', '?')} on {env.get('device', '?')} ({env.get('threads', '?')} threads), drafter "
+            f"{env.get('drafter', '?')}; {o['max_tokens']} tokens per request (ignore_eos), at least {o['requests']} requests per level "
+            f"(2 per client); baseline: the one-at-a-time service (max_batch 1) with its default policy ({env.get('default_policy', '?')})")
+    lines = [head, "", "| way | max batch | clients | requests | tokens/s | latency p50 / p99 (s) | TTFT p50 / p99 (s) | mean batch | "
+                       "answers changed |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for lv in sorted(report["levels"], key=lambda lv: (list(WAYS).index(lv["way"]), lv["max_batch"], lv["clients"])):
+        lines.append(f"| {lv['way']} | {lv['max_batch']} | {lv['clients']} | {lv['requests']} | {lv['tokens_per_s']:.1f} | {lv['latency_p50_s']:.2f} / "
                      f"{lv['latency_p99_s']:.2f} | {lv['ttft_p50_s']:.2f} / {lv['ttft_p99_s']:.2f} | {lv['mean_batch']:.1f} | "
                      f"{lv['changed']}/{lv['requests']} |")
     lines += ["", *(f"- {k}: {v:.2f}x" for k, v in ratios(report).items())]
@@ -221,7 +232,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], out: Path) -> list[Path]:
-    """Throughput vs concurrency, and p50 latency vs throughput (one line per way)."""
+    """Throughput vs concurrency, and p50 latency vs throughput (one line per way and max_batch)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -229,14 +240,14 @@ def plot(report: dict[str, Any], out: Path) -> list[Path]:
 
     env = report.get("env", {})
     title = f"{env.get('model', '')} ({env.get('dtype', '')}, {env.get('device', '')})"
-    ways = list(dict.fromkeys(lv["way"] for lv in report["levels"]))
+    series = list(dict.fromkeys(lv["series"] for lv in report["levels"]))
     paths = []
     for name, x, y, xlabel, ylabel in (("load_throughput.png", "clients", "tokens_per_s", "concurrent clients", "tokens/s in total"),
                                        ("load_latency.png", "tokens_per_s", "latency_p50_s", "tokens/s in total", "latency p50 (s)")):
         fig, ax = plt.subplots(figsize=(6.4, 4.0))
-        for way in ways:
-            cells = sorted((lv for lv in report["levels"] if lv["way"] == way), key=lambda lv: lv["clients"])
-            ax.plot([c[x] for c in cells], [c[y] for c in cells], marker="o", label=LABELS.get(way, way))
+        for one in series:
+            cells = sorted((lv for lv in report["levels"] if lv["series"] == one), key=lambda lv: lv["clients"])
+            ax.plot([c[x] for c in cells], [c[y] for c in cells], marker="o", label=LABELS.get(one, one))
             if x != "clients":
                 for c in cells:
                     ax.annotate(str(c["clients"]), (c[x], c[y]), fontsize=7, xytext=(3, 3), textcoords="offset points")

@@ -1,7 +1,7 @@
 """`vlmspec bench load`: the service under load (the sweep itself is `vlmspec.bench.load`).
 
 Builds the engine once (`vlmspec.factory`), starts the services over it (`vlmspec.app.serve.serving`:
-the batched one with --max-batch, and the one-at-a-time baseline with max_batch 1), and sends the
+one per --max-batch value, and the one-at-a-time baseline with max_batch 1), and sends the
 sweep's requests to their URLs.
 """
 
@@ -26,7 +26,8 @@ def register(which: argparse._SubParsersAction) -> None:
     ld.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=64, help="new tokens per request (ignore_eos)")
     ld.add_argument("--prompts", type=positive_int("--prompts"), default=12, help="distinct held-out requests, sent in turn")
     ld.add_argument("--warmup", type=non_negative_int("--warmup"), default=1, help="unmeasured requests per way before the sweep")
-    ld.add_argument("--max-batch", type=positive_int("--max-batch"), default=8, help="the batched service's --max-batch")
+    ld.add_argument("--max-batch", type=int_list("--max-batch"), default=(8,),
+                    help="the batched service's --max-batch; several (e.g. 4,8,16): one server each, every batched way on each, interleaved")
     ld.add_argument("--ways", default=",".join(WAY_NAMES),
                     help=f"which to run, comma-separated: {', '.join(WAY_NAMES)} (baseline: the service with max_batch 1)")
     ld.add_argument("--out", help="folder for load.json, load.md, load_throughput.png and load_latency.png")
@@ -60,16 +61,18 @@ def run(args: argparse.Namespace) -> int:
         return ServerSettings(model="bench", max_batch=max_batch, max_queue=max(opts.concurrency), request_timeout_s=3600,
                               max_tokens_cap=max(1024, opts.max_tokens), ui=False)
 
-    with contextlib.ExitStack() as stack:
-        batched = stack.enter_context(serving(engine, settings(args.max_batch))) if set(ways) - {"baseline"} else None
-        single = stack.enter_context(serving(engine, settings(1))) if "baseline" in ways else None
-        targets = {w: Endpoint(single if w == "baseline" else batched, "bench") for w in ways}  # type: ignore[arg-type]
-        report = sweep(targets, opts)
+    sizes = list(dict.fromkeys(args.max_batch))
+    with contextlib.ExitStack() as stack:  # the servers idle while another one is measured
+        urls = {b: stack.enter_context(serving(engine, settings(b))) for b in dict.fromkeys(([1] if "baseline" in ways else []) + sizes)}
+        endpoints = [Endpoint(urls[1], "bench", w, 1) for w in ways if w == "baseline"]
+        endpoints += [Endpoint(urls[b], "bench", w, b, w if len(sizes) == 1 else f"{w}, max_batch {b}")
+                      for w in ways if w != "baseline" for b in sizes]
+        report = sweep(endpoints, opts)
     target = engine.target
     name = Path(target.name)
     report["env"] = {"model": f"{name.parent.name}/{name.name}" if name.is_dir() else target.name, "drafter": engine.drafter.name,
                      "dtype": str(target.dtype).replace("torch.", ""), "device": str(target.device), "threads": torch.get_num_threads(),
-                     "max_batch": args.max_batch, "default_policy": engine.speculation.policy().name, "command": args.command_line}
+                     "max_batch": sizes, "default_policy": engine.speculation.policy().name, "command": args.command_line}
     table = markdown(report)
     if args.out:
         out = Path(args.out)
