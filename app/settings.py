@@ -13,7 +13,7 @@ class ServerSettings:
     model_aliases: tuple[str, ...] = ()  # other accepted names (e.g. the model's full path)
     api_key: str | None = None  # None = open
     allow_remote_images: bool = False
-    max_batch: int = 8  # requests decoded together (continuous batching); the rest wait in the queue
+    max_batch: int = 16  # requests decoded together (continuous batching; docs/serving.md: why 16); the rest wait in the queue
     max_queue: int = 16  # requests waiting for a free slot of the batch (the running ones excluded)
     request_timeout_s: float = 120.0  # from arrival to the last token
     max_tokens_cap: int = 1024

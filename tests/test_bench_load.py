@@ -28,9 +28,9 @@ def test_a_short_load_sweep_on_the_toy_runs_every_way_and_changes_no_answer(tmp_
         assert lv["changed"] == 0 and lv["tokens_per_s"] > 0 and 0 < lv["ttft_p50_s"] <= lv["latency_p99_s"]
         assert lv["mean_batch"] >= 1.0 and (lv["way"] != "baseline" or lv["mean_batch"] == 1.0)  # the baseline serves one at a time
         assert lv["latency_p50_s"] <= lv["latency_p99_s"]
-    assert report["env"]["max_batch"] == [8] and report["env"]["command"].startswith("vlmspec bench load")
+    assert report["env"]["max_batch"] == [16] and report["env"]["command"].startswith("vlmspec bench load")
     table = (out / "load.md").read_text()
-    assert table.startswith("`vlmspec bench load --model toy") and "| goodput | 8 | 2 |" in table and "| baseline | 1 | 1 |" in table
+    assert table.startswith("`vlmspec bench load --model toy") and "| goodput | 16 | 2 |" in table and "| baseline | 1 | 1 |" in table
     assert table.split("\n", 2)[2].strip() in printed  # the same table on the console
     assert (out / "load_throughput.png").stat().st_size > 1000 and (out / "load_latency.png").stat().st_size > 1000
 

@@ -278,3 +278,51 @@ def test_metrics_count_steps_latencies_and_speculation(server, client):
     help_lines = [line for line in text.splitlines() if line.startswith("# HELP vlmspec_spec_decode_num_draft_tokens")]
     assert help_lines and "node of a draft tree" in help_lines[0]
     assert "vlmspec_acceptance_rate" not in text and "vlmspec_mean_accepted_length" not in text  # no ratio gauges
+
+
+def test_plain_rows_of_the_speculative_batch_are_plain_decoding(server, client, engine):
+    """A plain request is a row of the speculative engine's batch that never drafts: its tokens are the
+    plain engine's (NoDrafter, the oracle) and it reports what plain decoding reports (no drafts, no depths)."""
+    from vlmspec.draft import NoDrafter
+    from vlmspec.engine import GenerationConfig
+    from vlmspec.inputs import encode_prompt
+
+    plain = SpecEngine(engine.target, NoDrafter())
+    cases = [("once upon a time", ()), ("compare the two images", (1, 2))]
+    bodies = [_body(text, seeds, speculative=False, max_tokens=20) for text, seeds in cases]
+    got = together(server.url, bodies + [_body("the cat sat on the mat. the cat sat on the", max_tokens=20)])
+    for (text, seeds), (status, have) in zip(cases, got):
+        inputs = encode_prompt(engine.target, text, [tiny_image(s) for s in seeds])
+        want = plain.generate(inputs, GenerationConfig(max_new_tokens=20, ignore_eos=True))
+        assert status == 200 and have["text"] == engine.target.tokenizer.decode(want.token_ids, skip_special_tokens=True)
+    r = client.post("/v1/chat/completions", json=bodies[0]).json()["speculative"]
+    assert r["enabled"] is False and r["drafted_tokens"] == 0 and r["depths"] == [] and r["target_forwards"] == 20
+
+
+def test_the_service_reports_policy_none_for_a_plain_row(server):
+    """What the demo reads (`GenerationResult.policy` / `depths`): plain rows say "none" and no depths,
+    as the plain engine does; a speculative row of the same batch says its policy (negative control)."""
+    import asyncio
+
+    from vlmspec.engine import GenerationConfig
+    from vlmspec.inputs import user_turn
+    from vlmspec.app.worker import Job
+
+    service = server.app.state.service
+
+    async def run(speculative: bool):
+        job = Job.on_loop(user_turn("the cat the cat the cat"), [], GenerationConfig(max_new_tokens=8, ignore_eos=True),
+                          speculative=speculative, timeout_s=60)
+        service.submit(job)
+        while True:
+            kind, payload = await job.receive(60)
+            if kind in ("done", "error"):
+                return kind, payload
+
+    async def both():
+        return await asyncio.gather(run(False), run(True))
+
+    (k_plain, plain), (k_spec, spec) = asyncio.run(both())
+    assert k_plain == k_spec == "done"
+    assert plain.result.policy == "none" and plain.result.depths == [] and plain.result.num_drafted == 0
+    assert spec.result.policy == "fixed" and len(spec.result.depths) == spec.result.num_target_forwards - 1

@@ -26,7 +26,7 @@ def register(which: argparse._SubParsersAction) -> None:
     ld.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=64, help="new tokens per request (ignore_eos)")
     ld.add_argument("--prompts", type=positive_int("--prompts"), default=12, help="distinct held-out requests, sent in turn")
     ld.add_argument("--warmup", type=non_negative_int("--warmup"), default=1, help="unmeasured requests per way before the sweep")
-    ld.add_argument("--max-batch", type=int_list("--max-batch"), default=(8,),
+    ld.add_argument("--max-batch", type=int_list("--max-batch"), default=(16,),
                     help="the batched service's --max-batch; several (e.g. 4,8,16): one server each, every batched way on each, interleaved")
     ld.add_argument("--ways", default=",".join(WAY_NAMES),
                     help=f"which to run, comma-separated: {', '.join(WAY_NAMES)} (baseline: the service with max_batch 1)")

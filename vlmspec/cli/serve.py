@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="require 'Authorization: Bearer KEY' on every route but /healthz (default: $VLMSPEC_API_KEY, else open)")
     p.add_argument("--allow-remote-images", action="store_true", help="let clients pass http(s) image URLs (the server fetches them)")
     p.add_argument("--served-model-name", default=None, help="the `model` name clients send (default: the model folder's name)")
-    p.add_argument("--max-batch", type=positive_int("--max-batch"), default=8,
+    p.add_argument("--max-batch", type=positive_int("--max-batch"), default=16,
                    help="requests decoded together (continuous batching; 1: one at a time)")
     p.add_argument("--max-queue", type=non_negative_int("--max-queue"), default=16, help="requests waiting for a free slot")
     p.add_argument("--request-timeout", type=float_in("--request-timeout", 0.0, 1e6, low_open=True), default=120.0,
