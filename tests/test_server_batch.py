@@ -3,8 +3,7 @@
 The oracle of every request is the same request sent alone to the same server: run concurrently,
 with different options in one batch (speculative or plain, policies, depths, tree budgets, stop
 strings, streamed or not, seeded sampling), each must get exactly its own answer. The negative
-control gives every row of a batched forward the first row's positions (a batch that forgot the
-rows' own lengths) and must see answers change.
+control hands each row of a batched forward its neighbour's logits and must see answers change.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ from conftest import tiny_target
 from vlmspec.app import ServerSettings, create_app
 from vlmspec.draft import NgramDrafter, TreeConfig
 from vlmspec.engine import Batch, SpecEngine
-from vlmspec.target import Target
 from vlmspec.testing.live_server import LiveServer
 from vlmspec.testing.tiny import tiny_image
 
@@ -157,7 +155,20 @@ def expected(client):
     return alone(client, MIXED)
 
 
-def test_every_answer_in_a_batch_equals_its_answer_alone(server, client, expected):
+@pytest.fixture
+def paced(monkeypatch):
+    """20 ms an engine step: the tiny model would finish a request before the next client's request
+    arrives; paced, every concurrent request of a test shares steps with the others."""
+    step = Batch.step
+
+    def slow(self):
+        time.sleep(0.02)
+        return step(self)
+
+    monkeypatch.setattr(Batch, "step", slow)
+
+
+def test_every_answer_in_a_batch_equals_its_answer_alone(server, client, expected, paced):
     before = client.get("/metrics").text
     got = together(server.url, MIXED)  # 8 requests, 4 slots: half wait, then join as rows leave
     assert differing(expected, got) == [], [(i, expected[i], got[i]) for i in differing(expected, got)]
@@ -170,11 +181,18 @@ def test_every_answer_in_a_batch_equals_its_answer_alone(server, client, expecte
     assert health["active"] == 0 and health["waiting"] == 0 and health["free_slots"] == MAX_BATCH
 
 
-def test_negative_control_rows_at_the_first_rows_positions_change_answers(server, client, expected, monkeypatch):
-    real = Target.batch_position_ids
-    monkeypatch.setattr(Target, "batch_position_ids", lambda self, states, depth: real(self, [states[0]] * len(states), depth))
+def test_negative_control_a_batch_that_mixes_up_its_rows_changes_answers(server, client, expected, paced, monkeypatch):
+    """The check above must catch a batch that hands one row another row's logits."""
+    import vlmspec.engine
+
+    real = vlmspec.engine.verify_rows
+
+    def mixed_up(trees, logits, *args, **kwargs):
+        return real(trees, logits.roll(1, dims=0) if logits.shape[0] > 1 else logits, *args, **kwargs)
+
+    monkeypatch.setattr(vlmspec.engine, "verify_rows", mixed_up)
     got = together(server.url, MIXED)
-    assert differing(expected, got), "a batch whose rows share one row's positions answered like the rows alone"
+    assert differing(expected, got), "a batch whose rows swapped their logits answered like the rows alone"
 
 
 def test_a_burst_of_three_times_max_batch_loses_and_changes_nothing(server, client):
@@ -198,17 +216,10 @@ def test_a_burst_of_three_times_max_batch_loses_and_changes_nothing(server, clie
     assert wait_for(lambda: service.active == 0 and service.waiting == 0)
 
 
-def test_a_client_disconnect_mid_batch_frees_its_slot_and_changes_no_other_answer(server, client, monkeypatch):
+def test_a_client_disconnect_mid_batch_frees_its_slot_and_changes_no_other_answer(server, client, paced):
     service = server.app.state.service
     others = [_body(f"keep going {i}", (i,) if i else (), max_tokens=200) for i in range(MAX_BATCH)]  # one more than the free slots
     want = alone(client, others)
-    step = Batch.step
-
-    def paced(self):  # 20 ms a step: the tiny model would finish every request before the test could look
-        time.sleep(0.02)
-        return step(self)
-
-    monkeypatch.setattr(Batch, "step", paced)
     cancelled = metric(client.get("/metrics").text, "vlmspec_cancelled_generations_total", {"reason": "disconnect"})
     leaving = _body("a long story", max_tokens=1000, stream=True)
     with httpx.Client(base_url=server.url, timeout=120) as c, c.stream("POST", "/v1/chat/completions", json=leaving) as r:
