@@ -54,9 +54,6 @@ _SPEED_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 _DEPTH_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
 _BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
-_DRAFT_TOKENS = "drafted tokens sent to verification, speculative requests: each is a node of a draft tree (root excluded), several per depth"
-
-
 class Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
@@ -83,7 +80,9 @@ class Metrics:
         self.num_drafts = Counter("vlmspec_spec_decode_num_drafts", "verify forwards of speculative requests, one proposed tree each "
                                   "(a step the controller chose depth 0 for counts, with no draft tokens): 1 + num_accepted_tokens / "
                                   "num_drafts is the mean accepted length, tokens per forward", registry=r)
-        self.num_draft_tokens = Counter("vlmspec_spec_decode_num_draft_tokens", _DRAFT_TOKENS, registry=r)
+        self.num_draft_tokens = Counter("vlmspec_spec_decode_num_draft_tokens", "drafted tokens sent to verification: each is a node "
+                                        "of a draft tree (root excluded), several per depth, so num_accepted_tokens / num_draft_tokens "
+                                        "is not vLLM's acceptance rate of a k-token chain", registry=r)
         self.num_accepted_tokens = Counter("vlmspec_spec_decode_num_accepted_tokens", "drafted tokens accepted (on the accepted path of "
                                            "their tree; the recovered or bonus token of each forward not counted)", registry=r)
         self.accepted_per_pos = Counter("vlmspec_spec_decode_num_accepted_tokens_per_pos", "drafted tokens accepted at each depth of the "

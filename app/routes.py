@@ -40,9 +40,9 @@ UI_PATH = "/ui"  # where the Gradio demo is mounted
 
 
 def create_app(engines: Engines, settings: ServerSettings | None = None) -> FastAPI:
-    """The FastAPI app. `engines`: a SpecEngine (a plain NoDrafter engine over the same Target is
-    added), a (speculative, plain) pair, or a zero-argument callable returning either; a callable is
-    called on the worker thread when the app starts (lifespan), not here."""
+    """The FastAPI app. `engines`: a SpecEngine (plain requests are rows of its batch that never
+    draft), a (speculative, plain) pair over one Target, or a zero-argument callable returning either;
+    a callable is called on the worker thread when the app starts (lifespan), not here."""
     settings = settings or ServerSettings()
     metrics = Metrics()
     service = Service(engines, settings, metrics)
