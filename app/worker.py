@@ -127,7 +127,7 @@ class _Row:
     req: Any  # the engine's request (what `Batch.add` returned)
     text: TextStream
     joined: float  # time.monotonic() when it joined the batch
-    last_emit: float = 0.0  # when it last emitted tokens (0: not yet: its first event carries the prefill's token)
+    last_emit: float | None = None  # when it last emitted tokens (None: not yet; its first event carries the prefill's token)
 
 
 def context_error(prompt_tokens: int, max_tokens: int, limit: int) -> APIError:
@@ -382,7 +382,7 @@ class Service:
 
     def _emit(self, row: _Row, event: StepEvent, batch_size: int, now: float) -> None:
         job, n = row.job, len(event.token_ids)
-        if row.last_emit == 0.0:  # the prefill's token
+        if row.last_emit is None:  # the prefill's token
             self.metrics.ttft.labels(job.mode).observe(now - job.submitted)
         else:
             if job.speculative:
