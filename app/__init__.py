@@ -29,10 +29,10 @@ A request's walk from HTTP to tokens (``POST /v1/chat/completions``, the EAGLE d
                                image through
 3. ``vlmspec/inputs.py``       load_image_url -> decode_image, with settings.image_limits()
                                -- back in routes.py: Job.on_loop, Service.submit, await the job's messages --
-4. ``app/worker.py``           the worker thread: Service._prefill / _decode; the conversation through
+4. ``app/worker.py``           the worker thread: Service._admit / _step; the conversation through
                                ``vlmspec/inputs.py`` encode_messages (the target's chat template + processor)
-5. ``vlmspec/text.py``         stream_text: incremental detokenization, stop strings, hold-back, around
-6. ``vlmspec/engine.py``       SpecEngine.stream: prefill, then draft -> verify -> commit per step
+5. ``vlmspec/text.py``         TextStream: incremental detokenization, stop strings, hold-back, per request, around
+6. ``vlmspec/engine.py``       Batch.add (prefill into a free slot), then Batch.step: draft -> verify -> commit for every request
 7. ``vlmspec/target/model.py`` prefill / forward_tree / commit (KV gather-commit in ``vlmspec/kv_cache.py``)
 8. ``vlmspec/draft/eagle/session.py``  the drafter's session: start / propose (a ``vlmspec/tree.py`` DraftTree) / commit
 9. ``vlmspec/verify/acceptance.py`` verify (greedy or lossless rejection sampling, ``vlmspec/sampling.py``)
@@ -62,8 +62,9 @@ Status codes: 200; 400 bad input (also for what FastAPI would answer 422); 401 m
 ``{"error": {"message", "type", "param", "code"}}``. A stream that fails after it started gets an
 ``data: {"error": ...}`` chunk and then ``data: [DONE]``.
 
-Concurrency: one worker thread owns both engines (which share one Target) and runs one generation
-at a time; requests wait in a bounded queue. The worker checks the request's cancel flag (client
+Concurrency: one worker thread owns the engine and decodes up to ``max_batch`` requests together
+(continuous batching: requests join and leave between engine steps; plain requests are rows that
+never draft); the rest wait in a bounded queue. The worker checks each request's cancel flag (client
 gone, timeout, shutdown) between engine steps.
 
 Metrics (all prefixed ``vlmspec_``): see ``metrics.METRIC_NAMES``.

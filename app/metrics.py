@@ -1,43 +1,58 @@
 """Prometheus metrics of the service, in a per-app registry (several apps may live in one process).
 
-The cumulative acceptance figures are `vlmspec.stats.SpecStats` added up over generations, read
-through its derived `mean_accepted_length` and `acceptance_by_position` (defined there, once).
+Counters, not ratio gauges: a rate over any window is `rate(a) / rate(b)` in PromQL. The speculative
+decoding counters follow vLLM's spec-decode names (`num_drafts`, `num_draft_tokens`,
+`num_accepted_tokens`, `num_accepted_tokens_per_pos{position}`), prefixed `vlmspec_spec_decode_`,
+and are `vlmspec.stats.SpecStats`'s counters added up over the speculative requests:
+
+    mean accepted length (tokens per verify forward)  = 1 + rate(num_accepted_tokens) / rate(num_drafts)
+    acceptance at position p (given the tree reached it) = rate(num_accepted_tokens_per_pos{position=p})
+                                                         / rate(num_drafts_reaching_pos{position=p})
+
+A "draft token" here is a node of the drafted tree sent to verification (root excluded): a tree
+drafts several candidates per depth, so num_accepted_tokens / num_draft_tokens is not vLLM's
+acceptance rate for a chain of k tokens (each drafted token there is one position of one chain).
 """
 
 from __future__ import annotations
-
-import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from vlmspec.engine import GenerationResult
 from vlmspec.stats import SpecStats
 
-METRIC_NAMES = (
-    "vlmspec_requests_total",  # counter {endpoint, code}: every HTTP request by status code
-    "vlmspec_request_latency_seconds",  # histogram {endpoint}: until the last byte is sent
-    "vlmspec_time_to_first_token_seconds",  # histogram {mode}: submit -> first token
-    "vlmspec_queue_wait_seconds",  # histogram: submit -> the worker picks the request up
-    "vlmspec_queue_depth",  # gauge: requests waiting for the worker
-    "vlmspec_inflight_requests",  # gauge: generations running (0 or 1)
-    "vlmspec_rejected_requests_total",  # counter {reason}: queue_full, shutting_down
-    "vlmspec_cancelled_generations_total",  # counter {reason}: disconnect, timeout, shutdown
-    "vlmspec_generations_total",  # counter {mode, finish_reason}: completed generations
-    "vlmspec_prompt_tokens_total",  # counter {mode}
-    "vlmspec_generated_tokens_total",  # counter {mode}: tokens emitted (cancelled ones included)
-    "vlmspec_tokens_per_second",  # histogram {mode}: per completed generation
-    "vlmspec_target_forwards_total",  # counter {mode}: prefill + verify forwards
-    "vlmspec_drafted_tokens_total",  # counter
-    "vlmspec_accepted_tokens_total",  # counter
-    "vlmspec_mean_accepted_length",  # gauge {mode}: tokens per verify forward, over all requests so far
-    "vlmspec_acceptance_rate",  # gauge {position}: P(drafted token at depth d accepted | depth reached)
-    "vlmspec_speculation_depth",  # histogram {policy}: the depth the controller chose, per verify forward (0: no draft)
-)
+# every metric as exposed (counters with their `_total` suffix) -> its Prometheus type
+METRICS = {
+    "vlmspec_requests_total": "counter",  # {endpoint, code}: every HTTP request by status code
+    "vlmspec_request_latency_seconds": "histogram",  # {endpoint}: until the last byte is sent
+    "vlmspec_time_to_first_token_seconds": "histogram",  # {mode}: submit -> the first token is handed to the request
+    "vlmspec_inter_token_latency_seconds": "histogram",  # {mode}: seconds per output token between two emissions
+    "vlmspec_queue_wait_seconds": "histogram",  # submit -> the request joins the batch
+    "vlmspec_batch_size": "histogram",  # requests decoded by one engine step
+    "vlmspec_queue_depth": "gauge",  # requests waiting for a free slot
+    "vlmspec_inflight_requests": "gauge",  # requests in the batch (0..max_batch)
+    "vlmspec_rejected_requests_total": "counter",  # {reason}: queue_full, shutting_down
+    "vlmspec_cancelled_generations_total": "counter",  # {reason}: disconnect, timeout, shutdown
+    "vlmspec_generations_total": "counter",  # {mode, finish_reason}: completed generations
+    "vlmspec_prompt_tokens_total": "counter",  # {mode}
+    "vlmspec_generated_tokens_total": "counter",  # {mode}: tokens emitted (cancelled ones included)
+    "vlmspec_tokens_per_second": "histogram",  # {mode}: per completed generation
+    "vlmspec_target_forwards_total": "counter",  # {mode}: prefill + verify forwards
+    "vlmspec_spec_decode_num_drafts_total": "counter",  # verify forwards of speculative requests
+    "vlmspec_spec_decode_num_draft_tokens_total": "counter",  # drafted tree nodes sent to verification
+    "vlmspec_spec_decode_num_accepted_tokens_total": "counter",  # drafted tokens accepted
+    "vlmspec_spec_decode_num_accepted_tokens_per_pos_total": "counter",  # {position}: accepted at each depth (0: the first drafted token)
+    "vlmspec_spec_decode_num_drafts_reaching_pos_total": "counter",  # {position}: drafts whose tree reached that depth
+    "vlmspec_speculation_depth": "histogram",  # {policy, batch_size}: the depth chosen per verify forward (0: no draft)
+}
+METRIC_NAMES = tuple(METRICS)
+
 MODES = ("speculative", "plain")
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_ITL_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
 _SPEED_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 _DEPTH_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
-
+_BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 class Metrics:
     def __init__(self) -> None:
@@ -45,10 +60,15 @@ class Metrics:
         lat = _LATENCY_BUCKETS
         self.requests = Counter("vlmspec_requests", "HTTP requests by endpoint and status code", ["endpoint", "code"], registry=r)
         self.latency = Histogram("vlmspec_request_latency_seconds", "HTTP request latency (until the last byte)", ["endpoint"], buckets=lat, registry=r)
-        self.ttft = Histogram("vlmspec_time_to_first_token_seconds", "submit -> first token", ["mode"], buckets=lat, registry=r)
-        self.queue_wait = Histogram("vlmspec_queue_wait_seconds", "submit -> picked up by the worker", buckets=lat, registry=r)
-        self.queue_depth = Gauge("vlmspec_queue_depth", "requests waiting for the worker", registry=r)
-        self.inflight = Gauge("vlmspec_inflight_requests", "generations running", registry=r)
+        self.ttft = Histogram("vlmspec_time_to_first_token_seconds", "submit -> the first token is handed to the request", ["mode"],
+                              buckets=lat, registry=r)
+        self.inter_token_latency = Histogram(
+            "vlmspec_inter_token_latency_seconds", "seconds per output token between two emissions of a request (a step that emits "
+            "k tokens t seconds after the previous one counts k observations of t / k)", ["mode"], buckets=_ITL_BUCKETS, registry=r)
+        self.queue_wait = Histogram("vlmspec_queue_wait_seconds", "submit -> the request joins the batch", buckets=lat, registry=r)
+        self.batch_size = Histogram("vlmspec_batch_size", "requests decoded together by one engine step", buckets=_BATCH_BUCKETS, registry=r)
+        self.queue_depth = Gauge("vlmspec_queue_depth", "requests waiting for a free slot of the batch", registry=r)
+        self.inflight = Gauge("vlmspec_inflight_requests", "requests in the batch", registry=r)
         self.rejected = Counter("vlmspec_rejected_requests", "requests refused before queueing", ["reason"], registry=r)
         self.cancelled = Counter("vlmspec_cancelled_generations", "generations stopped early", ["reason"], registry=r)
         self.generations = Counter("vlmspec_generations", "completed generations", ["mode", "finish_reason"], registry=r)
@@ -57,16 +77,23 @@ class Metrics:
         self.tokens_per_s = Histogram("vlmspec_tokens_per_second", "decode speed per generation", ["mode"],
                                       buckets=_SPEED_BUCKETS, registry=r)
         self.forwards = Counter("vlmspec_target_forwards", "target forwards (prefill + verify)", ["mode"], registry=r)
-        self.drafted = Counter("vlmspec_drafted_tokens", "drafted tokens sent to verification", registry=r)
-        self.accepted = Counter("vlmspec_accepted_tokens", "drafted tokens accepted", registry=r)
-        self.mean_accepted = Gauge("vlmspec_mean_accepted_length", "tokens per verify forward (bonus included), all requests so far", ["mode"], registry=r)
-        self.acceptance = Gauge("vlmspec_acceptance_rate", "P(drafted token at this depth accepted | depth reached), all requests so far", ["position"], registry=r)
-        self.depth = Histogram("vlmspec_speculation_depth", "depth chosen by the speculation controller per verify forward (0: no draft)",
-                               ["policy"], buckets=_DEPTH_BUCKETS, registry=r)
-        self._lock = threading.Lock()
-        self._totals = {mode: SpecStats() for mode in MODES}  # all completed generations so far, per mode
+        self.num_drafts = Counter("vlmspec_spec_decode_num_drafts", "verify forwards of speculative requests, one proposed tree each "
+                                  "(a step the controller chose depth 0 for counts, with no draft tokens): 1 + num_accepted_tokens / "
+                                  "num_drafts is the mean accepted length, tokens per forward", registry=r)
+        self.num_draft_tokens = Counter("vlmspec_spec_decode_num_draft_tokens", "drafted tokens sent to verification: each is a node "
+                                        "of a draft tree (root excluded), several per depth, so num_accepted_tokens / num_draft_tokens "
+                                        "is not vLLM's acceptance rate of a k-token chain", registry=r)
+        self.num_accepted_tokens = Counter("vlmspec_spec_decode_num_accepted_tokens", "drafted tokens accepted (on the accepted path of "
+                                           "their tree; the recovered or bonus token of each forward not counted)", registry=r)
+        self.accepted_per_pos = Counter("vlmspec_spec_decode_num_accepted_tokens_per_pos", "drafted tokens accepted at each depth of the "
+                                        "tree (position 0: the first token after the root)", ["position"], registry=r)
+        self.reaching_pos = Counter("vlmspec_spec_decode_num_drafts_reaching_pos", "drafts whose tree had a node at this depth "
+                                    "(position 0: the first token after the root); accepted_per_pos / this = acceptance given the depth "
+                                    "was drafted", ["position"], registry=r)
+        self.depth = Histogram("vlmspec_speculation_depth", "depth chosen by the speculation controller per verify forward "
+                               "(0: no draft), by the number of requests in that step", ["policy", "batch_size"],
+                               buckets=_DEPTH_BUCKETS, registry=r)
         for mode in MODES:  # the series exist from the start
-            self.mean_accepted.labels(mode)
             self.generated_tokens.labels(mode)
         self.queue_depth.set(0)
 
@@ -75,24 +102,20 @@ class Metrics:
         self.generations.labels(mode, finish_reason).inc()
         self.prompt_tokens.labels(mode).inc(result.prompt_tokens)
         self.forwards.labels(mode).inc(result.num_target_forwards)
-        self.drafted.inc(result.num_drafted)
-        self.accepted.inc(result.num_accepted)
         if result.elapsed_s > 0 and result.token_ids:
             self.tokens_per_s.labels(mode).observe(result.tokens_per_s)
-        if mode == "speculative":
-            depth = self.depth.labels(result.policy)
-            for d in result.depths:
-                depth.observe(d)
-        with self._lock:
-            self._totals[mode] += result.stats
-            total = self._totals[mode]
-            if total.num_drafts:
-                self.mean_accepted.labels(mode).set(total.mean_accepted_length)
-            overall = SpecStats()
-            for stats in self._totals.values():
-                overall += stats
-            for d, rate in enumerate(overall.acceptance_by_position):
-                self.acceptance.labels(str(d + 1)).set(rate)
+
+    def record_spec(self, mode: str, stats: SpecStats) -> None:
+        """The speculation counters of a request that left the batch (completed or cancelled);
+        plain requests draft nothing and are not counted."""
+        if mode != "speculative":
+            return
+        self.num_drafts.inc(stats.num_drafts)
+        self.num_draft_tokens.inc(stats.num_draft_tokens)
+        self.num_accepted_tokens.inc(stats.num_accepted_tokens)
+        for pos, (reached, accepted) in enumerate(zip(stats.reached_per_pos, stats.accepted_per_pos)):
+            self.reaching_pos.labels(str(pos)).inc(reached)
+            self.accepted_per_pos.labels(str(pos)).inc(accepted)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -40,9 +40,9 @@ UI_PATH = "/ui"  # where the Gradio demo is mounted
 
 
 def create_app(engines: Engines, settings: ServerSettings | None = None) -> FastAPI:
-    """The FastAPI app. `engines`: a SpecEngine (a plain NoDrafter engine over the same Target is
-    added), a (speculative, plain) pair, or a zero-argument callable returning either; a callable is
-    called on the worker thread when the app starts (lifespan), not here."""
+    """The FastAPI app. `engines`: a SpecEngine (plain requests are rows of its batch that never
+    draft), a (speculative, plain) pair over one Target, or a zero-argument callable returning either;
+    a callable is called on the worker thread when the app starts (lifespan), not here."""
     settings = settings or ServerSettings()
     metrics = Metrics()
     service = Service(engines, settings, metrics)
@@ -223,20 +223,23 @@ async def healthz(request: Request) -> JSONResponse:
     service: Service = request.app.state.service
     settings: ServerSettings = request.app.state.settings
     ok = service.alive
+    active, waiting = service.active, service.waiting
     body = {
         "status": "ok" if ok else "unavailable",
         "model": settings.model,
         "drafter": service.drafter_name,
-        "queue_depth": service.queue.qsize(),
+        "active": active,  # requests decoding in the batch
+        "waiting": waiting,  # requests queued for a free slot
+        "free_slots": max(service.max_batch - active, 0),
+        "max_batch": service.max_batch,
         "max_queue": settings.max_queue,
-        "inflight": int(service.current is not None),
     }
     return JSONResponse(body, status_code=200 if ok else 503)
 
 
 async def prometheus_metrics(request: Request) -> Response:
     metrics: Metrics = request.app.state.metrics
-    metrics.queue_depth.set(request.app.state.service.queue.qsize())
+    metrics.queue_depth.set(request.app.state.service.waiting)
     return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -283,8 +286,9 @@ async def chat_completions(request: Request) -> Response | dict[str, Any]:
     service: Service = request.app.state.service
     body = await _read_body(request, settings.max_body_bytes)
     inputs = await anyio.to_thread.run_sync(prepare_chat, body, settings)
+    given = inputs.request.max_tokens is not None or inputs.request.max_completion_tokens is not None
     job = Job.on_loop(inputs.messages, inputs.images, inputs.config, speculative=inputs.request.speculative,
-                      timeout_s=settings.request_timeout_s, stop=inputs.stop)
+                      timeout_s=settings.request_timeout_s, stop=inputs.stop, max_tokens_given=given)
     service.submit(job)
     watcher = asyncio.create_task(_watch_disconnect(request, job))
     handed_over = False

@@ -13,7 +13,8 @@ class ServerSettings:
     model_aliases: tuple[str, ...] = ()  # other accepted names (e.g. the model's full path)
     api_key: str | None = None  # None = open
     allow_remote_images: bool = False
-    max_queue: int = 16  # requests waiting for the worker (the running one excluded)
+    max_batch: int = 16  # requests decoded together (continuous batching; docs/serving.md: why 16); the rest wait in the queue
+    max_queue: int = 16  # requests waiting for a free slot of the batch (the running ones excluded)
     request_timeout_s: float = 120.0  # from arrival to the last token
     max_tokens_cap: int = 1024
     default_max_tokens: int = 256  # when the request gives no max_tokens (clamped to the cap)
@@ -26,7 +27,7 @@ class ServerSettings:
     ui: bool = True  # mount the Gradio demo at /ui when gradio is importable (with api_key: a login page)
 
     def __post_init__(self) -> None:
-        if self.max_queue < 0 or self.max_tokens_cap < 1 or self.max_images < 0 or self.max_body_bytes < 1:
+        if self.max_batch < 1 or self.max_queue < 0 or self.max_tokens_cap < 1 or self.max_images < 0 or self.max_body_bytes < 1:
             raise ValueError(f"invalid server settings: {self}")
         if self.request_timeout_s <= 0:
             raise ValueError("request_timeout_s must be > 0")

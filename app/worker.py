@@ -1,41 +1,50 @@
-"""The worker: one thread owns the engines and runs one generation at a time; a bounded queue in front.
+"""The worker: one thread owns the engine and decodes up to `max_batch` requests together
+(continuous batching); a bounded queue in front.
 
     job = Job.on_loop(messages, images, config, speculative=True, timeout_s=60, stop=("\\n\\n",))
     service.submit(job)              # APIError 429 (queue full) / 503 (shutting down)
     kind, payload = await job.receive(timeout_s)
 
 A job's messages, from the worker thread to the event loop, in order:
-``("start", prompt_tokens: int)`` once the prefill is done, ``("event", TextEvent)`` per engine step,
-then ``("done", Completion)`` or ``("error", APIError)`` (an error may also come first).
+``("start", prompt_tokens: int)`` once it has joined the batch (prefill done), ``("event", TextEvent)``
+per engine step, then ``("done", Completion)`` or ``("error", APIError)`` (an error may also come first).
 
-On the worker thread a job goes: `vlmspec.inputs.encode_messages` (the conversation -> model
-inputs) -> `vlmspec.text.stream_text` (text, stop strings) around the engine. The worker checks
-the job's cancel flag (client gone, timeout, shutdown) between engine steps. A job's speculation
-knobs (policy, max depth, tree budget) travel in `job.config.speculation`; the shared engine and
-drafter are never changed.
+The worker loop: take waiting jobs while the batch has free slots (each is encoded
+(`vlmspec.inputs.encode_messages`), checked against the context (a 400 when prompt + max_tokens
+cannot fit, never a truncated answer) and prefilled into a free slot: `Batch.add`), then run ONE
+`Batch.step` over every request in the batch and hand each its events through its own
+`vlmspec.text.TextStream` (detokenization, stop strings). A request leaves the batch at once when
+it finishes (EOS, max tokens, a stop string), when its client goes away or when its deadline
+passes (checked between steps); its slot takes the next waiting job before the next step.
+
+Everything a request asks for travels in its own `GenerationConfig` (sampling, seed, speculation
+policy, max depth, tree budget) and stop strings, so requests with different options share a batch;
+the shared engine and drafter are never changed. A plain request (``"speculative": false``) is a
+row of the same batch that never drafts (`SpeculationOptions(max_depth=0)`): its tokens are those
+of plain decoding, and its result says policy "none" with no depths, as plain decoding reports.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import dataclasses
 import logging
 import math
-import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Union
 
 from PIL import Image
 
-from vlmspec.engine import GenerationConfig, SpecEngine
-from vlmspec.errors import ContextLengthError
-from vlmspec.factory import plain_engine
+from vlmspec.control import SpeculationOptions
+from vlmspec.engine import Batch, GenerationConfig, GenerationResult, SpecEngine, StepEvent
+from vlmspec.errors import ConfigError, ContextLengthError
 from vlmspec.inputs import encode_messages
-from vlmspec.text import TextEvent, TextGeneration, stream_text
+from vlmspec.text import TextStream
 
 from .metrics import Metrics
 from .protocol import APIError, cancelled, internal, queue_full, shutting_down
@@ -43,9 +52,11 @@ from .settings import ServerSettings
 
 logger = logging.getLogger("vlmspec.server")
 
-# a SpecEngine (its plain twin is made here), a (speculative, plain) pair, or a zero-argument callable
-# returning either (called on the worker thread when the service starts)
+# a SpecEngine, a (speculative, plain) pair (both over one Target; plain requests run as rows of the
+# speculative engine's batch that never draft, so the plain engine is only checked), or a
+# zero-argument callable returning either (called on the worker thread when the service starts)
 Engines = Union[SpecEngine, tuple[SpecEngine, SpecEngine], Callable[[], Any]]
+PLAIN = SpeculationOptions(policy="fixed", max_depth=0)  # a plain request's row: never drafts
 
 
 @dataclass
@@ -58,6 +69,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     inbox: asyncio.Queue
     stop: tuple[str, ...] = ()  # stop strings
+    max_tokens_given: bool = True  # False: config.max_new_tokens is the server's default (clamped to the context left)
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
     submitted: float = field(default_factory=time.monotonic)
     cancel_reason: str | None = None  # "disconnect" | "timeout" | "shutdown"
@@ -65,10 +77,10 @@ class Job:
 
     @classmethod
     def on_loop(cls, messages: list[dict[str, Any]], images: list[Image.Image], config: GenerationConfig, *,
-                speculative: bool, timeout_s: float, stop: tuple[str, ...] = ()) -> "Job":
+                speculative: bool, timeout_s: float, stop: tuple[str, ...] = (), max_tokens_given: bool = True) -> "Job":
         """A job whose messages arrive on the running event loop (call it from a coroutine)."""
         return cls(messages, images, config, speculative, time.monotonic() + timeout_s, asyncio.get_running_loop(),
-                   asyncio.Queue(), stop=stop)
+                   asyncio.Queue(), stop=stop, max_tokens_given=max_tokens_given)
 
     @property
     def mode(self) -> str:
@@ -77,6 +89,12 @@ class Job:
     def cancel(self, reason: str) -> None:
         if self.cancel_reason is None and not self.finished:
             self.cancel_reason = reason
+
+    def expired(self) -> bool:
+        """Whether the job must stop now (cancelled, or past its deadline: then cancelled as "timeout")."""
+        if self.cancel_reason is None and time.monotonic() > self.deadline:
+            self.cancel("timeout")
+        return self.cancel_reason is not None
 
     def post(self, kind: str, payload: Any = None) -> None:
         """From the worker thread to the request's handler on the event loop."""
@@ -101,35 +119,75 @@ class Job:
             return "error", cancelled("timeout", timeout_s)
 
 
+@dataclass
+class _Row:
+    """A job decoding in the batch: its engine request and its text."""
+
+    job: Job
+    req: Any  # the engine's request (what `Batch.add` returned)
+    text: TextStream
+    joined: float  # time.monotonic() when it joined the batch
+    last_emit: float | None = None  # when it last emitted tokens (None: not yet; its first event carries the prefill's token)
+
+
+def context_error(prompt_tokens: int, max_tokens: int, limit: int) -> APIError:
+    """The 400 for a request that cannot fit the model's context (as vLLM words it)."""
+    return APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                         f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the completion). "
+                         f"Please reduce the length of the messages or the completion (max_tokens).",
+                    param="messages" if prompt_tokens >= limit else "max_tokens", code="context_length_exceeded")
+
+
+def fitted(config: GenerationConfig, prompt_tokens: int, limit: int, max_tokens_given: bool) -> GenerationConfig:
+    """`config` if prompt + max tokens fit the context `limit`; a request that gave no max_tokens has
+    the server's default lowered to the context left; otherwise the 400 `context_error`."""
+    room = limit - prompt_tokens
+    if config.max_new_tokens <= room:
+        return config
+    if not max_tokens_given and room >= 1:
+        return dataclasses.replace(config, max_new_tokens=room)
+    raise context_error(prompt_tokens, config.max_new_tokens, limit)
+
+
 class Service:
-    """One worker thread that owns the engines; a bounded queue in front of it."""
+    """One worker thread that owns the engine and its batch; a bounded queue in front of it."""
 
     def __init__(self, engines: Engines, settings: ServerSettings, metrics: Metrics) -> None:
         self._source = engines
         self.settings = settings
         self.metrics = metrics
         self.spec: SpecEngine | None = None
-        self.plain: SpecEngine | None = None
-        self.queue: queue.Queue[Job | None] = queue.Queue(maxsize=max(settings.max_queue, 1))
-        self._lock = threading.Lock()
+        self.max_batch = settings.max_batch  # 1 for a model that decodes one request at a time (set at start)
+        self._batch: Batch | None = None
+        self._waiting: deque[Job] = deque()
+        self._rows: list[_Row] = []  # the batch's jobs (changed by the worker thread, under the lock)
+        self._admitting = 0  # jobs taken from the queue, not yet in the batch
+        self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
         self.closing = False
-        self.current: Job | None = None
         self.started_at = int(time.time())
         self.stats = {"completed": 0, "failed": 0, "cancelled": 0, "processed": 0}
-        self._ema_s = 1.0  # smoothed service time per request, for Retry-After
+        self._ema_s = 1.0  # smoothed seconds a request spends in the batch, for Retry-After
 
     # -------------------------------------------------------------- lifecycle
-    def _resolve_engines(self) -> None:
+    def _resolve_engine(self) -> None:
         src = self._source
         if callable(src) and not isinstance(src, (SpecEngine, tuple, list)):
             src = src()
-        spec, plain = src if isinstance(src, (tuple, list)) else (src, plain_engine(src))
-        if plain.target is not spec.target:
+        spec = src[0] if isinstance(src, (tuple, list)) else src
+        if isinstance(src, (tuple, list)) and src[1].target is not spec.target:
             raise ValueError("the speculative and plain engines must share one Target")
-        self.spec, self.plain = spec, plain
+        slots = self.settings.max_batch
+        if slots > 1:
+            try:
+                spec.target.check_batching()
+            except ConfigError as exc:
+                logger.warning("%s The service runs one request at a time (max_batch 1).", exc)
+                slots = 1
+        self.spec, self.max_batch = spec, slots
+        self._batch = spec.batch(slots)
 
     def start(self) -> None:
         if self._thread is not None:
@@ -141,33 +199,41 @@ class Service:
             raise RuntimeError(f"the engines could not be created: {self._start_error}") from self._start_error
 
     def stop(self, grace_s: float | None = None) -> None:
-        """Refuse new work, fail what is queued (503), let the running generation finish for up to
-        `grace_s`, then cancel it."""
+        """Refuse new work, fail what is queued (503), let the running generations finish for up to
+        `grace_s`, then cancel them."""
         grace_s = self.settings.shutdown_grace_s if grace_s is None else grace_s
-        with self._lock:
+        with self._cond:
             if self.closing:  # already stopped (or stopping)
                 return
             self.closing = True
-            drained = self._drain_queue()
+            drained = list(self._waiting)
+            self._waiting.clear()
             self.metrics.queue_depth.set(0)
+            self._cond.notify_all()
         for job in drained:
-            self.stats["cancelled"] += 1
-            self.metrics.cancelled.labels("shutdown").inc()
-            job.fail(shutting_down())
+            self._cancel_waiting(job, "shutdown")
         if self._thread is None:
             return
-        self.queue.put(None)
         self._thread.join(grace_s)
         if self._thread.is_alive():
-            current = self.current
-            if current is not None:
-                current.cancel("shutdown")
+            for row in list(self._rows):
+                row.job.cancel("shutdown")
             self._thread.join(10.0)
 
     # -------------------------------------------------------------- what the routes and the UI read
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self.closing
+
+    @property
+    def active(self) -> int:
+        """Requests in the batch (joining ones included)."""
+        return len(self._rows) + self._admitting
+
+    @property
+    def waiting(self) -> int:
+        """Requests in the queue, waiting for a free slot."""
+        return len(self._waiting)
 
     @property
     def drafter_name(self) -> str:
@@ -194,29 +260,26 @@ class Service:
         return self.spec.speculation.policy().name if self.spec is not None else "?"
 
     def submit(self, job: Job) -> None:
-        """Queue `job`, or raise APIError: 503 when shutting down, 429 (with Retry-After) when full."""
-        with self._lock:
+        """Queue `job`, or raise APIError: 503 when shutting down, 429 (with Retry-After) when the
+        batch and the queue are full."""
+        with self._cond:
             if self.closing or not self.alive:
                 self.metrics.rejected.labels("shutting_down").inc()
                 raise shutting_down(retry_after=True)
-            full = self.settings.max_queue == 0 and self.current is not None
-            if not full:
-                try:
-                    self.queue.put_nowait(job)
-                except queue.Full:
-                    full = True
-            if full:
+            if self.waiting + self.active >= self.max_batch + self.settings.max_queue:
                 self.metrics.rejected.labels("queue_full").inc()
                 raise queue_full(self.settings.max_queue, self.retry_after_s())
-            self.metrics.queue_depth.set(self.queue.qsize())
+            self._waiting.append(job)
+            self.metrics.queue_depth.set(self.waiting)
+            self._cond.notify()
 
     def retry_after_s(self) -> int:
-        return max(1, math.ceil(self._ema_s * (self.queue.qsize() + 1)))
+        return max(1, math.ceil(self._ema_s * (self.waiting + 1) / self.max_batch))
 
     # -------------------------------------------------------------- the worker thread
     def _main(self) -> None:
         try:
-            self._resolve_engines()
+            self._resolve_engine()
         except BaseException as exc:  # reported to start()
             logger.exception("engine creation failed")
             self._start_error = exc
@@ -224,52 +287,163 @@ class Service:
             return
         self._ready.set()
         while True:
-            job = self.queue.get()
-            self.metrics.queue_depth.set(self.queue.qsize())
-            if job is None:
+            jobs = self._take()
+            if jobs is None:
                 break
-            self._run_one(job)
-        # stop() drained the queue before the sentinel; anything that slipped in is failed cleanly
-        for job in self._drain_queue():
+            for job in jobs:
+                self._admit(job)
+            if self._rows:
+                self._step()
+        with self._cond:  # stop() drained the queue; anything that slipped in is failed cleanly
+            left, self._waiting = list(self._waiting), deque()
+        for job in left:
             job.fail(shutting_down())
 
-    def _run_one(self, job: Job) -> None:
-        self.current = job
-        self.metrics.inflight.set(1)
-        t0 = time.monotonic()
+    def _take(self) -> list[Job] | None:
+        """The waiting jobs that fit the batch's free slots (waits for one while the batch is empty);
+        None once the service is closing and the batch has drained. Waiting jobs that were cancelled
+        or timed out leave the queue here."""
+        with self._cond:
+            while True:
+                for job in [j for j in self._waiting if j.expired()]:
+                    self._waiting.remove(job)
+                    self._cancel_waiting(job, job.cancel_reason or "timeout")
+                if self._rows or self._waiting or self.closing:
+                    break
+                self._cond.wait()
+            if self.closing and not self._rows:
+                return None
+            jobs = [self._waiting.popleft() for _ in range(min(self.max_batch - len(self._rows), len(self._waiting)))]
+            self._admitting = len(jobs)
+            self.metrics.queue_depth.set(self.waiting)
+            return jobs
+
+    def _admit(self, job: Job) -> None:
+        """Encode the conversation, check it fits, prefill it into a free slot; on failure the job is answered."""
         try:
-            self._process(job)
-        except BaseException:  # never let the worker die
-            logger.exception("worker: unexpected failure")
-            job.fail(internal())
-        finally:
-            self.current = None
-            self.metrics.inflight.set(0)
-            self.stats["processed"] += 1
-            self._ema_s = 0.8 * self._ema_s + 0.2 * (time.monotonic() - t0)
-
-    def _drain_queue(self) -> list[Job]:
-        """Take every job still queued (the worker's stop sentinel, None, is dropped)."""
-        drained: list[Job] = []
-        while True:
+            if job.expired():
+                self._cancel_waiting(job, job.cancel_reason or "timeout")
+                return
+            self.metrics.queue_wait.observe(time.monotonic() - job.submitted)
             try:
-                job = self.queue.get_nowait()
-            except queue.Empty:
-                return drained
-            if job is not None:
-                drained.append(job)
+                row = self._join(job)
+            except APIError as err:
+                self._failed(job, err)
+                return
+            except ContextLengthError as exc:
+                self._failed(job, APIError(400, str(exc), param="messages", code="context_length_exceeded"))
+                return
+            except ValueError as exc:  # the processor refused this input (an odd image, ...)
+                self._failed(job, APIError(400, f"the input could not be processed: {exc}", param="messages", code="invalid_input"))
+                return
+            except Exception:
+                logger.exception("worker: prefill failed")
+                self._failed(job, internal("internal error during prefill"))
+                return
+            with self._cond:
+                self._rows.append(row)
+            self.metrics.inflight.set(len(self._rows))
+            job.post("start", row.req.prompt_tokens)
+        finally:
+            with self._cond:
+                self._admitting -= 1
 
-    def _check_deadline(self, job: Job) -> bool:
-        """Whether the job must stop now (cancelled, or past its deadline)."""
-        if job.cancel_reason is None and time.monotonic() > job.deadline:
-            job.cancel("timeout")
-        return job.cancel_reason is not None
+    def _join(self, job: Job) -> _Row:
+        """The job's request in a free slot of the batch (prefilled), or an error (raised)."""
+        assert self.spec is not None and self._batch is not None
+        target = self.spec.target
+        inputs = encode_messages(target, job.messages, job.images)
+        config = fitted(job.config, int(inputs["input_ids"].shape[1]), target.max_positions, job.max_tokens_given)
+        if not job.speculative:  # a row that never drafts: plain decoding's tokens, in the same batch
+            config = dataclasses.replace(config, speculation=PLAIN, policy=None, tree=None)
+        req = self._batch.add(inputs, config)
+        return _Row(job, req, TextStream(target.tokenizer, job.stop), time.monotonic())
 
-    def _cancelled(self, job: Job, gen: TextGeneration | None = None) -> None:
+    def _step(self) -> None:
+        """One engine step over the batch; each row's events to its job; rows that are done leave."""
+        assert self._batch is not None
+        size = len(self._rows)
+        self.metrics.batch_size.observe(size)
+        try:
+            events = self._batch.step()
+        except Exception:
+            logger.exception("worker: batch step failed")
+            self._reset_batch()
+            return
+        rows = {id(r.req): r for r in self._rows}
+        now = time.monotonic()
+        for req, event in events:
+            row = rows[id(req)]
+            if not row.text.stopped:  # a stop string ends the text: later tokens of the step are not shown
+                self._emit(row, event, size, now)
+        for row in list(self._rows):
+            self._settle(row)
+        self.metrics.inflight.set(len(self._rows))
+
+    def _emit(self, row: _Row, event: StepEvent, batch_size: int, now: float) -> None:
+        job, n = row.job, len(event.token_ids)
+        if row.last_emit is None:  # the prefill's token
+            self.metrics.ttft.labels(job.mode).observe(now - job.submitted)
+        else:
+            if job.speculative:
+                self.metrics.depth.labels(row.req.policy, str(batch_size)).observe(event.depth)
+            if n:
+                gap = (now - row.last_emit) / n
+                itl = self.metrics.inter_token_latency.labels(job.mode)
+                for _ in range(n):
+                    itl.observe(gap)
+        if n:
+            row.last_emit = now
+            self.metrics.generated_tokens.labels(job.mode).inc(n)
+        job.post("event", row.text.push(event))
+
+    def _settle(self, row: _Row) -> None:
+        """After a step: a row that finished, hit a stop string, was cancelled or timed out leaves the batch."""
+        assert self._batch is not None
+        job, req = row.job, row.req
+        if req.result is None:
+            if not row.text.stopped and not job.expired():
+                return
+            self._batch.cancel(req)
+            if not row.text.stopped:
+                self._leave(row)
+                self._cancelled(job)
+                return
+        self._leave(row)
+        result: GenerationResult = req.result
+        if not job.speculative:  # plain decoding chooses no depth
+            result = dataclasses.replace(result, policy="none", depths=[])
+        tail, completion = row.text.finish(result)
+        if tail is not None:
+            job.post("event", tail)
+        self.metrics.record_result(job.mode, completion.finish_reason, result)
+        self.stats["completed"] += 1
+        job.post("done", completion)
+
+    def _leave(self, row: _Row) -> None:
+        with self._cond:
+            self._rows.remove(row)
+        self.stats["processed"] += 1
+        self._ema_s = 0.8 * self._ema_s + 0.2 * (time.monotonic() - row.joined)
+        self.metrics.record_spec(row.job.mode, row.req.result.stats)
+
+    def _reset_batch(self) -> None:
+        """After a failed step: every row gets a 500 and the batch starts afresh (its cache may be half written)."""
+        assert self.spec is not None
+        for row in list(self._rows):
+            with self._cond:
+                self._rows.remove(row)
+            self.stats["processed"] += 1
+            self._failed(row.job, internal("internal error during generation"))
+        self._batch = self.spec.batch(self.max_batch)
+        self.metrics.inflight.set(0)
+
+    def _cancel_waiting(self, job: Job, reason: str) -> None:
+        job.cancel(reason)
+        self._cancelled(job)
+
+    def _cancelled(self, job: Job) -> None:
         reason = job.cancel_reason or "timeout"
-        if gen is not None:
-            with contextlib.suppress(Exception):
-                gen.close()
         self.stats["cancelled"] += 1
         self.metrics.cancelled.labels(reason).inc()
         job.fail(cancelled(reason, self.settings.request_timeout_s))
@@ -277,56 +451,3 @@ class Service:
     def _failed(self, job: Job, err: APIError) -> None:
         self.stats["failed"] += 1
         job.fail(err)
-
-    def _process(self, job: Job) -> None:
-        self.metrics.queue_wait.observe(time.monotonic() - job.submitted)
-        if self._check_deadline(job):
-            self._cancelled(job)
-            return
-        opened = self._prefill(job)
-        if opened is not None:
-            self._decode(job, *opened)
-
-    def _prefill(self, job: Job) -> tuple[TextGeneration, Iterator[TextEvent], TextEvent | None] | None:
-        """Encode the conversation and run the prefill (the first event); None when it failed (reported)."""
-        engine = self.spec if job.speculative else self.plain
-        try:
-            inputs = encode_messages(engine.target, job.messages, job.images)
-            gen = stream_text(engine, inputs, job.config, job.stop)
-            events = iter(gen)
-            first = next(events, None)  # prefill + the first token
-        except ContextLengthError as exc:
-            self._failed(job, APIError(400, str(exc), param="messages", code="context_length_exceeded"))
-            return None
-        except ValueError as exc:  # the processor refused this input (an odd image, ...)
-            self._failed(job, APIError(400, f"the input could not be processed: {exc}", param="messages", code="invalid_input"))
-            return None
-        except Exception:
-            logger.exception("worker: prefill failed")
-            self._failed(job, internal("internal error during prefill"))
-            return None
-        self.metrics.ttft.labels(job.mode).observe(time.monotonic() - job.submitted)
-        job.post("start", int(inputs["input_ids"].shape[1]))
-        return gen, events, first
-
-    def _decode(self, job: Job, gen: TextGeneration, events: Iterator[TextEvent], event: TextEvent | None) -> None:
-        """Post each event until the generation ends or the job is cancelled, then the Completion."""
-        generated = self.metrics.generated_tokens.labels(job.mode)
-        try:
-            while event is not None:
-                if event.step is not None:
-                    generated.inc(len(event.step.token_ids))
-                job.post("event", event)
-                if self._check_deadline(job):  # checked between engine steps
-                    self._cancelled(job, gen)
-                    return
-                event = next(events, None)
-        except Exception:
-            logger.exception("worker: generation failed")
-            self._failed(job, internal("internal error during generation"))
-            return
-        completion = gen.completion
-        assert completion is not None
-        self.metrics.record_result(job.mode, completion.finish_reason, completion.result)
-        self.stats["completed"] += 1
-        job.post("done", completion)

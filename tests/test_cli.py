@@ -142,7 +142,7 @@ def test_generate_stop_string_cuts_the_text(capsys, model_dir):
 
 def test_bench_help_lists_the_sub_benchmarks(capsys):
     out = _help(capsys, "bench")
-    for which in ("run", "verify-cost", "kernel", "server"):
+    for which in ("run", "verify-cost", "kernel", "server", "load"):
         assert which in out
     assert "--max-new-tokens" in _help(capsys, "bench", "run")
     assert "--sizes" in _help(capsys, "bench", "verify-cost")
@@ -152,7 +152,7 @@ def test_bench_help_lists_the_sub_benchmarks(capsys):
 
 def test_serve_help_lists_its_options(capsys):
     out = _help(capsys, "serve")
-    for opt in ("--port", "--host", "--api-key", "--model", "--drafter", "--tree-depth", "--max-queue", "--no-ui", "--log-level"):
+    for opt in ("--port", "--host", "--api-key", "--model", "--drafter", "--tree-depth", "--max-batch", "--max-queue", "--no-ui", "--log-level"):
         assert opt in out, opt
 
 
@@ -208,6 +208,7 @@ def test_serve_sets_every_image_and_body_limit(capsys, monkeypatch):
         (["bench", "verify-cost", "--sizes", "1,x"], "--sizes must be an integer"),
         (["serve", "--port", "70000"], "--port must be in [0, 65535]"),
         (["serve", "--max-tokens-cap", "0"], "--max-tokens-cap must be >= 1"),
+        (["serve", "--max-batch", "0"], "--max-batch must be >= 1"),
         (["eval-drafter", "--n", "0"], "--n must be >= 1"),
     ],
 )

@@ -5,6 +5,10 @@
         print(event.text, end="")
     gen.completion.text, gen.completion.finish_reason, gen.completion.result  # the engine's GenerationResult
 
+A row of a batch (the service's worker drives `Batch.step` itself) keeps a `TextStream` and feeds
+it that row's StepEvents; `TextGeneration` is the same TextStream around a generation of its own,
+so both give the same text, stop and finish reason.
+
 Each step decodes only a short window of tokens (never the whole output again), so the cost per
 token does not grow with the output's length. What is streamed, concatenated, equals the final
 text, which equals the tokenizer's decode of all the emitted tokens (skip_special_tokens=True), cut
@@ -99,6 +103,38 @@ class Completion:
         return {**self.result.to_dict(), "text": self.text, "finish_reason": self.finish_reason}
 
 
+class TextStream:
+    """One request's text, fed its engine steps one by one (what `TextGeneration` runs for a
+    generation of its own, and the service's worker for each row of a batch):
+
+        text = TextStream(tokenizer, stop)
+        event = text.push(step)            # a TextEvent; once `stopped`, stop feeding it steps
+        tail, completion = text.finish(result)   # the held-back text (a TextEvent or None), the Completion
+    """
+
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._stop = StopStringFilter(stop)
+
+    @property
+    def stopped(self) -> bool:
+        """Whether a stop string has been found (the engine should stop this request)."""
+        return self._stop.stopped
+
+    @property
+    def decoded_tokens(self) -> int:
+        return self._detok.decoded_tokens
+
+    def push(self, step: StepEvent) -> TextEvent:
+        return TextEvent("".join(self._stop.push(self._detok.push(t)) for t in step.token_ids), step)
+
+    def finish(self, result: GenerationResult) -> tuple[TextEvent | None, Completion]:
+        """After the last step: the text still held back (None when there is none) and the Completion."""
+        tail = self._stop.push(self._detok.flush(), final=True)
+        finish = "stop" if self._stop.stopped else result.finish_reason
+        return (TextEvent(tail, None) if tail else None), Completion(self._stop.text, finish, result)
+
+
 class TextGeneration:
     """`engine.stream` with text: iterate TextEvents; `completion` is set once it ends.
     `close()` stops the engine (e.g. a client went away)."""
@@ -106,13 +142,12 @@ class TextGeneration:
     def __init__(self, engine: SpecEngine, inputs: dict[str, Any], config: GenerationConfig, stop: tuple[str, ...] = ()) -> None:
         self.completion: Completion | None = None
         self._gen = engine.stream(inputs, config)
-        self._detok = IncrementalDetokenizer(engine.target.tokenizer)
-        self._stop = StopStringFilter(stop)
+        self._text = TextStream(engine.target.tokenizer, stop)
         self._it = self._run()
 
     @property
     def decoded_tokens(self) -> int:
-        return self._detok.decoded_tokens
+        return self._text.decoded_tokens
 
     def __iter__(self) -> Iterator[TextEvent]:
         return self._it
@@ -123,18 +158,15 @@ class TextGeneration:
 
     def _run(self) -> Iterator[TextEvent]:
         for step in self._gen:
-            text = "".join(self._stop.push(self._detok.push(t)) for t in step.token_ids)
-            yield TextEvent(text, step)
-            if self._stop.stopped:
+            yield self._text.push(step)
+            if self._text.stopped:
                 self._gen.close()
                 break
-        tail = self._stop.push(self._detok.flush(), final=True)
-        if tail:
-            yield TextEvent(tail, None)
         result = self._gen.result
         assert result is not None
-        finish = "stop" if self._stop.stopped else result.finish_reason
-        self.completion = Completion(self._stop.text, finish, result)
+        tail, self.completion = self._text.finish(result)
+        if tail is not None:
+            yield tail
 
 
 def stream_text(engine: SpecEngine, inputs: dict[str, Any], config: GenerationConfig, stop: tuple[str, ...] = ()) -> TextGeneration:

@@ -22,7 +22,7 @@ import torch
 from vlmspec.stats import rotated
 from vlmspec.bench.harness import divergence
 from vlmspec.control import SpeculationOptions
-from vlmspec.data.heldout import adversarial, heldout
+from vlmspec.data.heldout import Conversation, adversarial, heldout
 from vlmspec.draft.base import Drafter, NoDrafter
 from vlmspec.engine import TIMING_KEYS, GenerationConfig, SpecEngine
 from vlmspec.inputs import encode_prompt
@@ -64,11 +64,16 @@ class _Cell:
     divergences: list[dict[str, Any]] = field(default_factory=list)  # where, and the batch-1 run's top-2 margin there
 
 
-def prompts(target: Target, n: int) -> list[dict[str, torch.Tensor]]:
-    """n held-out requests: ToyWorld scenes, photographs, text-only instructions, in turn."""
+def mixed_conversations(n: int) -> list[Conversation]:
+    """n held-out requests: ToyWorld scenes, photographs, text-only instructions, in turn (the
+    batched benches' mix: `bench batch` here, `bench load` through the service)."""
     sets = [heldout("bench", n, split="test"), adversarial("photo_unknown", n), adversarial("unseen_text", n)]
-    convs = [sets[i % 3][i // 3] for i in range(n)]
-    return [encode_prompt(target, c.prompt, c.images) for c in convs]
+    return [sets[i % 3][i // 3] for i in range(n)]
+
+
+def prompts(target: Target, n: int) -> list[dict[str, torch.Tensor]]:
+    """`mixed_conversations(n)` encoded for `target`."""
+    return [encode_prompt(target, c.prompt, c.images) for c in mixed_conversations(n)]
 
 
 def ways(target: Target, drafter: Drafter, trees: tuple[int, ...]) -> list[_Way]:
@@ -203,4 +208,4 @@ def plot(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-__all__ = ["BatchBenchOptions", "markdown", "measure", "plot", "prompts", "ratios", "ways"]
+__all__ = ["BatchBenchOptions", "markdown", "measure", "mixed_conversations", "plot", "prompts", "ratios", "ways"]

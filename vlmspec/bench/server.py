@@ -30,7 +30,7 @@ from vlmspec.inputs import encode_prompt
 from vlmspec.text import generate_text
 
 
-def _body(conv: Conversation, model: str, max_tokens: int, stream: bool) -> dict[str, Any]:
+def chat_body(conv: Conversation, model: str, max_tokens: int, stream: bool) -> dict[str, Any]:
     content: list[dict[str, Any]] = []
     for image in conv.images:
         buf = io.BytesIO()
@@ -68,7 +68,7 @@ def measure(engine: SpecEngine, prompts: list[Conversation], url: str, model: st
     AssertionError when an answer differs between the two paths."""
     import httpx
 
-    bodies = [_body(conv, model, max_tokens, stream) for conv in prompts]
+    bodies = [chat_body(conv, model, max_tokens, stream) for conv in prompts]
     with httpx.Client(timeout=600) as client:
         ways = {"direct": lambda i, _: _direct(engine, prompts[i], max_tokens),
                 "served": lambda i, _: _served(client, url, bodies[i])}
@@ -96,4 +96,4 @@ def format_report(report: dict[str, Any]) -> str:
             f"range {r['min_ratio']:.3f}-{r['max_ratio']:.3f}); totals {r['served_s_total']:.2f} s / {r['direct_s_total']:.2f} s = {total:.3f}")
 
 
-__all__ = ["format_report", "measure"]
+__all__ = ["chat_body", "format_report", "measure"]

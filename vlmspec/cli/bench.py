@@ -1,4 +1,4 @@
-"""`vlmspec bench [run|batch|verify-cost|kernel|server]`: the product's benchmarks' options; the work is `vlmspec.bench.*`.
+"""`vlmspec bench [run|batch|verify-cost|kernel|server|load]`: the product's benchmarks' options; the work is `vlmspec.bench.*`.
 
 `vlmspec bench` with no sub-benchmark (or with options only) runs `bench run`. The research suites
 (ablate, adaptive, stop-head, trees) are the lab's: `python -m vlmspec.recipes`, recipes/bench/cli.py.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from vlmspec.cli import load
 from vlmspec.cli.options import (
     UsageError,
     add_device_args,
@@ -21,14 +22,14 @@ from vlmspec.cli.options import (
     positive_int,
 )
 
-BENCHES = ("run", "batch", "verify-cost", "kernel", "server")
+BENCHES = ("run", "batch", "verify-cost", "kernel", "server", "load")
 DEFAULT = "run"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser(
         "bench",
-        help="speed of every method side by side (default: run), or batch, verify-cost, kernel, server",
+        help="speed of every method side by side (default: run), or batch, verify-cost, kernel, server, load",
         description="Benchmarks. `vlmspec bench WHICH --help` for the options of each; without WHICH, `run`. "
                     "The research suites (ablate, adaptive, stop-head, trees): `python -m vlmspec.recipes --help`.",
     )
@@ -52,6 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.set_defaults(func=run_bench)
 
     register_batch(which)
+    load.register(which)
 
     sv = which.add_parser("server", help="per-request time through the HTTP service vs the same engine called directly "
                                          "(interleaved, same held-out prompts, answers checked equal)")

@@ -35,7 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="require 'Authorization: Bearer KEY' on every route but /healthz (default: $VLMSPEC_API_KEY, else open)")
     p.add_argument("--allow-remote-images", action="store_true", help="let clients pass http(s) image URLs (the server fetches them)")
     p.add_argument("--served-model-name", default=None, help="the `model` name clients send (default: the model folder's name)")
-    p.add_argument("--max-queue", type=non_negative_int("--max-queue"), default=16, help="requests waiting for the worker")
+    p.add_argument("--max-batch", type=positive_int("--max-batch"), default=16,
+                   help="requests decoded together (continuous batching; 1: one at a time)")
+    p.add_argument("--max-queue", type=non_negative_int("--max-queue"), default=16, help="requests waiting for a free slot")
     p.add_argument("--request-timeout", type=float_in("--request-timeout", 0.0, 1e6, low_open=True), default=120.0,
                    help="seconds from a request's arrival to its last token")
     p.add_argument("--max-tokens-cap", type=positive_int("--max-tokens-cap"), default=1024, help="the most max_tokens a request may ask for")
@@ -84,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     check_port(args.host, args.port)
     from vlmspec import factory
 
-    spec = engine_spec(args)
+    spec = engine_spec(args, max_batch=args.max_batch)  # the goodput cost is measured up to the batch it serves
     model = factory.resolve_model(spec.model)
     drafter = factory.resolve_drafter(spec.drafter, model)  # a bad choice fails before the model loads
     print(f"loading {model} (drafter: {drafter}) ...", file=sys.stderr)
@@ -98,9 +100,10 @@ def run(args: argparse.Namespace) -> int:
         raise
     settings = ServerSettings(
         model=served_name(model, args.served_model_name), model_aliases=(model,), api_key=args.api_key,
-        allow_remote_images=args.allow_remote_images, max_queue=args.max_queue, request_timeout_s=args.request_timeout,
-        max_tokens_cap=args.max_tokens_cap, max_images=args.max_images, max_image_pixels=args.max_image_pixels,
-        max_image_aspect_ratio=args.max_image_aspect_ratio, max_body_bytes=args.max_body_bytes, ui=not args.no_ui,
+        allow_remote_images=args.allow_remote_images, max_batch=args.max_batch, max_queue=args.max_queue,
+        request_timeout_s=args.request_timeout, max_tokens_cap=args.max_tokens_cap, max_images=args.max_images,
+        max_image_pixels=args.max_image_pixels, max_image_aspect_ratio=args.max_image_aspect_ratio, max_body_bytes=args.max_body_bytes,
+        ui=not args.no_ui,
     )
     code = serve(engine, settings, args.host, args.port, args.log_level)
     return code if isinstance(code, int) else 0

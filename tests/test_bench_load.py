@@ -1,0 +1,51 @@
+"""`vlmspec bench load` (#47 item 4): a short concurrency sweep through the real HTTP server on the toy model."""
+
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("httpx")
+pytest.importorskip("matplotlib")
+
+from vlmspec import assets
+from vlmspec.bench.load import _check_answers, _pct, markdown, ratios
+from vlmspec.cli import main
+
+
+@pytest.mark.skipif(assets.bundled_target() is None, reason="needs the committed toy model (assets/toyworld-vlm)")
+def test_a_short_load_sweep_on_the_toy_runs_every_way_and_changes_no_answer(tmp_path, capsys):
+    out = tmp_path / "load"
+    code = main(["bench", "load", "--model", "toy", "--concurrency", "1,2", "--requests", "2", "--max-new-tokens", "6",
+                 "--prompts", "3", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    report = json.loads((out / "load.json").read_text())
+    assert {(lv["way"], lv["clients"]) for lv in report["levels"]} == {(w, c) for w in ("plain", "fixed", "goodput", "baseline") for c in (1, 2)}
+    for lv in report["levels"]:
+        assert lv["requests"] == max(2, 2 * lv["clients"]) and lv["tokens"] == 6 * lv["requests"]  # ignore_eos: every answer is whole
+        assert lv["changed"] == 0 and lv["tokens_per_s"] > 0 and 0 < lv["ttft_p50_s"] <= lv["latency_p99_s"]
+        assert lv["mean_batch"] >= 1.0 and (lv["way"] != "baseline" or lv["mean_batch"] == 1.0)  # the baseline serves one at a time
+        assert lv["latency_p50_s"] <= lv["latency_p99_s"]
+    assert report["env"]["max_batch"] == [16] and report["env"]["command"].startswith("vlmspec bench load")
+    table = (out / "load.md").read_text()
+    assert table.startswith("`vlmspec bench load --model toy") and "| goodput | 16 | 2 |" in table and "| baseline | 1 | 1 |" in table
+    assert table.split("\n", 2)[2].strip() in printed  # the same table on the console
+    assert (out / "load_throughput.png").stat().st_size > 1000 and (out / "load_latency.png").stat().st_size > 1000
+
+
+def test_answers_are_checked_against_the_lowest_concurrency_and_percentiles():
+    levels = [{"series": "plain", "clients": 1, "answers": {0: "a", 1: "b"}}, {"series": "plain", "clients": 4, "answers": {0: "a", 1: "c"}},
+              {"series": "fixed", "clients": 4, "answers": {0: "x"}}]
+    _check_answers(levels)
+    assert [lv["changed"] for lv in levels] == [0, 1, 0]  # negative control: the changed answer is counted
+    assert _pct([3.0, 1.0, 2.0], 50) == 2.0 and _pct([1.0, 2.0], 99) == pytest.approx(1.99) and _pct([5.0], 99) == 5.0
+    report = {"options": {"max_tokens": 8, "requests": 2}, "levels": [
+        {"way": w, "max_batch": b, "series": w, "clients": c, "requests": 2, "tokens_per_s": t, "latency_p50_s": 1.0, "latency_p99_s": 2.0,
+         "ttft_p50_s": 0.1, "ttft_p99_s": 0.2, "mean_batch": 1.0, "changed": 0}
+        for w, b, c, t in (("plain", 8, 1, 10.0), ("plain", 8, 8, 30.0), ("goodput", 8, 8, 45.0), ("goodput", 16, 8, 90.0))]}
+    assert ratios(report) == {"plain: tokens/s at 8 clients / at 1": 3.0, "plain: p99 latency at 8 clients / p50 at 1": 2.0,
+                              "goodput / plain at 8 clients": 1.5}
+    assert "goodput / plain at 8 clients: 1.50x" in markdown(report)  # on the first max_batch only (not 16's 90 tokens/s)
+    assert "| goodput | 16 | 8 | 2 | 90.0 |" in markdown(report)

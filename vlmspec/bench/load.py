@@ -1,0 +1,268 @@
+"""`vlmspec bench load`: the service under load, a concurrency sweep through the real HTTP server (#47 item 4).
+
+At each concurrency C, C clients each send their next request as soon as their last one ends
+(a closed loop), until the level's requests are done (at least `requests`, and two per client).
+The requests are the batched benches' held-out mix (ToyWorld scenes, photographs, text-only
+instructions, in turn: `bench.batch.mixed_conversations`), streamed, at temperature 0, `ignore_eos`
+so every answer has `max_tokens` tokens. The ways differ only in each request's own options:
+
+    plain      "speculative": false                         (rows of the batch that never draft)
+    fixed      "speculation": {"policy": "fixed"}           (the drafter's full tree every step)
+    goodput    "speculation": {"policy": "goodput"}         (the controller's depth per step)
+
+and the baseline is the one-at-a-time service (a server with max_batch 1), with the server's
+default policy. Measured per level: total tokens/s (completion tokens of the level over its wall
+time), latency (send -> last byte) and time to first token (send -> the first chunk with text),
+p50 and p99 over the level's requests, and the mean batch size per engine step (the server's
+`vlmspec_batch_size` histogram over the level). Every answer is compared with the same request's
+answer at concurrency 1 in the same way: in fp32 they must be identical.
+
+The bench talks HTTP only (the service is above the benches in the layer rule): the CLI starts the
+servers (`vlmspec.app.serve.serving`) over one engine and passes their URLs. Levels are interleaved:
+for each concurrency, every way in turn (rotated), so a drifting machine moves them together.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vlmspec.bench.batch import mixed_conversations
+from vlmspec.bench.server import chat_body
+from vlmspec.stats import rotated
+
+WAYS: dict[str, dict[str, Any]] = {  # a way's request fields (the OpenAI body's extensions)
+    "plain": {"speculative": False},
+    "fixed": {"speculation": {"policy": "fixed"}},
+    "goodput": {"speculation": {"policy": "goodput"}},
+    "baseline": {},  # the one-at-a-time server's default
+}
+
+
+LABELS = {"baseline": "one at a time (max_batch 1)"}
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    concurrency: tuple[int, ...] = (1, 2, 4, 8, 16)
+    requests: int = 8  # requests per level at least (and two per client)
+    max_tokens: int = 64
+    prompts: int = 12  # distinct held-out requests, sent in turn
+    warmup: int = 1  # unmeasured requests per way before the sweep
+
+    def __post_init__(self) -> None:
+        if not self.concurrency or min(self.concurrency) < 1 or min(self.requests, self.max_tokens, self.prompts) < 1 or self.warmup < 0:
+            raise ValueError(f"concurrency levels, requests, max_tokens and prompts must be >= 1, warmup >= 0: {self}")
+
+
+@dataclass
+class Endpoint:
+    """A way on a server: where its requests go (the base URL, the `model` served) and that server's max_batch."""
+
+    url: str
+    model: str
+    way: str  # a key of WAYS
+    max_batch: int
+    label: str = ""  # how the tables and plots name it (default: the way)
+
+    def __post_init__(self) -> None:
+        if self.way not in WAYS:
+            raise ValueError(f"unknown way {self.way!r}: expected one of {list(WAYS)}")
+        self.label = self.label or self.way
+
+
+def bodies(model: str, opts: LoadOptions, way: str) -> list[dict[str, Any]]:
+    extra = {"ignore_eos": True, "stream_options": {"include_usage": True}, **WAYS[way]}
+    return [{**chat_body(conv, model, opts.max_tokens, stream=True), **extra} for conv in mixed_conversations(opts.prompts)]
+
+
+def _one(client: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One streamed request: seconds to the first text and to the end, its text and token count."""
+    t0 = time.perf_counter()
+    first, parts, tokens = None, [], 0
+    with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            r.read()
+            raise RuntimeError(f"the server answered {r.status_code}: {r.text[:300]}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"the stream failed: {event['error']}")
+            text = (event["choices"][0]["delta"].get("content") or "") if event["choices"] else ""
+            if text and first is None:
+                first = time.perf_counter() - t0
+            parts.append(text)
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    end = time.perf_counter() - t0
+    return {"ttft_s": end if first is None else first, "latency_s": end, "text": "".join(parts), "tokens": tokens}
+
+
+def _batch_steps(client: Any, url: str) -> tuple[float, float]:
+    """(sum, count) of the server's batch-size histogram: requests per step, steps."""
+    total = count = 0.0
+    for line in client.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("vlmspec_batch_size_sum "):
+            total = float(line.split()[1])
+        elif line.startswith("vlmspec_batch_size_count "):
+            count = float(line.split()[1])
+    return total, count
+
+
+def run_level(target: Endpoint, requests: list[dict[str, Any]], clients: int, n: int) -> dict[str, Any]:
+    """`clients` closed-loop clients share `n` requests (request i is `requests[i % len(requests)]`)."""
+    import httpx
+
+    lock, nxt, done, errors = threading.Lock(), [0], [], []
+
+    def client_loop() -> None:
+        with httpx.Client(timeout=3600) as c:
+            while True:
+                with lock:
+                    i = nxt[0]
+                    nxt[0] += 1
+                if i >= n or errors:
+                    return
+                try:
+                    got = _one(c, target.url, requests[i % len(requests)])
+                except Exception as exc:  # reported after the level: the bench fails with the server's answer
+                    errors.append(f"request {i}: {exc}")
+                    return
+                with lock:
+                    done.append({"index": i % len(requests), **got})
+
+    with httpx.Client(timeout=60) as c:
+        before = _batch_steps(c, target.url)
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=client_loop) for _ in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+        after = _batch_steps(c, target.url)
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed at {clients} clients: {errors[0]}")
+    lat, ttft = [d["latency_s"] for d in done], [d["ttft_s"] for d in done]
+    steps = after[1] - before[1]
+    return {"clients": clients, "requests": len(done), "seconds": wall, "tokens": sum(d["tokens"] for d in done),
+            "tokens_per_s": sum(d["tokens"] for d in done) / wall, "latency_p50_s": _pct(lat, 50), "latency_p99_s": _pct(lat, 99),
+            "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99), "mean_batch": (after[0] - before[0]) / steps if steps else 0.0,
+            "answers": {d["index"]: d["text"] for d in sorted(done, key=lambda d: d["index"])}}
+
+
+def _pct(xs: list[float], q: float) -> float:
+    """The q-th percentile (linear between order statistics; with few requests p99 is about the slowest)."""
+    xs = sorted(xs)
+    if len(xs) == 1:
+        return xs[0]
+    k = (len(xs) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def sweep(endpoints: list[Endpoint], opts: LoadOptions, progress: bool = True) -> dict[str, Any]:
+    """Every endpoint (a way on a server) at every concurrency, interleaved. Returns the report."""
+    reqs = {e.label: bodies(e.model, opts, e.way) for e in endpoints}
+    for e in endpoints:  # warm-up: each way's first requests are not measured
+        if opts.warmup:
+            run_level(e, reqs[e.label], 1, opts.warmup)
+    levels: list[dict[str, Any]] = []
+    for k, clients in enumerate(opts.concurrency):
+        for e in rotated(endpoints, k):
+            level = run_level(e, reqs[e.label], clients, max(opts.requests, 2 * clients))
+            levels.append({"way": e.way, "max_batch": e.max_batch, "series": e.label, **level})
+            if progress:
+                print(f"  {e.label:>18} x{clients:<3} {level['tokens_per_s']:7.1f} tokens/s  p50 {level['latency_p50_s']:.2f} s  "
+                      f"p99 {level['latency_p99_s']:.2f} s  TTFT p50 {level['ttft_p50_s']:.2f} s  batch {level['mean_batch']:.1f}", flush=True)
+    _check_answers(levels)
+    return {"options": {"concurrency": list(opts.concurrency), "requests": opts.requests, "max_tokens": opts.max_tokens,
+                        "prompts": opts.prompts, "warmup": opts.warmup}, "levels": levels}
+
+
+def _check_answers(levels: list[dict[str, Any]]) -> None:
+    """Each level's `changed`: its answers that differ from the same series' answers at the lowest concurrency."""
+    for series in dict.fromkeys(lv["series"] for lv in levels):
+        mine = [lv for lv in levels if lv["series"] == series]
+        ref = min(mine, key=lambda lv: lv["clients"])["answers"]
+        for lv in mine:
+            lv["changed"] = sum(1 for i, text in lv["answers"].items() if i in ref and ref[i] != text)
+
+
+def ratios(report: dict[str, Any]) -> dict[str, float]:
+    """The issue's figures that a sweep gives: throughput at 8 clients over 1, goodput over plain,
+    p99 at 8 clients over the 1-client latency, and 1 client over the one-at-a-time service (the
+    batched ways on the first max_batch of the run)."""
+    first = next((lv["max_batch"] for lv in report["levels"] if lv["way"] != "baseline"), None)
+    cell = {(lv["way"], lv["clients"]): lv for lv in report["levels"] if lv["way"] == "baseline" or lv["max_batch"] == first}
+    out: dict[str, float] = {}
+    ways = {w for w, _ in cell}
+    for way in sorted(ways - {"baseline"}):
+        if (way, 8) in cell and (way, 1) in cell:
+            out[f"{way}: tokens/s at 8 clients / at 1"] = cell[(way, 8)]["tokens_per_s"] / cell[(way, 1)]["tokens_per_s"]
+            out[f"{way}: p99 latency at 8 clients / p50 at 1"] = cell[(way, 8)]["latency_p99_s"] / cell[(way, 1)]["latency_p50_s"]
+    for c in (4, 8, 16):
+        if ("goodput", c) in cell and ("plain", c) in cell:
+            out[f"goodput / plain at {c} clients"] = cell[("goodput", c)]["tokens_per_s"] / cell[("plain", c)]["tokens_per_s"]
+    if ("goodput", 1) in cell and ("baseline", 1) in cell:
+        out["goodput at 1 client / the one-at-a-time service"] = cell[("goodput", 1)]["tokens_per_s"] / cell[("baseline", 1)]["tokens_per_s"]
+    return out
+
+
+def markdown(report: dict[str, Any]) -> str:
+    env, o = report.get("env", {}), report["options"]
+    head = (f"{env.get('model', '?')}, {env.get('dtype', '?')} on {env.get('device', '?')} ({env.get('threads', '?')} threads), drafter "
+            f"{env.get('drafter', '?')}; {o['max_tokens']} tokens per request (ignore_eos), at least {o['requests']} requests per level "
+            f"(2 per client); baseline: the one-at-a-time service (max_batch 1) with its default policy ({env.get('default_policy', '?')})")
+    lines = [head, "", "| way | max batch | clients | requests | tokens/s | latency p50 / p99 (s) | TTFT p50 / p99 (s) | mean batch | "
+                       "answers changed |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for lv in sorted(report["levels"], key=lambda lv: (list(WAYS).index(lv["way"]), lv["max_batch"], lv["clients"])):
+        lines.append(f"| {lv['way']} | {lv['max_batch']} | {lv['clients']} | {lv['requests']} | {lv['tokens_per_s']:.1f} | {lv['latency_p50_s']:.2f} / "
+                     f"{lv['latency_p99_s']:.2f} | {lv['ttft_p50_s']:.2f} / {lv['ttft_p99_s']:.2f} | {lv['mean_batch']:.1f} | "
+                     f"{lv['changed']}/{lv['requests']} |")
+    lines += ["", *(f"- {k}: {v:.2f}x" for k, v in ratios(report).items())]
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], out: Path) -> list[Path]:
+    """Throughput vs concurrency, and p50 latency vs throughput (one line per way and max_batch)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    env = report.get("env", {})
+    title = f"{env.get('model', '')} ({env.get('dtype', '')}, {env.get('device', '')})"
+    series = list(dict.fromkeys(lv["series"] for lv in report["levels"]))
+    paths = []
+    for name, x, y, xlabel, ylabel in (("load_throughput.png", "clients", "tokens_per_s", "concurrent clients", "tokens/s in total"),
+                                       ("load_latency.png", "tokens_per_s", "latency_p50_s", "tokens/s in total", "latency p50 (s)")):
+        fig, ax = plt.subplots(figsize=(6.4, 4.0))
+        for one in series:
+            cells = sorted((lv for lv in report["levels"] if lv["series"] == one), key=lambda lv: lv["clients"])
+            ax.plot([c[x] for c in cells], [c[y] for c in cells], marker="o", label=LABELS.get(one, one))
+            if x != "clients":
+                for c in cells:
+                    ax.annotate(str(c["clients"]), (c[x], c[y]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        if x == "clients":
+            ax.set_xscale("log", base=2)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        paths.append(out / name)
+    return paths
+
+
+__all__ = ["LoadOptions", "Endpoint", "WAYS", "bodies", "markdown", "plot", "ratios", "run_level", "sweep"]

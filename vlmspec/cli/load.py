@@ -1,0 +1,88 @@
+"""`vlmspec bench load`: the service under load (the sweep itself is `vlmspec.bench.load`).
+
+Builds the engine once (`vlmspec.factory`), starts the services over it (`vlmspec.app.serve.serving`:
+one per --max-batch value, and the one-at-a-time baseline with max_batch 1), and sends the
+sweep's requests to their URLs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+from pathlib import Path
+
+from vlmspec.cli.options import UsageError, add_engine_args, engine_spec, int_list, non_negative_int, positive_int
+
+WAY_NAMES = ("plain", "fixed", "goodput", "baseline")
+
+
+def register(which: argparse._SubParsersAction) -> None:
+    ld = which.add_parser("load", help="the HTTP service under load: 1..16 closed-loop clients, plain / fixed tree / goodput per request "
+                                       "and the one-at-a-time service; tokens/s, p50/p99 latency, time to first token")
+    add_engine_args(ld)
+    ld.add_argument("--concurrency", type=int_list("--concurrency"), default=(1, 2, 4, 8, 16), help="concurrent clients per level, e.g. 1,4,8")
+    ld.add_argument("--requests", type=positive_int("--requests"), default=8, help="requests per level at least (and two per client)")
+    ld.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=64, help="new tokens per request (ignore_eos)")
+    ld.add_argument("--prompts", type=positive_int("--prompts"), default=12, help="distinct held-out requests, sent in turn")
+    ld.add_argument("--warmup", type=non_negative_int("--warmup"), default=1, help="unmeasured requests per way before the sweep")
+    ld.add_argument("--max-batch", type=int_list("--max-batch"), default=(16,),
+                    help="the batched service's --max-batch; several (e.g. 4,8,16): one server each, every batched way on each, interleaved")
+    ld.add_argument("--ways", default=",".join(WAY_NAMES),
+                    help=f"which to run, comma-separated: {', '.join(WAY_NAMES)} (baseline: the service with max_batch 1)")
+    ld.add_argument("--out", help="folder for load.json, load.md, load_throughput.png and load_latency.png")
+    ld.set_defaults(func=run)
+
+
+def _ways(text: str) -> list[str]:
+    ways = [w.strip() for w in text.split(",") if w.strip()]
+    bad = [w for w in ways if w not in WAY_NAMES]
+    if bad or not ways:
+        raise UsageError(f"--ways must list some of {', '.join(WAY_NAMES)}, got {text!r}")
+    return ways
+
+
+def run(args: argparse.Namespace) -> int:
+    ways = _ways(args.ways)
+    try:
+        from vlmspec.app import ServerSettings
+        from vlmspec.app.serve import serving
+        from vlmspec.bench.load import Endpoint, LoadOptions, markdown, plot, sweep
+    except ModuleNotFoundError as exc:
+        raise UsageError(f"bench load needs the service's packages: pip install 'vlmspec[serve]' ({exc.name} is missing)") from None
+    import torch
+
+    from vlmspec import factory
+
+    opts = LoadOptions(tuple(args.concurrency), args.requests, args.max_new_tokens, args.prompts, args.warmup)
+    engine = factory.build_engine(engine_spec(args, max_batch=max(args.max_batch)))
+
+    def settings(max_batch: int) -> ServerSettings:
+        return ServerSettings(model="bench", max_batch=max_batch, max_queue=max(opts.concurrency), request_timeout_s=3600,
+                              max_tokens_cap=max(1024, opts.max_tokens), ui=False)
+
+    sizes = list(dict.fromkeys(args.max_batch))
+    with contextlib.ExitStack() as stack:  # the servers idle while another one is measured
+        urls = {b: stack.enter_context(serving(engine, settings(b))) for b in dict.fromkeys(([1] if "baseline" in ways else []) + sizes)}
+        endpoints = [Endpoint(urls[1], "bench", w, 1) for w in ways if w == "baseline"]
+        endpoints += [Endpoint(urls[b], "bench", w, b, w if len(sizes) == 1 else f"{w}, max_batch {b}")
+                      for w in ways if w != "baseline" for b in sizes]
+        report = sweep(endpoints, opts)
+    target = engine.target
+    name = Path(target.name)
+    report["env"] = {"model": f"{name.parent.name}/{name.name}" if name.is_dir() else target.name, "drafter": engine.drafter.name,
+                     "dtype": str(target.dtype).replace("torch.", ""), "device": str(target.device), "threads": torch.get_num_threads(),
+                     "max_batch": sizes, "default_policy": engine.speculation.policy().name, "command": args.command_line}
+    table = markdown(report)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "load.json").write_text(json.dumps(report, indent=1))
+        (out / "load.md").write_text(f"`{args.command_line}`\n\n{table}\n")
+        plot(report, out)
+    print(table)
+    changed = sum(lv["changed"] for lv in report["levels"])
+    if changed and report["env"]["dtype"] == "float32":  # fp32 batching is exact: a changed answer is a bug
+        print(f"ERROR: {changed} answers under load differ from the same request's answer at the lowest concurrency")
+        return 1
+    return 0
