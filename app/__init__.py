@@ -70,22 +70,8 @@ gone, timeout, shutdown) between engine steps.
 Metrics (all prefixed ``vlmspec_``): see ``metrics.METRIC_NAMES``.
 """
 
-from fastapi import FastAPI
-
-from .routes import create_app as create_api_app
+from .routes import create_app
+from .serve import serve
 from .settings import ServerSettings
-from .site import add_site_routes
-from .worker import Engines
-
-
-def create_app(engines: Engines, settings: ServerSettings | None = None) -> FastAPI:
-    """The service's FastAPI app: the API (routes.create_app, which takes `engines` as it says) and
-    the site's files around it (site.add_site_routes: the OpenAPI 3.0 document /docs renders, /favicon.ico)."""
-    app = create_api_app(engines, settings)
-    add_site_routes(app)
-    return app
-
-
-from .serve import serve  # noqa: E402  (after create_app, which serve.py calls)
 
 __all__ = ["ServerSettings", "create_app", "serve"]

@@ -33,6 +33,7 @@ from .metrics import Metrics
 from .protocol import (DONE_EVENT, APIError, ChatCompletionRequest, ChatInputs, Reply, error_body, error_event, model_not_found,
                        prepare_chat)
 from .settings import ServerSettings
+from .site import DOCS_OPENAPI_URL, add_site_routes
 from .worker import Engines, Job, Service
 
 logger = logging.getLogger("vlmspec.server")
@@ -55,6 +56,7 @@ def create_app(engines: Engines, settings: ServerSettings | None = None) -> Fast
     _add_error_handlers(app)
     _add_routes(app)
     app.state.docs_path = _add_docs(app)
+    add_site_routes(app)
     app.openapi = functools.partial(_openapi, app)  # type: ignore[method-assign]
     if ui_path is not None:
         from .ui import mount_ui
@@ -101,7 +103,7 @@ def _add_docs(app: FastAPI) -> str | None:
         app.mount(DOCS_ASSETS, StaticFiles(directory=str(swagger_ui_path)), name="docs-assets")
 
         async def docs() -> HTMLResponse:
-            return get_swagger_ui_html(openapi_url=app.openapi_url or "/openapi.json", title="vlmspec API",
+            return get_swagger_ui_html(openapi_url=DOCS_OPENAPI_URL, title="vlmspec API",
                                        swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
                                        swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
                                        swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png")
@@ -122,7 +124,7 @@ def _add_docs(app: FastAPI) -> str | None:
 
 # ------------------------------------------------------------------------------------------ the edge
 
-_KNOWN = ("/v1/chat/completions", "/v1/models", "/healthz", "/metrics", "/docs", "/openapi.json", "/")
+_KNOWN = ("/v1/chat/completions", "/v1/models", "/healthz", "/metrics", "/docs", "/openapi.json", DOCS_OPENAPI_URL, "/favicon.ico", "/")
 
 
 def endpoint_label(path: str) -> str:
@@ -148,7 +150,7 @@ class EdgeMiddleware:
 
     def _authorized(self, scope: dict) -> bool:
         key = self.settings.api_key
-        if key is None or scope["path"] in ("/healthz", "/") or scope["path"].startswith(DOCS_ASSETS + "/"):
+        if key is None or scope["path"] in ("/healthz", "/", "/favicon.ico") or scope["path"].startswith(DOCS_ASSETS + "/"):
             return True  # health, the index of links and Swagger UI's static files carry no data
         if self.ui_path is not None and (scope["path"] == self.ui_path or scope["path"].startswith(self.ui_path + "/")):
             return True

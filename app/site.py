@@ -1,7 +1,7 @@
 """What the site serves around the API for people with a browser: the OpenAPI 3.0 copy of the schema
 that /docs renders, and /favicon.ico.
 
-    add_site_routes(app)   # done by vlmspec.app.create_app
+    add_site_routes(app)   # done by create_app (routes.py)
 
 /docs is Swagger UI from the pip-packaged bundle (swagger-ui-bundle, so it works offline), whose
 Swagger UI (4.15) renders OpenAPI 3.0 documents only and refuses FastAPI's 3.1 one ("does not specify a
@@ -31,8 +31,6 @@ def add_site_routes(app: FastAPI) -> None:
         return JSONResponse(openapi_30(app.openapi()))
 
     app.add_api_route(DOCS_OPENAPI_URL, docs_openapi, methods=["GET"], include_in_schema=False)
-    if app.state.docs_path is not None:
-        app.openapi_url = DOCS_OPENAPI_URL  # the /docs page's schema URL (/openapi.json itself stays served, 3.1)
 
     async def favicon() -> Response:
         return Response(favicon_ico(), media_type="image/x-icon", headers={"Cache-Control": "public, max-age=86400"})

@@ -390,6 +390,7 @@ def test_other_routes_errors_and_health_after_bad_input(client):
 def test_api_key(server):
     with httpx.Client(base_url=server.url, timeout=30) as anon:
         assert anon.get("/healthz").status_code == 200
+        assert anon.get("/favicon.ico").status_code == 200  # a browser asks for it without the key
         for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/chat/completions"), ("GET", "/docs")):
             r = anon.request(method, path, json=chat([{"role": "user", "content": "hi"}]) if method == "POST" else None)
             assert r.status_code == 401, (path, r.status_code)
