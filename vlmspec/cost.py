@@ -128,8 +128,9 @@ def cost_key(engine: SpecEngine, batch_sizes: tuple[int, ...]) -> dict[str, Any]
 
     target, drafter = engine.target, engine.drafter
     tree = drafter.tree
+    head = getattr(drafter, "head", None)  # a trained head's weights (self-speculation reads the target's own: its name says which)
     return {"version": CACHE_VERSION, "model": target.name, "model_weights": fingerprint(target.model),
-            "drafter": drafter.name, "drafter_weights": fingerprint(getattr(drafter, "head", None)),
+            "drafter": drafter.name, "drafter_weights": fingerprint(head if isinstance(head, torch.nn.Module) else None),
             "drafter_options": repr(getattr(drafter, "stop_threshold", None)),
             "tree": None if tree is None else [tree.depth, tree.top_k, tree.total_tokens],
             "device": str(target.device), "dtype": str(target.dtype), "threads": torch.get_num_threads(),
