@@ -20,6 +20,7 @@ from vlmspec.cli.options import (
     int_list,
     non_negative_int,
     positive_int,
+    write_figures,
 )
 
 BENCHES = ("run", "batch", "verify-cost", "kernel", "server", "load")
@@ -125,8 +126,6 @@ def register_batch(which: argparse._SubParsersAction) -> None:
 
 
 def run_batch_bench(args: argparse.Namespace) -> int:
-    import json
-
     from vlmspec import factory
     from vlmspec.bench.batch import BatchBenchOptions, markdown, measure, plot
 
@@ -138,10 +137,7 @@ def run_batch_bench(args: argparse.Namespace) -> int:
     report["env"]["command"] = args.command_line
     table = markdown(report)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "batch.json").write_text(json.dumps(report, indent=1))
-        (out / "batch.md").write_text(f"`{args.command_line}`\n\n{table}\n")
+        out = write_figures(args.out, "batch", report, table, args.command_line)
         plot(report, out / "batch.png")
     print(table)
     return 0

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 from pathlib import Path
 
-from vlmspec.cli.options import UsageError, add_engine_args, engine_spec, int_list, non_negative_int, positive_int
+from vlmspec.cli.options import UsageError, add_engine_args, engine_spec, int_list, non_negative_int, positive_int, write_figures
 
 WAY_NAMES = ("plain", "fixed", "goodput", "baseline")
 
@@ -75,10 +74,7 @@ def run(args: argparse.Namespace) -> int:
                      "max_batch": sizes, "default_policy": engine.speculation.policy().name, "command": args.command_line}
     table = markdown(report)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "load.json").write_text(json.dumps(report, indent=1))
-        (out / "load.md").write_text(f"`{args.command_line}`\n\n{table}\n")
+        out = write_figures(args.out, "load", report, table, args.command_line)
         plot(report, out)
     print(table)
     changed = sum(lv["changed"] for lv in report["levels"])

@@ -165,3 +165,16 @@ def describe_speculation(engine) -> str:
 
 def env_default(name: str) -> str | None:
     return os.environ.get(name) or None
+
+
+def write_figures(folder: str, stem: str, report: dict, table: str, command_line: str):
+    """A bench's figures in `folder`: STEM.json (the report) and STEM.md (its command, then the table).
+    Returns the folder (a Path), made if missing, for the plots."""
+    import json
+    from pathlib import Path
+
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
+    (out / f"{stem}.md").write_text(f"`{command_line}`\n\n{table}\n")
+    return out
