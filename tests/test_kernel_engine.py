@@ -35,14 +35,25 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_engine_greedy_parity_through_kernel_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, "llava,qwen2_5_vl,idefics3"], capture_output=True, text=True, env=env, timeout=900
-    )
+def _run(script: str, archs: str, cuda: bool = False) -> dict:
+    """Run a script in its own process (TRITON_INTERPRET is read at the first kernel call) under
+    Triton's interpreter, or on CUDA; returns the JSON it printed last."""
+    if cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip("needs CUDA")
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        script = script.replace("target = Target(model, processor)", "target = Target(model.cuda(), processor)")
+    else:
+        env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", script, archs], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    for arch, r in result.items():
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_engine_greedy_parity_through_kernel_interpreter():
+    for arch, r in _run(SCRIPT, "llava,qwen2_5_vl,idefics3").items():
         assert r["impl"] == "vlmspec_tree", r
         assert r["match"], f"{arch}: kernel path diverged from HF generate"
         assert r["drafted"] > 0 and r["kernel_calls"] > 0, f"{arch}: the kernel never ran ({r})"
@@ -50,15 +61,7 @@ def test_engine_greedy_parity_through_kernel_interpreter():
 
 @pytest.mark.gpu
 def test_engine_greedy_parity_through_kernel_cuda():
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = SCRIPT.replace("target = Target(model, processor)", "target = Target(model.cuda(), processor)")
-    proc = subprocess.run([sys.executable, "-c", script, "llava,qwen2_5_vl,idefics3"], capture_output=True, text=True, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for arch, r in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+    for arch, r in _run(SCRIPT, "llava,qwen2_5_vl,idefics3", cuda=True).items():
         assert r["match"] and r["kernel_calls"] > 0, (arch, r)
 
 
@@ -103,20 +106,9 @@ def _check_batch(result: dict) -> None:
 
 
 def test_batched_rows_through_kernel_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", BATCH_SCRIPT, "llava,qwen2_5_vl"], capture_output=True, text=True, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    _check_batch(json.loads(proc.stdout.strip().splitlines()[-1]))
+    _check_batch(_run(BATCH_SCRIPT, "llava,qwen2_5_vl"))
 
 
 @pytest.mark.gpu
 def test_batched_rows_through_kernel_cuda():
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = BATCH_SCRIPT.replace("target = Target(model, processor)", "target = Target(model.cuda(), processor)")
-    proc = subprocess.run([sys.executable, "-c", script, "llava,qwen2_5_vl,idefics3"], capture_output=True, text=True, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    _check_batch(json.loads(proc.stdout.strip().splitlines()[-1]))
+    _check_batch(_run(BATCH_SCRIPT, "llava,qwen2_5_vl,idefics3", cuda=True))
