@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import tiny_target
-from vlmspec.control import AcceptanceTracker, BatchCost, CostModel, FixedPolicy, GoodputPolicy, Speculation, choose_depths
+from vlmspec.control import AcceptanceTracker, BatchCost, BatchTiming, CostModel, FixedPolicy, GoodputPolicy, Speculation, choose_depths
 from vlmspec.cost import measured_costs
 from vlmspec.draft.base import TreeConfig
 from vlmspec.draft.eagle import EagleDrafter
@@ -60,6 +60,21 @@ def test_rows_keep_their_own_limits_and_fixed_rows_their_own_depth():
     assert depths == [5, 1, 3]
     assert rows[0].chosen[-1] == 5 and rows[1].chosen[-1] == 1  # each tracker records its own depth
     assert choose_depths(rows, [5, 5, 5], None) == [rows[0].choose(5), rows[1].choose(5), 3]  # no batch cost: alone
+
+
+def test_the_batchs_own_step_times_correct_its_cost():
+    """Drafted steps of this batch measured at twice the model's seconds (long image prompts, say):
+    at B = 4, where the model alone says drafting pays, the corrected cost says it does not; a batch
+    whose steps took what the model said keeps drafting (negative control)."""
+    rows = lambda: [_tracker(2) for _ in range(4)]  # noqa: E731
+    assert choose_depths(rows(), [5] * 4, COST)[0] > 0
+    slow, exact = BatchTiming(weight=1.0), BatchTiming(weight=1.0)
+    slow.observe(COST, 4, 2, 2.0 * COST.seconds(4, 2))
+    slow.observe(COST, 4, 0, COST.seconds(4, 0))
+    exact.observe(COST, 4, 2, COST.seconds(4, 2))
+    assert slow.scale(2) == pytest.approx(2.0) and slow.scale(0) == pytest.approx(1.0)
+    assert choose_depths(rows(), [5] * 4, COST, slow) == [0] * 4
+    assert choose_depths(rows(), [5] * 4, COST, exact)[0] > 0
 
 
 def test_a_batch_under_a_cost_that_says_drafting_never_pays_decodes_plainly_and_losslessly():

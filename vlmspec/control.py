@@ -44,7 +44,10 @@ each row's E_b from its own acceptance history, with the same margin over D = 0;
 policy keep their own choice. As the batch grows a drafted step costs more plain steps and D*
 falls, to 0 (plain decoding) where drafting no longer pays for the batch. With one row, or without
 a batch cost, each row's controller chooses alone as above. Inside a batch a row's step times are
-not its own, so they do not correct its cost model.
+not its own, so they do not correct its cost model; the batch's own step times correct the batch
+cost instead (`BatchTiming`: measured / modelled seconds, decayed, drafted and plain steps apart),
+as a request's do alone: the batch's prompts (long image prompts) are not the short one it was
+measured on.
 """
 
 from __future__ import annotations
@@ -143,6 +146,26 @@ class BatchCost:
     def from_dict(cls, data: dict[str, Any]) -> "BatchCost":
         return cls(tuple((int(b), CostModel(m["step_s"], m["draft_s"], m["per_level_s"], tuple(m["by_depth"])))
                          for b, m in sorted(data.items(), key=lambda kv: int(kv[0]))))
+
+
+@dataclass
+class BatchTiming:
+    """A batch's correction of its `BatchCost`: the decayed mean of measured / modelled seconds of
+    its own steps, drafted and plain steps apart (weight: what each new step counts)."""
+
+    weight: float = 0.3
+    plain: float = 1.0
+    draft: float = 1.0
+
+    def observe(self, cost: BatchCost, rows: int, depth: int, seconds: float) -> None:
+        ratio = seconds / cost.seconds(rows, depth)
+        if depth > 0:
+            self.draft += self.weight * (ratio - self.draft)
+        else:
+            self.plain += self.weight * (ratio - self.plain)
+
+    def scale(self, depth: int) -> float:
+        return self.draft if depth > 0 else self.plain
 
 
 class Controller(Protocol):
@@ -334,9 +357,11 @@ class Speculation:
         return FixedPolicy()
 
 
-def choose_depths(controls: list[Controller], max_depths: list[int], cost: BatchCost | None) -> list[int]:
-    """Every row's depth for one step (see the module docstring: goodput over the batch). Rows whose
-    max depth is negative (a full context) get 0 and are not asked."""
+def choose_depths(controls: list[Controller], max_depths: list[int], cost: BatchCost | None,
+                  timing: BatchTiming | None = None) -> list[int]:
+    """Every row's depth for one step (see the module docstring: goodput over the batch), the batch
+    cost corrected by the batch's own `timing` when given. Rows whose max depth is negative (a full
+    context) get 0 and are not asked."""
     tracked = [i for i, c in enumerate(controls) if isinstance(c, AcceptanceTracker) and max_depths[i] > 0]
     if len(controls) == 1 or cost is None or not tracked:
         return [c.choose(m) if m >= 0 else 0 for c, m in zip(controls, max_depths)]
@@ -346,7 +371,8 @@ def choose_depths(controls: list[Controller], max_depths: list[int], cost: Batch
 
     def goodput(depth: int) -> float:
         tokens = sum(controls[i].expected_tokens(min(depth, max_depths[i])) for i in tracked)  # type: ignore[attr-defined]
-        return tokens / cost.seconds(rows, max(depth, floor))
+        step = max(depth, floor)
+        return tokens / (cost.seconds(rows, step) * (timing.scale(step) if timing is not None else 1.0))
 
     best = max(range(max(max_depths[i] for i in tracked) + 1), key=lambda d: (goodput(d), -d))
     if best > 0 and goodput(best) < (1.0 + policy.min_gain) * goodput(0):
@@ -362,5 +388,5 @@ def depth_summary(depths: list[int]) -> str:
     return " ".join(f"{d}x{depths.count(d)}" for d in sorted(set(depths)))
 
 
-__all__ = ["AcceptanceTracker", "BatchCost", "Controller", "CostModel", "choose_depths", "FixedPolicy", "GoodputPolicy", "POLICIES", "Policy",
+__all__ = ["AcceptanceTracker", "BatchCost", "BatchTiming", "Controller", "CostModel", "choose_depths", "FixedPolicy", "GoodputPolicy", "POLICIES", "Policy",
            "Speculation", "SpeculationOptions", "depth_summary"]

@@ -25,7 +25,7 @@ from typing import Any, Iterator
 
 import torch
 
-from vlmspec.control import Controller, Policy, Speculation, SpeculationOptions, choose_depths
+from vlmspec.control import BatchTiming, Controller, Policy, Speculation, SpeculationOptions, choose_depths
 from vlmspec.draft.base import Drafter, NoDrafter, PromptContext, TreeConfig, propose_all
 from vlmspec.sampling import SamplingParams, next_token
 from vlmspec.stats import SpecStats
@@ -225,6 +225,7 @@ class Batch:
         self.requests: list[_Request] = []  # live ones, by slot
         self.timings = dict.fromkeys(TIMING_KEYS, 0.0)  # the batch's own seconds by phase (prefills included)
         self.rounds = 0  # target forwards run by `step` (prefills not counted)
+        self.cost_timing = BatchTiming()  # its steps' measured / modelled seconds (goodput over the batch)
 
     @property
     def full(self) -> bool:
@@ -294,7 +295,8 @@ class Batch:
         target = self.engine.target
         clock = Clock(target.device, any(r.config.sync_timings for r in reqs))
         t_step = time.perf_counter()
-        depths = choose_depths([r.control for r in reqs], [r.max_depth(target.max_positions) for r in reqs], self.engine.speculation.batch_cost)
+        batch_cost = self.engine.speculation.batch_cost
+        depths = choose_depths([r.control for r in reqs], [r.max_depth(target.max_positions) for r in reqs], batch_cost, self.cost_timing)
         trees = [t.truncate_depth(d) for t, d in zip(propose_all(self.engine.drafter, [r.session for r in reqs], [r.root for r in reqs], depths), depths)]
         clock.lap("draft")
         out = target.forward_batch([r.state for r in reqs], trees)  # logits [B, N, V]
@@ -307,6 +309,8 @@ class Batch:
             r.session.commit(t.tokens[path], out.features[b][to_device(path, out.features.device)])
         clock.lap("draft")
         seconds = time.perf_counter() - t_step
+        if batch_cost is not None and len(reqs) > 1:
+            self.cost_timing.observe(batch_cost, len(reqs), max(int(t.depth.max()) for t in trees), seconds)
         events = []
         for r, t, v, path, depth in zip(reqs, trees, verdicts, paths, depths):
             drafted_depth = int(t.depth.max())
