@@ -91,6 +91,11 @@ class CostModel:
         return {"step_s": self.step_s, "draft_s": self.draft_s, "per_level_s": self.per_level_s, "by_depth": list(self.by_depth)}
 
     @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "CostModel":
+        """The inverse of `as_dict`."""
+        return cls(data["step_s"], data["draft_s"], data["per_level_s"], tuple(data["by_depth"]))
+
+    @classmethod
     def fit(cls, samples: dict[int, float]) -> "CostModel":
         """{depth: measured seconds per step} with depth 0 and at least one depth >= 1 -> the model:
         the line (per-level slope by least squares over the drafted depths, clipped at 0) for depths
@@ -144,8 +149,7 @@ class BatchCost:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "BatchCost":
-        return cls(tuple((int(b), CostModel(m["step_s"], m["draft_s"], m["per_level_s"], tuple(m["by_depth"])))
-                         for b, m in sorted(data.items(), key=lambda kv: int(kv[0]))))
+        return cls(tuple((int(b), CostModel.from_dict(m)) for b, m in sorted(data.items(), key=lambda kv: int(kv[0]))))
 
 
 @dataclass

@@ -151,7 +151,7 @@ def measured_costs(engine: SpecEngine, batch_sizes: tuple[int, ...] = (), cache_
             data = json.loads(path.read_text())
             if data["key"] == key:
                 batch = BatchCost.from_dict(data["batch"]) if data.get("batch") else None
-                return BatchCost.from_dict({"1": data["single"]}).by_size[0][1], batch
+                return CostModel.from_dict(data["single"]), batch
         except (OSError, ValueError, KeyError, TypeError) as err:
             log(f"vlmspec: ignoring an unreadable cost cache {path} ({err}); measuring again")
     sizes = tuple(b for b in sorted(set(batch_sizes)) if b > 1)

@@ -128,11 +128,15 @@ def measure(target: Target, drafter: Drafter, opts: BatchBenchOptions, progress:
                         cell.divergences.append(divergence(target, inputs, ref, r.token_ids))
                 bar.update(1)
     bar.close()
-    name = Path(target.name)
-    model = f"{name.parent.name}/{name.name}" if name.is_dir() else target.name  # a folder: its last two parts, not the machine's path
-    return {"env": {"model": model, "dtype": str(target.dtype).replace("torch.", ""), "device": str(target.device),
+    return {"env": {"model": model_label(target), "dtype": str(target.dtype).replace("torch.", ""), "device": str(target.device),
                     "max_new_tokens": opts.max_new_tokens, "repeats": opts.repeats, "threads": torch.get_num_threads()},
             "cells": [_summary(b, name, c) for (b, name), c in cells.items()]}
+
+
+def model_label(target: Target) -> str:
+    """How a bench names the model: a folder by its last two parts (not the machine's path), else its name."""
+    name = Path(target.name)
+    return f"{name.parent.name}/{name.name}" if name.is_dir() else target.name
 
 
 def _summary(b: int, way: str, c: _Cell) -> dict[str, Any]:
@@ -208,4 +212,4 @@ def plot(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-__all__ = ["BatchBenchOptions", "markdown", "measure", "mixed_conversations", "plot", "prompts", "ratios", "ways"]
+__all__ = ["BatchBenchOptions", "markdown", "measure", "mixed_conversations", "model_label", "plot", "prompts", "ratios", "ways"]

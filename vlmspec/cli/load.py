@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-from pathlib import Path
 
 from vlmspec.cli.options import UsageError, add_engine_args, engine_spec, int_list, non_negative_int, positive_int, write_figures
 
@@ -52,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from vlmspec import factory
+    from vlmspec.bench.batch import model_label
 
     opts = LoadOptions(tuple(args.concurrency), args.requests, args.max_new_tokens, args.prompts, args.warmup)
     engine = factory.build_engine(engine_spec(args, max_batch=max(args.max_batch)))
@@ -68,8 +68,7 @@ def run(args: argparse.Namespace) -> int:
                       for w in ways if w != "baseline" for b in sizes]
         report = sweep(endpoints, opts)
     target = engine.target
-    name = Path(target.name)
-    report["env"] = {"model": f"{name.parent.name}/{name.name}" if name.is_dir() else target.name, "drafter": engine.drafter.name,
+    report["env"] = {"model": model_label(target), "drafter": engine.drafter.name,
                      "dtype": str(target.dtype).replace("torch.", ""), "device": str(target.device), "threads": torch.get_num_threads(),
                      "max_batch": sizes, "default_policy": engine.speculation.policy().name, "command": args.command_line}
     table = markdown(report)
