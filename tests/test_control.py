@@ -105,9 +105,10 @@ def test_after_a_collapse_the_estimates_drift_back_and_drafting_is_tried_again()
 
 
 def test_a_dearer_retry_comes_less_often():
-    # the same collapse; a drafted depth-4 step costs 0.6 plain steps extra under MID (price 1: the
-    # plain drift) and 2.1 under DEAR, whose evidence then fades 2.1 times slower per plain step
-    cheap, dear = _history(GoodputPolicy(MID), [(4, 0)] * 6), _history(GoodputPolicy(DEAR), [(4, 0)] * 6)
+    # the same collapse; retries at full depth (no probe cap): a drafted depth-4 step costs 0.6 plain
+    # steps extra under MID (price 1: the plain drift) and 2.1 under DEAR, whose evidence then fades
+    # 2.1 times slower per plain step
+    cheap, dear = _history(GoodputPolicy(MID, probe_depth=None), [(4, 0)] * 6), _history(GoodputPolicy(DEAR, probe_depth=None), [(4, 0)] * 6)
     assert cheap.retry_price() == 1.0 and dear.retry_price() == pytest.approx(2.1)
     before = cheap.reached[0]
     assert dear.reached[0] == before
@@ -151,6 +152,27 @@ def test_failed_retries_back_off_and_a_retry_that_pays_resets_the_wait():
     assert max(flat) <= failing[0] + 1 and sum(flat) < sum(failing) / 2
     with pytest.raises(ValueError):
         GoodputPolicy(MID, max_backoff=-1)
+
+
+def test_first_drafts_and_retries_are_shallow_probes_and_a_probe_that_pays_goes_deep():
+    policy = GoodputPolicy(CHEAP, prior_accept=0.7)
+    ctl = policy.start()
+    assert ctl.choose(5) == 1  # the request's first draft: a probe
+    ctl.observe(1, 1)  # it paid
+    assert ctl.choose(5) >= 4
+    ctl.observe(5, 0)  # a drafted step that accepted nothing: the next draft probes again
+    assert ctl.choose(5) == 1
+    ctl = _history(policy, [(5, 0)] * 6)  # a collapse, then plain steps until the estimates drift back
+    retry = next(d for d in (ctl.choose(5) for _ in range(400)) if d > 0 or ctl.observe(0, 0))
+    assert retry == 1  # the retry is a probe too
+    # its price, what paces the retries, is the probe's: (CHEAP depth 1: 0.2 plain steps extra) -> 1
+    assert ctl.retry_price() == 1.0
+    # negative control: without the cap the same histories draft the full depth at once
+    free = GoodputPolicy(CHEAP, prior_accept=0.7, probe_depth=None)
+    assert free.start().choose(5) >= 4
+    assert _history(free, [(5, 0)]).choose(5) > 1
+    with pytest.raises(ValueError, match="probe_depth"):
+        GoodputPolicy(CHEAP, probe_depth=0)
 
 
 def test_measured_step_times_correct_the_cost_model_per_request():
@@ -285,10 +307,10 @@ def test_the_controller_chooses_within_the_drafters_tree():
     target = tiny_target("llava")
     inputs = encode_prompt(target, "once upon a time", [])
     engine = SpecEngine(target, NgramDrafter(TreeConfig(depth=3, top_k=2, total_tokens=6)))
-    ctl = GoodputPolicy(CostModel(step_s=1.0)).start()  # free drafting: always as deep as allowed
+    ctl = GoodputPolicy(CostModel(step_s=1.0), probe_depth=None).start()  # free drafting, no probes: always as deep as allowed
     engine.generate(inputs, GenerationConfig(max_new_tokens=20, ignore_eos=True, policy=_Keep(ctl)))
     assert max(ctl.chosen) == 3
-    ctl = GoodputPolicy(CostModel(step_s=1.0)).start()
+    ctl = GoodputPolicy(CostModel(step_s=1.0), probe_depth=None).start()
     engine.generate(inputs, GenerationConfig(max_new_tokens=20, ignore_eos=True, policy=_Keep(ctl), tree=TreeConfig(depth=2, top_k=2, total_tokens=4)))
     assert max(ctl.chosen) == 2  # the request's own tree
 
@@ -333,8 +355,10 @@ def test_request_knobs_travel_with_the_request_and_leave_the_engine_alone():
     assert capped.token_ids == plain and capped.policy == "fixed"
     assert max(capped.depths) == 2 and capped.num_drafted <= 3 * capped.stats.num_drafts
     assert len(capped.stats.reached_per_pos) == 2  # nothing was drafted deeper than 2
+    full = run(policy="fixed")  # the request's caps did not stay behind
+    assert full.token_ids == plain and max(full.depths) == 4
     default = run()
-    assert default.token_ids == plain and default.policy == "goodput" and max(default.depths) == 4
+    assert default.token_ids == plain and default.policy == "goodput" and default.depths[0] == 1  # its first draft is a probe
     assert engine.drafter.tree == tree and engine.speculation.default == "goodput"  # nothing shared was changed
 
 

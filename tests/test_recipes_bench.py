@@ -159,15 +159,20 @@ def test_bench_adaptive_times_the_three_ways_per_category(tmp_path):
 
     target = tiny_target("llava")
     engine = SpecEngine(target, NgramDrafter(TreeConfig(depth=3, top_k=2, total_tokens=6)))
-    cats = categories(target, 1)
+    cats = categories(target, 2)
     assert set(cats) == {"in_domain", "photo_unknown", "random_tokens", "unseen_text"}
-    report = measure(engine, cats, temperatures=(0.0, 1.5), max_new_tokens=6, repeats=1, progress=False)
-    assert len(report["rows"]) == 4 * 2 and all(r[f"{w}_s"] > 0 for r in report["rows"] for w in WAYS)
+    report = measure(engine, cats, temperatures=(0.0, 1.5), max_new_tokens=6, repeats=3, progress=False)
+    assert len(report["rows"]) == 4 * 2 * 2 * 3 and all(r[f"{w}_s"] > 0 for r in report["rows"] for w in WAYS)
     assert {(s["category"], s["temperature"]) for s in report["summary"]} == {(c, t) for c in cats for t in (0.0, 1.5)}
     for s in report["summary"]:
         assert s["goodput_vs_plain_worst"] <= s["goodput_vs_plain"] * (1 + 1e-9) and sum(s["depths"].values()) > 0
+        # each prompt's median over its 3 runs: no lower than the worst single run, and the worst prompt's is the least
+        assert len(s["goodput_vs_plain_per_prompt"]) == 2 and s["goodput_vs_plain_worst_prompt"] == min(s["goodput_vs_plain_per_prompt"])
+        assert s["goodput_vs_plain_worst_prompt"] >= s["goodput_vs_plain_worst"]
     table = format_table(report)
     assert all(c in table for c in cats) and report["cost_model"]["step_s"] > 0
+    probe = measure(engine, {"unseen_text": cats["unseen_text"]}, temperatures=(0.0,), max_new_tokens=6, repeats=1, progress=False, no_probe=True)
+    assert all(r["goodput-no-probe_s"] > 0 for r in probe["rows"]) and "goodput, no probe / plain" in format_table(probe)
 
 
 def test_bench_stop_head_times_the_five_ways_and_counts_what_the_rule_saves():

@@ -25,7 +25,12 @@ the policy tries drafting again now and then (slowly: `idle_decay` per plain ste
 costs a retry every few dozen steps, not every few, and a dearer retry comes less often). Retries
 back off: each retry in a row that emits fewer tokens per second than a plain step would doubles
 the wait before the next (up to 2 ** `max_backoff` = 16 times), and a drafted step that pays resets
-it, so a drafter that never pays on a long request is retried 16 times less often than it was. The cost model is measured at start-up through the
+it, so a drafter that never pays on a long request is retried 16 times less often than it was.
+A drafted step that follows no paying one (a request's first, a retry after plain steps, or the
+step after a draft that accepted nothing) is a probe: it drafts at most `probe_depth` levels (1).
+A failing drafter then pays for a depth-1 tree (top_k nodes) per probe instead of its full tree
+(on this project's CPU about 1.6 plain steps instead of 2.2, more on a long image prompt), and a
+probe that is accepted lets the next step go as deep as goodput says. The cost model is measured at start-up through the
 engine itself (`vlmspec.cost.measure_cost`) or given; only ratios of its times matter. It is
 measured on a short text prompt, so each request corrects it with its own step times (the engine
 passes them to `observe`): a drafted step's cost is scaled by the ratio of the drafted steps'
@@ -225,13 +230,15 @@ class GoodputPolicy:
     time_weight: float = 0.3  # weight of each timed step in the request's cost correction (0: the model as given)
     max_backoff: int = 4  # failed retries in a row, counted up to this many, slow the drift back by 2 ** count
     min_gain: float = 0.1  # a drafted step must promise this much more goodput than a plain one (estimates lean optimistic)
+    probe_depth: int | None = 1  # a request's first drafted step and every retry draft at most this deep (None: no cap)
     name: str = "goodput"
 
     def __post_init__(self) -> None:
         if not (0 < self.prior_accept < 1 and self.prior_weight > 0 and 0 < self.decay <= 1 and 0 < self.idle_decay <= 1
-                and 0 <= self.time_weight <= 1 and self.max_backoff >= 0 and self.min_gain >= 0):
+                and 0 <= self.time_weight <= 1 and self.max_backoff >= 0 and self.min_gain >= 0
+                and (self.probe_depth is None or self.probe_depth >= 1)):
             raise ValueError(f"goodput policy: prior in (0, 1), weight > 0, decays in (0, 1], time weight in [0, 1], "
-                             f"max_backoff >= 0, min_gain >= 0, got {self}")
+                             f"max_backoff >= 0, min_gain >= 0, probe_depth >= 1 or None, got {self}")
 
     def start(self) -> Controller:
         return AcceptanceTracker(self)
@@ -249,6 +256,7 @@ class AcceptanceTracker:
     draft_scale: float = 1.0  # the same for its drafted steps
     retry_misses: int = 0  # retries in a row (drafted steps right after a plain one) that paid less than a plain step
     last_depth: int | None = None  # the depth of the step observed last (None: none yet)
+    last_accepted: int = 0  # the tokens it accepted
 
     def accept_rates(self, depth: int) -> list[float]:
         """Posterior means of a_1..a_depth. a_1's prior mean is `prior_accept`; each deeper a_d's
@@ -278,12 +286,20 @@ class AcceptanceTracker:
     def goodput(self, depth: int) -> float:
         return self.expected_tokens(depth) / self.seconds(depth)
 
+    def probing(self) -> bool:
+        """The next drafted step is a probe: the request's first, a retry after plain steps, or one
+        after a drafted step that accepted nothing (only a drafted step that paid leads deeper)."""
+        return not self.last_depth or self.last_accepted == 0
+
     def retry_price(self) -> float:
-        """What a drafted step at the deepest depth seen costs over a plain one, in plain steps
-        (at least 1), doubled for each failed retry in a row (up to `max_backoff` doublings): the
-        drift back to the prior slows by this factor, so a retry that costs three steps comes three
-        times less often than one that costs one, and a retry that failed twice four times less often."""
+        """What a retry (a drafted step at the probe depth, else at the deepest depth seen) costs over
+        a plain one, in plain steps (at least 1), doubled for each failed retry in a row (up to
+        `max_backoff` doublings): the drift back to the prior slows by this factor, so a retry that
+        costs three steps comes three times less often than one that costs one, and a retry that
+        failed twice four times less often."""
         deepest = max(len(self.reached), 1)
+        if self.policy.probe_depth is not None:
+            deepest = min(deepest, self.policy.probe_depth)
         price = max(1.0, (self.seconds(deepest) - self.seconds(0)) / self.seconds(0))
         return price * 2.0 ** self.retry_misses
 
@@ -292,6 +308,8 @@ class AcceptanceTracker:
         best = max(range(max(max_depth, 0) + 1), key=lambda d: (self.goodput(d), -d))
         if best > 0 and self.goodput(best) < (1.0 + self.policy.min_gain) * plain:
             best = 0  # a gain inside the estimates' optimism is not worth the risk
+        if best > 0 and self.probing() and self.policy.probe_depth is not None:
+            best = min(best, self.policy.probe_depth)  # a probe: shallow and cheap, the next step goes deep if it paid
         self.chosen.append(best)
         return best
 
@@ -306,7 +324,7 @@ class AcceptanceTracker:
         if depth > 0:  # a retry that emitted fewer tokens per second than a plain step backs the next one off
             paid = (1 + num_accepted) * self.seconds(0) >= self.seconds(depth)
             self.retry_misses = 0 if paid else min(self.retry_misses + int(self.last_depth == 0), self.policy.max_backoff)
-        self.last_depth = depth
+        self.last_depth, self.last_accepted = depth, num_accepted
         k = self.policy.decay if depth > 0 else self.policy.idle_decay ** (1.0 / self.retry_price())
         self.reached = [x * k for x in self.reached]
         self.accepted = [x * k for x in self.accepted]

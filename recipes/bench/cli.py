@@ -57,6 +57,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     ad = _add_parser(sub, "adaptive", help="adaptive speculation (goodput) vs plain decoding and the fixed tree, in domain and on "
                                            "adversarial prompts (photos it cannot answer, random tokens, unseen text)")
     _add_ways_args(ad, n=4, n_help="prompts per category", temperatures="0 and 1.5")
+    ad.add_argument("--categories", default=None, help="comma-separated subset of in_domain, photo_unknown, random_tokens, unseen_text (default: all)")
+    ad.add_argument("--no-probe-way", action="store_true",
+                    help="also time goodput without its shallow probes (first drafts and retries at full depth), interleaved")
     ad.set_defaults(func=run_adaptive_bench)
 
     sh = _add_parser(sub, "stop-head", help="SpecDec++: one drafter with its acceptance head's stop rule and without, at a fixed "
@@ -100,7 +103,13 @@ def run_adaptive_bench(args: argparse.Namespace) -> int:
     engine = factory.build_engine(engine_spec(args))
     if engine.drafter.tree is None:
         raise UsageError("adaptive compares ways to speculate: give a drafter that drafts (--drafter eagle, ngram or a folder)")
-    report = measure(engine, categories(engine.target, args.n), tuple(args.temperature or (0.0, 1.5)), args.max_new_tokens, args.repeats)
+    cats = categories(engine.target, args.n)
+    if args.categories:
+        keep = [c.strip() for c in args.categories.split(",") if c.strip()]
+        if not keep or any(c not in cats for c in keep):
+            raise UsageError(f"--categories must list some of {', '.join(cats)}, got {args.categories!r}")
+        cats = {c: cats[c] for c in keep}
+    report = measure(engine, cats, tuple(args.temperature or (0.0, 1.5)), args.max_new_tokens, args.repeats, no_probe=args.no_probe_way)
     return print_report(report, format_table(report), args, args.command_line)
 
 

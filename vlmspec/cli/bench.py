@@ -1,4 +1,4 @@
-"""`vlmspec bench [run|batch|verify-cost|kernel|server|load]`: the product's benchmarks' options; the work is `vlmspec.bench.*`.
+"""`vlmspec bench [run|batch|verify-cost|kernel|server|load|soak]`: the product's benchmarks' options; the work is `vlmspec.bench.*`.
 
 `vlmspec bench` with no sub-benchmark (or with options only) runs `bench run`. The research suites
 (ablate, adaptive, stop-head, trees) are the lab's: `python -m vlmspec.recipes`, recipes/bench/cli.py.
@@ -23,14 +23,14 @@ from vlmspec.cli.options import (
     write_figures,
 )
 
-BENCHES = ("run", "batch", "verify-cost", "kernel", "server", "load")
+BENCHES = ("run", "batch", "verify-cost", "kernel", "server", "load", "soak")
 DEFAULT = "run"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser(
         "bench",
-        help="speed of every method side by side (default: run), or batch, verify-cost, kernel, server, load",
+        help="speed of every method side by side (default: run), or batch, verify-cost, kernel, server, load, soak",
         description="Benchmarks. `vlmspec bench WHICH --help` for the options of each; without WHICH, `run`. "
                     "The research suites (ablate, adaptive, stop-head, trees): `python -m vlmspec.recipes --help`.",
     )

@@ -1,8 +1,9 @@
-"""`vlmspec bench load`: the service under load (the sweep itself is `vlmspec.bench.load`).
+"""`vlmspec bench load` and `vlmspec bench soak`: the service under load (the work is
+`vlmspec.bench.load` and `vlmspec.bench.soak`).
 
 Builds the engine once (`vlmspec.factory`), starts the services over it (`vlmspec.app.serve.serving`:
-one per --max-batch value, and the one-at-a-time baseline with max_batch 1), and sends the
-sweep's requests to their URLs.
+for load one per --max-batch value and the one-at-a-time baseline with max_batch 1, for soak one),
+and sends the requests to their URLs.
 """
 
 from __future__ import annotations
@@ -10,7 +11,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 
-from vlmspec.cli.options import UsageError, add_engine_args, engine_spec, int_list, non_negative_int, positive_int, write_figures
+from vlmspec.cli.options import (
+    UsageError,
+    add_engine_args,
+    engine_spec,
+    int_list,
+    non_negative_int,
+    float_in,
+    positive_int,
+    write_figures,
+)
 
 WAY_NAMES = ("plain", "fixed", "goodput", "baseline")
 
@@ -31,6 +41,20 @@ def register(which: argparse._SubParsersAction) -> None:
     ld.add_argument("--out", help="folder for load.json, load.md, load_throughput.png and load_latency.png")
     ld.set_defaults(func=run)
 
+    sk = which.add_parser("soak", help="the HTTP service for minutes under mixed closed-loop load with cancels and timeouts: every "
+                                       "answer checked against the same request alone, memory sampled, slots free at the end")
+    add_engine_args(sk)
+    sk.add_argument("--minutes", type=float_in("--minutes", 0.0, 24 * 60.0, low_open=True), default=10.0, help="how long the clients send requests")
+    sk.add_argument("--clients", type=positive_int("--clients"), default=8, help="concurrent closed-loop clients")
+    sk.add_argument("--max-batch", type=positive_int("--max-batch"), default=16, help="the service's --max-batch")
+    sk.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=48, help="new tokens per answer at most")
+    sk.add_argument("--prompts", type=positive_int("--prompts"), default=6, help="distinct held-out prompts")
+    sk.add_argument("--request-timeout", type=float_in("--request-timeout", 0.0, 3600.0, low_open=True), default=30.0,
+                    help="the service's request timeout in seconds (the server-timeout kind runs past it)")
+    sk.add_argument("--seed", type=int, default=0, help="seed of the clients' draws")
+    sk.add_argument("--out", help="folder for soak.json, soak.md and soak.png")
+    sk.set_defaults(func=run_soak)
+
 
 def _ways(text: str) -> list[str]:
     ways = [w.strip() for w in text.split(",") if w.strip()]
@@ -40,18 +64,33 @@ def _ways(text: str) -> list[str]:
     return ways
 
 
-def run(args: argparse.Namespace) -> int:
-    ways = _ways(args.ways)
+def _service(bench: str):
+    """(ServerSettings, serving), or the one line saying what to install."""
     try:
         from vlmspec.app import ServerSettings
         from vlmspec.app.serve import serving
-        from vlmspec.bench.load import Endpoint, LoadOptions, markdown, plot, sweep
     except ModuleNotFoundError as exc:
-        raise UsageError(f"bench load needs the service's packages: pip install 'vlmspec[serve]' ({exc.name} is missing)") from None
+        raise UsageError(f"bench {bench} needs the service's packages: pip install 'vlmspec[serve]' ({exc.name} is missing)") from None
+    return ServerSettings, serving
+
+
+def _env(engine, args: argparse.Namespace, max_batch) -> dict:
+    """What the reports say about the engine and the run."""
     import torch
 
-    from vlmspec import factory
     from vlmspec.bench.batch import model_label
+
+    target = engine.target
+    return {"model": model_label(target), "drafter": engine.drafter.name, "dtype": str(target.dtype).replace("torch.", ""),
+            "device": str(target.device), "threads": torch.get_num_threads(), "max_batch": max_batch,
+            "default_policy": engine.speculation.policy().name, "command": args.command_line}
+
+
+def run(args: argparse.Namespace) -> int:
+    ways = _ways(args.ways)
+    ServerSettings, serving = _service("load")
+    from vlmspec import factory
+    from vlmspec.bench.load import Endpoint, LoadOptions, markdown, plot, sweep
 
     opts = LoadOptions(tuple(args.concurrency), args.requests, args.max_new_tokens, args.prompts, args.warmup)
     engine = factory.build_engine(engine_spec(args, max_batch=max(args.max_batch)))
@@ -67,10 +106,7 @@ def run(args: argparse.Namespace) -> int:
         endpoints += [Endpoint(urls[b], "bench", w, b, w if len(sizes) == 1 else f"{w}, max_batch {b}")
                       for w in ways if w != "baseline" for b in sizes]
         report = sweep(endpoints, opts)
-    target = engine.target
-    report["env"] = {"model": model_label(target), "drafter": engine.drafter.name,
-                     "dtype": str(target.dtype).replace("torch.", ""), "device": str(target.device), "threads": torch.get_num_threads(),
-                     "max_batch": sizes, "default_policy": engine.speculation.policy().name, "command": args.command_line}
+    report["env"] = _env(engine, args, sizes)
     table = markdown(report)
     if args.out:
         out = write_figures(args.out, "load", report, table, args.command_line)
@@ -81,3 +117,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"ERROR: {changed} answers under load differ from the same request's answer at the lowest concurrency")
         return 1
     return 0
+
+
+def run_soak(args: argparse.Namespace) -> int:
+    ServerSettings, serving = _service("soak")
+    from vlmspec import factory
+    from vlmspec.bench.soak import SoakOptions, markdown, plot, soak
+
+    opts = SoakOptions(minutes=args.minutes, clients=args.clients, prompts=args.prompts, max_tokens=args.max_new_tokens, seed=args.seed)
+    engine = factory.build_engine(engine_spec(args, max_batch=args.max_batch))
+    settings = ServerSettings(model="bench", max_batch=args.max_batch, max_queue=max(args.clients, 16), request_timeout_s=args.request_timeout,
+                              max_tokens_cap=max(1024, opts.long_tokens), ui=False)
+    with serving(engine, settings) as url:
+        report = soak(url, "bench", opts, args.request_timeout)
+    report["env"] = _env(engine, args, args.max_batch)
+    table = markdown(report)
+    if args.out:
+        out = write_figures(args.out, "soak", report, table, args.command_line)
+        plot(report, out)
+    print(table)
+    return 0 if report["passed"] else 1

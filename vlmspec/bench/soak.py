@@ -1,0 +1,321 @@
+"""`vlmspec bench soak`: the service under a long mixed load, checked answer by answer (#47's soak).
+
+`clients` closed-loop clients send requests for `minutes` through the real HTTP server. Each request
+is drawn (seeded) from a few held-out prompts (`bench.batch.mixed_conversations`) and a few option
+sets (`VARIANTS`: plain rows, the goodput and fixed policies, greedy and seeded sampling, streamed
+or not, stop strings, a short answer), and is one of four kinds:
+
+    complete        read to the end: 200, and its text is the same request's text alone (fp32; seeded
+                    sampling of plain rows too), or, where speculation changes which sample a seed
+                    gives (sampled rows that draft), an answer that finished
+    cancel          streamed; the client closes the connection after a few chunks: what it got is a
+                    prefix of the text alone, and the server frees the slot
+    client-timeout  streamed with a read timeout far under a step under load: the same as a
+                    cancel, by the client's clock
+    server-timeout  an answer far longer than the server's request timeout (ignore_eos): it ends
+                    with the server's 504 `timeout` event, its text a prefix of that request's text
+                    alone, cut to a short max_tokens
+
+Before the soak every body is answered alone, one at a time (the reference). During it the
+process's resident memory is sampled (the server runs in this process); after it `/healthz` must
+show every slot free and nothing waiting. Pass: no answer changed, no cut answer off its prefix,
+no unexpected status, nothing hung (every request has a deadline), memory after warm-up within
+`rss_growth_limit`, all slots free.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vlmspec.bench.batch import mixed_conversations
+from vlmspec.bench.load import _pct
+from vlmspec.bench.server import chat_body
+
+KINDS = ("complete", "cancel", "client-timeout", "server-timeout")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One option set of the soak's requests (the body's fields over `chat_body`'s)."""
+
+    name: str
+    fields: dict[str, Any]
+    stream: bool
+    exact: bool  # its text alone is its text under load (False: sampled rows that draft)
+
+
+VARIANTS = (
+    Variant("plain", {"speculative": False}, True, True),
+    Variant("goodput+stop", {"speculation": {"policy": "goodput"}, "stop": ["\n\n", "!"]}, False, True),
+    Variant("fixed", {"speculation": {"policy": "fixed"}}, True, True),
+    Variant("goodput-sampled", {"speculation": {"policy": "goodput"}, "temperature": 0.8, "top_p": 0.9, "seed": 7}, True, False),
+    Variant("plain-sampled", {"speculative": False, "temperature": 0.8, "seed": 11}, False, True),
+    Variant("default-short", {"max_tokens": 12}, True, True),
+)
+
+
+@dataclass(frozen=True)
+class SoakOptions:
+    minutes: float = 10.0
+    clients: int = 8
+    prompts: int = 6  # distinct held-out prompts
+    max_tokens: int = 48
+    shares: tuple[float, float, float] = (0.1, 0.05, 0.05)  # cancel, client-timeout, server-timeout (the rest complete)
+    long_tokens: int = 1024  # the server-timeout kind's max_tokens (ignore_eos)
+    warmup_fraction: float = 0.2  # memory is compared after this share of the soak
+    rss_growth_limit: float = 0.05
+    sample_s: float = 2.0  # memory sampling period
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.minutes <= 0 or self.clients < 1 or self.prompts < 1 or self.max_tokens < 1 or sum(self.shares) >= 1 or min(self.shares) < 0:
+            raise ValueError(f"a soak needs minutes > 0, clients, prompts and max_tokens >= 1, shares summing under 1: {self}")
+
+
+def bodies(model: str, opts: SoakOptions) -> dict[tuple[int, str], dict[str, Any]]:
+    """{(prompt, variant name): body}, plus (prompt, "long") for the server-timeout kind and
+    (prompt, "long-ref"), its reference cut to max_tokens."""
+    out = {}
+    for p, conv in enumerate(mixed_conversations(opts.prompts)):
+        for v in VARIANTS:
+            out[(p, v.name)] = {**chat_body(conv, model, opts.max_tokens, v.stream), **v.fields}
+        out[(p, "long")] = {**chat_body(conv, model, opts.long_tokens, True), "ignore_eos": True}
+        out[(p, "long-ref")] = {**chat_body(conv, model, opts.max_tokens, True), "ignore_eos": True}
+    return out
+
+
+def send(client: Any, url: str, body: dict[str, Any], stop_after: int | None = None, deadline_s: float = 600.0) -> dict[str, Any]:
+    """One request. Returns {"status", "text", "error" (a stream's error event code, or None),
+    "closed" (the client stopped reading), "seconds"}. `stop_after`: close after that many text chunks."""
+    import httpx
+
+    t0, parts, error, closed, status = time.perf_counter(), [], None, False, 0
+    try:
+        if not body["stream"]:
+            r = client.post(f"{url}/v1/chat/completions", json=body, timeout=deadline_s)
+            status = r.status_code
+            if status == 200:
+                parts.append(r.json()["choices"][0]["message"]["content"] or "")
+            else:
+                error = r.json().get("error", {}).get("code")
+        else:
+            with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+                status = r.status_code
+                if status != 200:
+                    r.read()
+                    error = r.json().get("error", {}).get("code")
+                for line in r.iter_lines() if status == 200 else ():
+                    if time.perf_counter() - t0 > deadline_s:
+                        raise TimeoutError(f"no end after {deadline_s:g} s")
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        error = event["error"].get("code")
+                        continue
+                    text = (event["choices"][0]["delta"].get("content") or "") if event["choices"] else ""
+                    if text:
+                        parts.append(text)
+                        if stop_after is not None and len(parts) >= stop_after:
+                            closed = True
+                            break
+    except httpx.ReadTimeout:
+        closed = True  # the client's own timeout: it stops reading, as a cancel
+    return {"status": status, "text": "".join(parts), "error": error, "closed": closed, "seconds": time.perf_counter() - t0}
+
+
+def judge(kind: str, got: dict[str, Any], ref: str, exact: bool) -> str | None:
+    """None when the outcome is right for its kind, else what is wrong."""
+    text = got["text"]
+    if kind == "complete":
+        if got["status"] != 200 or got["error"] is not None:
+            return f"status {got['status']}, error {got['error']}"
+        if exact and text != ref:
+            return f"changed: {text[:60]!r} != {ref[:60]!r}"
+        return None
+    if kind == "server-timeout":
+        if got["error"] != "timeout":
+            return f"expected the server's timeout event, got status {got['status']}, error {got['error']}"
+        return None if (text.startswith(ref) or ref.startswith(text)) else f"off its prefix: {text[:60]!r} vs {ref[:60]!r}"
+    if got["status"] != 200 and not (kind == "client-timeout" and got["status"] == 0 and got["closed"]):  # 0: timed out before the headers
+        return f"status {got['status']}"
+    return None if ref.startswith(text) else f"off its prefix: {text[:60]!r} vs {ref[:60]!r}"
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (Linux /proc)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def health(client: Any, url: str) -> dict[str, Any]:
+    return client.get(f"{url}/healthz", timeout=30).json()
+
+
+def soak(url: str, model: str, opts: SoakOptions, server_timeout_s: float, progress: bool = True) -> dict[str, Any]:
+    """References alone, then the soak. Returns the report (`passed` says whether every check held)."""
+    import httpx
+
+    reqs = bodies(model, opts)
+    refs: dict[tuple[int, str], str] = {}
+    with httpx.Client(timeout=600) as c:
+        for key, body in reqs.items():
+            if key[1] != "long":
+                got = send(c, url, body)
+                assert got["status"] == 200 and got["error"] is None, (key, got)
+                refs[key] = got["text"]
+    if progress:
+        print(f"  {len(refs)} references answered alone; soaking {opts.clients} clients for {opts.minutes:g} min", flush=True)
+    exact = {v.name: v.exact for v in VARIANTS}
+    streamed = [v.name for v in VARIANTS if v.stream]
+    lock, results, samples = threading.Lock(), [], []
+    t0 = time.perf_counter()
+    end = t0 + 60 * opts.minutes
+    stop_sampling = threading.Event()
+
+    def sampler() -> None:
+        while not stop_sampling.is_set():
+            samples.append((time.perf_counter() - t0, rss_bytes()))
+            stop_sampling.wait(opts.sample_s)
+
+    def client_loop(k: int) -> None:
+        rng = random.Random(opts.seed * 1000 + k)
+        with httpx.Client(timeout=httpx.Timeout(server_timeout_s + 60)) as c:
+            while time.perf_counter() < end:
+                p, u = rng.randrange(opts.prompts), rng.random()
+                cut = [sum(opts.shares[:i + 1]) for i in range(3)]
+                kind = "cancel" if u < cut[0] else "client-timeout" if u < cut[1] else "server-timeout" if u < cut[2] else "complete"
+                stop_after, client = None, c
+                if kind == "complete":
+                    v = rng.choice(VARIANTS).name
+                    key, ref_key = (p, v), (p, v)
+                elif kind == "server-timeout":
+                    key, ref_key = (p, "long"), (p, "long-ref")
+                else:
+                    v = rng.choice(streamed)
+                    key, ref_key = (p, v), (p, v)
+                    stop_after = rng.randint(1, 4) if kind == "cancel" else None
+                started = time.perf_counter() - t0
+                try:
+                    if kind == "client-timeout":
+                        with httpx.Client(timeout=httpx.Timeout(60, read=rng.uniform(0.01, 0.1))) as quick:
+                            got = send(quick, url, reqs[key], deadline_s=server_timeout_s + 60)
+                    else:
+                        got = send(client, url, reqs[key], stop_after, deadline_s=server_timeout_s + 60)
+                except Exception as exc:  # a broken connection, a body that is not JSON, no end in time: a wrong outcome, said
+                    got = {"status": -1, "text": "", "error": f"{type(exc).__name__}: {exc}", "closed": False,
+                           "seconds": time.perf_counter() - t0 - started}
+                wrong = judge(kind, got, refs[ref_key], exact.get(key[1], True))
+                with lock:
+                    results.append({"kind": kind, "prompt": p, "variant": key[1], "start_s": started, "wrong": wrong, **got})
+
+    threads = [threading.Thread(target=sampler, daemon=True)] + [threading.Thread(target=client_loop, args=(k,)) for k in range(opts.clients)]
+    for t in threads:
+        t.start()
+    if progress:
+        from tqdm import tqdm
+
+        with tqdm(total=int(60 * opts.minutes), desc="soak", unit="s", dynamic_ncols=True) as bar:
+            while time.perf_counter() < end:
+                time.sleep(min(5.0, max(end - time.perf_counter(), 0.0)))
+                bar.n = min(int(time.perf_counter() - t0), bar.total)
+                bar.set_postfix(requests=len(results), wrong=sum(r["wrong"] is not None for r in results))
+    hung = []
+    for t in threads[1:]:
+        t.join(timeout=server_timeout_s + 120)
+        if t.is_alive():
+            hung.append(t.name)
+    stop_sampling.set()
+    wall = time.perf_counter() - t0
+    with httpx.Client() as c:  # a cancel is noticed between steps: give the worker a moment
+        for _ in range(50):
+            state = health(c, url)
+            if state["active"] == 0 and state["waiting"] == 0:
+                break
+            time.sleep(0.2)
+    return summarise(results, samples, state, hung, wall, opts, server_timeout_s)
+
+
+def summarise(results: list[dict[str, Any]], samples: list[tuple[float, int]], state: dict[str, Any], hung: list[str],
+              wall: float, opts: SoakOptions, server_timeout_s: float) -> dict[str, Any]:
+    warm = 60 * opts.minutes * opts.warmup_fraction
+    after = [r for t, r in samples if t >= warm]
+    span = max(len(after) // 5, 1)  # the first and last fifth after warm-up, medians
+    rss_start, rss_end = (statistics.median(after[:span]), statistics.median(after[-span:])) if after else (0.0, 0.0)
+    growth = rss_end / rss_start - 1 if rss_start else float("nan")
+    done = [r for r in results if r["kind"] == "complete" and r["wrong"] is None]
+    lat = [r["seconds"] for r in done]
+    counts = {k: {"sent": sum(r["kind"] == k for r in results), "wrong": sum(r["kind"] == k and r["wrong"] is not None for r in results)}
+              for k in KINDS}
+    slots_free = state["active"] == 0 and state["waiting"] == 0 and state["free_slots"] == state["max_batch"]
+    checks = {"no answer changed or cut off its prefix": all(c["wrong"] == 0 for c in counts.values()),
+              "nothing hung": not hung,
+              f"memory after warm-up grew under {opts.rss_growth_limit:.0%}": growth < opts.rss_growth_limit,
+              "all slots free at the end": slots_free,
+              "every kind was sent": all(c["sent"] > 0 for c in counts.values())}
+    return {"options": {**vars(opts), "shares": list(opts.shares), "server_timeout_s": server_timeout_s},
+            "wall_s": wall, "requests": len(results), "counts": counts, "hung": hung,
+            "complete_latency_p50_s": _pct(lat, 50) if lat else None, "complete_latency_p99_s": _pct(lat, 99) if lat else None,
+            "rss": {"samples": samples, "after_warmup_mib": rss_start / 2**20, "end_mib": rss_end / 2**20, "growth": growth},
+            "health_at_end": state, "wrong": [r for r in results if r["wrong"] is not None][:20],
+            "timeline": [{k: r[k] for k in ("kind", "variant", "start_s", "seconds", "status", "error", "closed")} | {"chars": len(r["text"])}
+                         for r in results],
+            "checks": checks, "passed": all(checks.values())}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    env, o = report.get("env", {}), report["options"]
+    lines = [f"{env.get('model', '?')}, {env.get('dtype', '?')} on {env.get('device', '?')} ({env.get('threads', '?')} threads), drafter "
+             f"{env.get('drafter', '?')}; {o['clients']} clients for {o['minutes']:g} min, max_batch {env.get('max_batch', '?')}, "
+             f"server request timeout {o['server_timeout_s']:g} s, {o['max_tokens']} tokens per answer at most", "",
+             "| kind | sent | wrong |", "|---|---:|---:|"]
+    lines += [f"| {k} | {c['sent']} | {c['wrong']} |" for k, c in report["counts"].items()]
+    r = report["rss"]
+    lines += ["", f"- requests: {report['requests']} in {report['wall_s']:.0f} s; completed answers' latency p50 "
+                  f"{report['complete_latency_p50_s'] or 0:.2f} s, p99 {report['complete_latency_p99_s'] or 0:.2f} s",
+              f"- resident memory after warm-up {r['after_warmup_mib']:.0f} MiB, at the end {r['end_mib']:.0f} MiB: {r['growth']:+.1%}",
+              f"- `/healthz` at the end: active {report['health_at_end']['active']}, waiting {report['health_at_end']['waiting']}, "
+              f"free slots {report['health_at_end']['free_slots']} of {report['health_at_end']['max_batch']}", ""]
+    lines += [f"- {'pass' if ok else 'FAIL'}: {name}" for name, ok in report["checks"].items()]
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], out: Path) -> list[Path]:
+    """Resident memory over time above; below, every request's seconds at the time it ended, by kind."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(2, 1, figsize=(6.4, 5.6), sharex=True)
+    ts = [t / 60 for t, _ in report["rss"]["samples"]]
+    a.plot(ts, [m / 2**20 for _, m in report["rss"]["samples"]], lw=1)
+    a.axvline(report["options"]["minutes"] * report["options"]["warmup_fraction"], color="grey", ls="--", lw=1, label="end of warm-up")
+    a.set_ylabel("resident memory (MiB)")
+    a.legend(loc="lower right")
+    a.grid(alpha=0.3)
+    for kind in KINDS:
+        rows = [r for r in report["timeline"] if r["kind"] == kind]
+        b.scatter([(r["start_s"] + r["seconds"]) / 60 for r in rows], [r["seconds"] for r in rows], s=6, label=kind)
+    b.set_xlabel("minutes into the soak")
+    b.set_ylabel("request seconds (at its end)")
+    b.legend(fontsize=7, ncol=2)
+    b.grid(alpha=0.3)
+    env = report.get("env", {})
+    a.set_title(f"soak: {env.get('model', '')} ({env.get('dtype', '')}), {report['options']['clients']} clients")
+    fig.tight_layout()
+    path = out / "soak.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+__all__ = ["KINDS", "SoakOptions", "VARIANTS", "bodies", "judge", "markdown", "plot", "soak", "summarise"]
