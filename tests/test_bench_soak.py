@@ -25,6 +25,7 @@ def test_each_kind_is_judged_against_the_answer_alone():
     assert "status 429" in judge("complete", _got("", status=429, error="rate_limited"), ref, exact=True)
     assert judge("cancel", _got("The cat", closed=True), ref, exact=True) is None
     assert "prefix" in judge("cancel", _got("The dog", closed=True), ref, exact=True)
+    assert judge("cancel", _got("The dog", closed=True), ref, exact=False) is None  # a sampled row that drafts: another sample
     assert judge("client-timeout", _got("", status=0, closed=True), ref, exact=True) is None  # timed out before the headers
     assert "status 0" in judge("cancel", _got("", status=0), ref, exact=True)
     # the long answer is cut by the server's timeout: its text and the short answer alone share a prefix
@@ -56,12 +57,16 @@ def test_the_checks_over_a_run_and_their_negative_controls():
 
 
 @pytest.mark.skipif(assets.bundled_target() is None, reason="needs the committed toy model (assets/toyworld-vlm)")
-def test_a_short_soak_on_the_toy_passes_every_check(tmp_path):
+def test_a_short_soak_on_the_toy_passes_every_check(tmp_path, monkeypatch):
+    import vlmspec.app.worker as worker
     from vlmspec import factory
     from vlmspec.app import ServerSettings
     from vlmspec.app.serve import serving
     from vlmspec.bench.soak import soak
 
+    assert worker._MALLOC_TRIM is not None  # glibc (Linux): the worker hands freed heap memory back
+    trims = []
+    monkeypatch.setattr(worker, "release_free_memory", lambda: trims.append(worker._MALLOC_TRIM(0)))
     engine = factory.build_engine(factory.EngineSpec(model="toy", policy="fixed", max_batch=4))
     opts = SoakOptions(minutes=0.25, clients=3, prompts=2, max_tokens=8, shares=(0.2, 0.2, 0.2), long_tokens=700, sample_s=0.5)
     settings = ServerSettings(model="bench", max_batch=4, max_queue=8, request_timeout_s=1.5, max_tokens_cap=1024, ui=False)
@@ -75,3 +80,5 @@ def test_a_short_soak_on_the_toy_passes_every_check(tmp_path):
     assert all(r["error"] == "timeout" and r["seconds"] < 1.5 + 5 for r in timeouts)  # the server cut them, none hung
     assert report["health_at_end"]["free_slots"] == 4 and len(report["rss"]["samples"]) >= 10
     json.dumps(report)  # the report is written as JSON
+    # the worker handed freed memory back every TRIM_EVERY requests that left (the references count too)
+    assert report["requests"] >= worker.TRIM_EVERY and len(trims) >= report["requests"] // worker.TRIM_EVERY
