@@ -33,7 +33,7 @@ from vlmspec import assets
 from vlmspec.cli import main
 
 HAVE_RAY = importlib.util.find_spec("ray") is not None and importlib.util.find_spec("ray.serve") is not None
-IN_CI = os.environ.get("CI", "").lower() == "true"
+IN_CI = bool(os.environ.get("CI"))  # as tests/test_real_target.py reads it
 MODEL = "toy"
 MAX_BATCH = 4
 TIMEOUT_S = 120.0  # every HTTP call's limit (a slow, shared 2-core machine)
@@ -253,6 +253,49 @@ def test_two_replicas_answer_as_the_single_process_service_and_both_serve(two_re
     assert health.status_code == 200 and health.json()["max_batch"] == MAX_BATCH
     assert metrics.status_code == 200 and "vlmspec_generations_total" in metrics.text and "replica=" not in metrics.text
     assert metrics.headers["x-vlmspec-replica"] in seen  # /metrics: the one replica that answered
+
+
+def _short_load(url: str, out) -> dict:
+    code = main(["bench", "load", "--url", url, "--ways", "plain,fixed", "--concurrency", "1,4", "--requests", "4",
+                 "--max-new-tokens", "6", "--prompts", "3", "--warmup", "1", "--out", str(out)])
+    assert code == 0
+    return json.loads((out / "load.json").read_text())
+
+
+@needs_toy
+def test_bench_load_sends_its_sweep_to_a_running_single_process_service(tmp_path, capsys):
+    from vlmspec import factory
+    from vlmspec.app import create_app
+    from vlmspec.bench.load import REPLICA_HEADER
+    from vlmspec.testing.live_server import LiveServer
+
+    if HAVE_RAY:
+        from vlmspec.app.ray_serve import REPLICA_HEADER as served
+
+        assert REPLICA_HEADER == served  # spelled twice (the bench does not import the app)
+    with LiveServer(create_app(factory.build_engine(_spec()), _settings())) as srv:
+        report = _short_load(srv.url, tmp_path / "load")
+    assert {(lv["way"], lv["clients"]) for lv in report["levels"]} == {(w, c) for w in ("plain", "fixed") for c in (1, 4)}
+    assert all(lv["changed"] == 0 and lv["tokens"] == 6 * lv["requests"] and lv["replicas"] == 0 for lv in report["levels"])
+    assert report["env"]["url"] == srv.url and report["env"]["metrics"] == "/metrics" and report["env"]["max_batch"] == [MAX_BATCH]
+    assert max(lv["mean_batch"] for lv in report["levels"]) > 1.0  # 4 clients share the batch
+    assert "replicas serving" not in (tmp_path / "load" / "load.md").read_text()
+    capsys.readouterr()
+    code = main(["bench", "load", "--url", srv.url, "--ways", "baseline"])
+    assert code == 2 and "--ways baseline needs a server of its own" in capsys.readouterr().err
+    code = main(["bench", "load", "--url", f"http://127.0.0.1:{_free_port()}", "--concurrency", "1"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "no vlmspec service answers there" in err, err
+
+
+@pytest.mark.ray
+@needs_toy
+def test_bench_load_through_the_ray_proxy_reads_every_replica(two_replicas, tmp_path):
+    report = _short_load(two_replicas, tmp_path / "load")
+    assert report["env"]["metrics"] == "/metrics/replicas"
+    assert all(lv["changed"] == 0 and lv["tokens"] == 6 * lv["requests"] and lv["mean_batch"] >= 1.0 for lv in report["levels"])
+    assert max(lv["replicas"] for lv in report["levels"] if lv["clients"] == 4) == 2  # both replicas served the 4-client levels
+    assert "replicas serving |" in (tmp_path / "load" / "load.md").read_text()
 
 
 @pytest.mark.ray

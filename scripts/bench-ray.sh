@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# docs/scale-out.md's load figures: `vlmspec bench load --url` against `vlmspec serve --replicas N` on
+# a local Ray, for each "REPLICAS:CPUS_EACH" given (default: 1 replica of 2 CPUs, then 2 of 1 CPU:
+# the same 2 cores either way), on the toy model, fp32. Each service is started, measured, stopped
+# (SIGTERM: the app deleted, the local Ray shut down) before the next. Figures: OUT/replicas-N/.
+#   scripts/bench-ray.sh [OUT] [REPLICAS:CPUS ...]      (OUT: docs/serving-ray)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VLMSPEC=${VLMSPEC:-.venv/bin/vlmspec}
+out=${1:-docs/serving-ray}
+shift || true
+[ $# -gt 0 ] && configs=("$@") || configs=(1:2 2:1)
+port=${PORT:-18500}
+BENCH_ARGS=${BENCH_ARGS:---ways plain,goodput --concurrency 1,2,4,8 --requests 16 --max-new-tokens 64}
+for config in "${configs[@]}"; do
+    n=${config%%:*} cpus=${config##*:}
+    $VLMSPEC serve --model toy --dtype float32 --replicas "$n" --replica-cpus "$cpus" --port "$port" --no-ui --log-level warning &
+    pid=$!
+    trap 'kill -TERM $pid 2>/dev/null; wait $pid' EXIT
+    for _ in $(seq 1 300); do
+        curl -sf -m 5 "http://127.0.0.1:$port/healthz" >/dev/null && break
+        kill -0 $pid 2>/dev/null || { echo "bench-ray: vlmspec serve --replicas $n exited"; exit 1; }
+        sleep 1
+    done
+    $VLMSPEC bench load --url "http://127.0.0.1:$port" $BENCH_ARGS --out "$out/replicas-$n"
+    kill -TERM $pid
+    wait $pid || true
+    trap - EXIT
+done
