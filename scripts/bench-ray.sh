@@ -3,6 +3,7 @@
 # a local Ray, for each "REPLICAS:CPUS_EACH" given (default: 1 replica of 2 CPUs, then 2 of 1 CPU:
 # the same 2 cores either way), on the toy model, fp32. Each service is started, measured, stopped
 # (SIGTERM: the app deleted, the local Ray shut down) before the next. Figures: OUT/replicas-N/.
+# BENCH_ARGS replaces the sweep's options (default below).
 #   scripts/bench-ray.sh [OUT] [REPLICAS:CPUS ...]      (OUT: docs/serving-ray)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +15,9 @@ port=${PORT:-18500}
 BENCH_ARGS=${BENCH_ARGS:---ways plain,goodput --concurrency 1,2,4,8 --requests 16 --max-new-tokens 64}
 for config in "${configs[@]}"; do
     n=${config%%:*} cpus=${config##*:}
+    # a cost-model cache of its own: each service's replicas measure their goodput cost model at start
+    VLMSPEC_CACHE_DIR=$(mktemp -d)
+    export VLMSPEC_CACHE_DIR
     $VLMSPEC serve --model toy --dtype float32 --replicas "$n" --replica-cpus "$cpus" --port "$port" --no-ui --log-level warning &
     pid=$!
     trap 'kill -TERM $pid 2>/dev/null; wait $pid' EXIT

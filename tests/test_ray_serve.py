@@ -75,6 +75,7 @@ def _free_port() -> int:
     (["--min-replicas", "3", "--max-replicas", "2"], "--min-replicas 3 is above --max-replicas 2"),
     (["--replicas", "5", "--min-replicas", "1", "--max-replicas", "2"], "--replicas 5 is outside --min-replicas 1 .. --max-replicas 2"),
     (["--replicas", "2", "--replica-cpus", "0"], "--replica-cpus must be in (0.0, 1024.0], got 0"),
+    (["--replica-cpus", "2"], "--replica-cpus is for replicas on Ray: pass --replicas N"),
 ])
 def test_bad_scale_out_options_fail_in_one_line_before_anything_loads(capsys, argv, says):
     code, err = _serve_error(capsys, argv)

@@ -76,6 +76,8 @@ def ray_config(args: argparse.Namespace):
     """The `RayConfig` of the scale-out options (None when none is given: one process, no Ray).
     UsageError, in one line, for a bad combination, a missing Ray or an address nobody answers at."""
     if all(getattr(args, name, None) is None for name in RAY_OPTIONS):
+        if getattr(args, "replica_cpus", 1.0) != 1.0:
+            raise UsageError("--replica-cpus is for replicas on Ray: pass --replicas N (or --min/--max-replicas) too")
         return None
     lo, hi, n = args.min_replicas, args.max_replicas, args.replicas
     autoscaling = lo is not None or hi is not None
@@ -107,7 +109,7 @@ def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
     except OSError as exc:
         why = exc.strerror or type(exc).__name__
-        raise UsageError(f"--ray-address {address}: no Ray cluster answers there ({why}); start its head with `ray start --head` "
+        raise UsageError(f"--ray-address {address}: no Ray cluster answers there ({why}); start its head with 'ray start --head' "
                          "and pass the address it prints, or leave --ray-address out for a local Ray") from None
 
 
