@@ -106,6 +106,19 @@ def test_without_ray_the_scale_out_options_say_what_to_install(capsys, monkeypat
                                     "pip install 'vlmspec[ray]'", err
 
 
+def test_one_process_serving_never_imports_ray():
+    import subprocess
+    import sys
+
+    def imports_ray(modules: str) -> bool:
+        code = f"import sys, {modules}; sys.exit(7 if any(m == 'ray' or m.startswith('ray.') for m in sys.modules) else 0)"
+        return subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 7
+
+    assert not imports_ray("vlmspec.app, vlmspec.app.ray_config, vlmspec.cli, vlmspec.cli.serve, vlmspec.cli.load")
+    if HAVE_RAY:
+        assert imports_ray("vlmspec.app.ray_serve")  # negative control: the check sees Ray where it is imported
+
+
 def test_the_scale_out_options_map_to_serve_deployment_options():
     from vlmspec.app import ServerSettings
     from vlmspec.app.ray_config import RayConfig, deployment_options
