@@ -195,10 +195,11 @@ def serve_on_ray(spec: EngineSpec, settings: ServerSettings, cfg: RayConfig, dra
     def interrupt(signum: int, frame: Any) -> None:  # SIGTERM (docker stop, systemd) stops as Ctrl-C does: the app deleted
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, interrupt)
     started = start_ray(cfg)
+    signal.signal(signal.SIGTERM, interrupt)  # after ray.init, which sets its own (sys.exit: an abort as Ray shuts down)
     try:
-        count = f"{cfg.lo}..{cfg.hi} replicas (autoscaling, {cfg.replicas} at start)" if cfg.autoscaling else f"{cfg.replicas} replicas"
+        count = (f"{cfg.lo}..{cfg.hi} replicas (autoscaling, {cfg.replicas} at start)" if cfg.autoscaling
+                 else f"{cfg.replicas} replica{'' if cfg.replicas == 1 else 's'}")
         where = f"the Ray cluster at {cfg.address}" if cfg.address else "a local Ray"
         print(f"starting {count} on {where}: each loads its own model and drafter ...", file=sys.stderr)
         port = deploy(spec, settings, cfg, host, port)
