@@ -126,12 +126,14 @@ def merge_metrics(texts: dict[str, str]) -> str:
     out = []
     for name, (doc, kind, lines) in families.items():
         name = f"{name}_total" if kind == "counter" else name  # as prometheus_client writes a counter's family
-        out += [f"# HELP {name} {doc.replace(chr(92), chr(92) * 2).replace(chr(10), chr(92) + 'n')}", f"# TYPE {name} {kind}", *lines]
+        out += [f"# HELP {name} {_escape(doc, quote=False)}", f"# TYPE {name} {kind}", *lines]
     return "\n".join(out) + "\n"
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+def _escape(value: str, quote: bool = True) -> str:
+    """A label value (or, quote=False, a HELP text) as the text format writes it."""
+    out = value.replace("\\", "\\\\").replace("\n", "\\n")
+    return out.replace('"', '\\"') if quote else out
 
 
 # ------------------------------------------------------------------------------------------ running it

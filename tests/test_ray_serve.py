@@ -119,6 +119,29 @@ def test_one_process_serving_never_imports_ray():
         assert imports_ray("vlmspec.app.ray_serve")  # negative control: the check sees Ray where it is imported
 
 
+def test_serve_replicas_hands_the_replicas_what_to_load_and_loads_nothing_itself(monkeypatch, tmp_path):
+    need_ray()
+    import vlmspec.app.ray_serve as ray_serve
+    from vlmspec import factory
+
+    seen = {}
+
+    def fake_serve_on_ray(spec, settings, cfg, drafter, host, port):
+        seen.update(spec=spec, settings=settings, cfg=cfg, drafter=drafter, where=(host, port))
+        return 0
+
+    monkeypatch.setattr(ray_serve, "serve_on_ray", fake_serve_on_ray)
+    monkeypatch.setattr(factory, "build_engine", lambda spec: pytest.fail("the CLI process must not load the model"))
+    monkeypatch.chdir(assets.BUNDLED_TARGET.parent)  # a relative model folder becomes absolute for the replicas
+    argv = ["serve", "--model", assets.BUNDLED_TARGET.name, "--drafter", "ngram", "--min-replicas", "2", "--max-replicas", "5",
+            "--replica-cpus", "2", "--max-batch", "4", "--port", "0", "--policy", "fixed"]
+    assert main(argv) == 0
+    spec, settings, cfg = seen["spec"], seen["settings"], seen["cfg"]
+    assert spec.model == str(assets.BUNDLED_TARGET.resolve()) and spec.drafter == "ngram" and spec.max_batch == 4 and spec.policy == "fixed"
+    assert settings.max_batch == 4 and settings.ui is False and settings.model == assets.BUNDLED_TARGET.name
+    assert (cfg.autoscaling, cfg.lo, cfg.hi, cfg.replicas, cfg.threads, cfg.address) == (True, 2, 5, 2, 2, None)
+
+
 def test_the_scale_out_options_map_to_serve_deployment_options():
     from vlmspec.app import ServerSettings
     from vlmspec.app.ray_config import RayConfig, deployment_options
