@@ -246,7 +246,7 @@ def markdown(report: dict[str, Any]) -> str:
     env, o = report.get("env", {}), report["options"]
     if "url" in env:  # a running service (--url): what it said about itself
         head = (f"the service at {env['url']} (model {env.get('model', '?')}, drafter {env.get('drafter', '?')}, max_batch "
-                f"{env.get('max_batch', ['?'])[0]} per replica); {o['max_tokens']} tokens per request (ignore_eos), at least "
+                f"{env.get('max_batch', ['?'])[0]} in each server process); {o['max_tokens']} tokens per request (ignore_eos), at least "
                 f"{o['requests']} requests per level (2 per client); mean batch from {env.get('metrics', '/metrics')}")
     else:
         head = (f"{env.get('model', '?')}, {env.get('dtype', '?')} on {env.get('device', '?')} ({env.get('threads', '?')} threads), drafter "
