@@ -19,6 +19,9 @@ Files
 ``serve.py``      serve(): print the URLs and run uvicorn
 ``ui_runner.py``  the demo's runs through the worker (ServiceRunner, RunState, Comparison)
 ``ui.py``         the Gradio Blocks of the demo, mounted at /ui
+``ray_config.py`` RayConfig: replicas or an autoscaling range, where Ray runs -> Serve deployment options
+``ray_serve.py``  the same app as a Ray Serve deployment of N replicas (`vlmspec serve --replicas N`; imports
+                  Ray, the optional extra, so nothing here imports it)
 
 A request's walk from HTTP to tokens (``POST /v1/chat/completions``, the EAGLE drafter)
 ------------------------------------------------------------------------------------------

@@ -18,7 +18,10 @@ p50 and p99 over the level's requests, and the mean batch size per engine step (
 answer at concurrency 1 in the same way: in fp32 they must be identical.
 
 The bench talks HTTP only (the service is above the benches in the layer rule): the CLI starts the
-servers (`vlmspec.app.serve.serving`) over one engine and passes their URLs. Levels are interleaved:
+servers (`vlmspec.app.serve.serving`) over one engine and passes their URLs, or, with `--url`, sends
+the sweep to a service already running (`remote`: e.g. Ray Serve's proxy in front of N replicas,
+whose aggregated `/metrics/replicas` gives the mean batch over all of them, and whose
+`x-vlmspec-replica` header says how many replicas served each level). Levels are interleaved:
 for each concurrency, every way in turn (rotated), so a drifting machine moves them together.
 """
 
@@ -44,6 +47,7 @@ WAYS: dict[str, dict[str, Any]] = {  # a way's request fields (the OpenAI body's
 
 
 LABELS = {"baseline": "one at a time (max_batch 1)"}
+REPLICA_HEADER = "x-vlmspec-replica"  # vlmspec.app.ray_serve's (the bench does not import the app; a test keeps them equal)
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,7 @@ class Endpoint:
     way: str  # a key of WAYS
     max_batch: int
     label: str = ""  # how the tables and plots name it (default: the way)
+    metrics_path: str = "/metrics"  # where the batch-size histogram is read (summed over its label sets: replicas)
 
     def __post_init__(self) -> None:
         if self.way not in WAYS:
@@ -88,6 +93,7 @@ def _one(client: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
         if r.status_code != 200:
             r.read()
             raise RuntimeError(f"the server answered {r.status_code}: {r.text[:300]}")
+        replica = r.headers.get(REPLICA_HEADER)
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -101,18 +107,37 @@ def _one(client: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
     end = time.perf_counter() - t0
-    return {"ttft_s": end if first is None else first, "latency_s": end, "text": "".join(parts), "tokens": tokens}
+    return {"ttft_s": end if first is None else first, "latency_s": end, "text": "".join(parts), "tokens": tokens, "replica": replica}
 
 
 def _batch_steps(client: Any, url: str) -> tuple[float, float]:
-    """(sum, count) of the server's batch-size histogram: requests per step, steps."""
+    """(sum, count) of the batch-size histogram at `url` (a metrics URL): requests per step, steps;
+    summed over label sets (one per replica in an aggregated view)."""
     total = count = 0.0
-    for line in client.get(f"{url}/metrics").text.splitlines():
-        if line.startswith("vlmspec_batch_size_sum "):
-            total = float(line.split()[1])
-        elif line.startswith("vlmspec_batch_size_count "):
-            count = float(line.split()[1])
+    for line in client.get(url).text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name == "vlmspec_batch_size_sum":
+            total += float(line.rsplit(" ", 1)[1])
+        elif name == "vlmspec_batch_size_count":
+            count += float(line.rsplit(" ", 1)[1])
     return total, count
+
+
+def remote(url: str, ways: list[str]) -> tuple[list[Endpoint], dict[str, Any]]:
+    """Endpoints for `ways` on a service already running at `url`, and what it says about itself (its
+    served model and drafter, /v1/models; its max_batch, /healthz; an aggregated metrics view if any)."""
+    import httpx
+
+    url = url.rstrip("/")
+    with httpx.Client(timeout=60) as c:
+        card = c.get(f"{url}/v1/models").raise_for_status().json()["data"][0]
+        health = c.get(f"{url}/healthz").raise_for_status().json()
+        aggregated = c.get(f"{url}/metrics/replicas").status_code == 200
+    path = "/metrics/replicas" if aggregated else "/metrics"
+    endpoints = [Endpoint(url, card["id"], w, health["max_batch"], metrics_path=path) for w in ways]
+    env = {"model": card["id"], "drafter": card.get("drafter", "?"), "url": url, "max_batch": [health["max_batch"]],
+           "metrics": path}
+    return endpoints, env
 
 
 def run_level(target: Endpoint, requests: list[dict[str, Any]], clients: int, n: int) -> dict[str, Any]:
@@ -138,7 +163,7 @@ def run_level(target: Endpoint, requests: list[dict[str, Any]], clients: int, n:
                     done.append({"index": i % len(requests), **got})
 
     with httpx.Client(timeout=60) as c:
-        before = _batch_steps(c, target.url)
+        before = _batch_steps(c, target.url + target.metrics_path)
         t0 = time.perf_counter()
         threads = [threading.Thread(target=client_loop) for _ in range(clients)]
         for t in threads:
@@ -146,7 +171,7 @@ def run_level(target: Endpoint, requests: list[dict[str, Any]], clients: int, n:
         for t in threads:
             t.join()
         wall = time.perf_counter() - t0
-        after = _batch_steps(c, target.url)
+        after = _batch_steps(c, target.url + target.metrics_path)
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed at {clients} clients: {errors[0]}")
     lat, ttft = [d["latency_s"] for d in done], [d["ttft_s"] for d in done]
@@ -154,6 +179,7 @@ def run_level(target: Endpoint, requests: list[dict[str, Any]], clients: int, n:
     return {"clients": clients, "requests": len(done), "seconds": wall, "tokens": sum(d["tokens"] for d in done),
             "tokens_per_s": sum(d["tokens"] for d in done) / wall, "latency_p50_s": _pct(lat, 50), "latency_p99_s": _pct(lat, 99),
             "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99), "mean_batch": (after[0] - before[0]) / steps if steps else 0.0,
+            "replicas": len({d["replica"] for d in done if d["replica"] is not None}),  # replicas that served the level (0: one process)
             "answers": {d["index"]: d["text"] for d in sorted(done, key=lambda d: d["index"])}}
 
 
@@ -218,15 +244,22 @@ def ratios(report: dict[str, Any]) -> dict[str, float]:
 
 def markdown(report: dict[str, Any]) -> str:
     env, o = report.get("env", {}), report["options"]
-    head = (f"{env.get('model', '?')}, {env.get('dtype', '?')} on {env.get('device', '?')} ({env.get('threads', '?')} threads), drafter "
-            f"{env.get('drafter', '?')}; {o['max_tokens']} tokens per request (ignore_eos), at least {o['requests']} requests per level "
-            f"(2 per client); baseline: the one-at-a-time service (max_batch 1) with its default policy ({env.get('default_policy', '?')})")
+    if "url" in env:  # a running service (--url): what it said about itself
+        head = (f"the service at {env['url']} (model {env.get('model', '?')}, drafter {env.get('drafter', '?')}, max_batch "
+                f"{env.get('max_batch', ['?'])[0]} in each server process); {o['max_tokens']} tokens per request (ignore_eos), at least "
+                f"{o['requests']} requests per level (2 per client); mean batch from {env.get('metrics', '/metrics')}")
+    else:
+        head = (f"{env.get('model', '?')}, {env.get('dtype', '?')} on {env.get('device', '?')} ({env.get('threads', '?')} threads), drafter "
+                f"{env.get('drafter', '?')}; {o['max_tokens']} tokens per request (ignore_eos), at least {o['requests']} requests per level "
+                f"(2 per client); baseline: the one-at-a-time service (max_batch 1) with its default policy ({env.get('default_policy', '?')})")
+    replicas = any(lv.get("replicas") for lv in report["levels"])  # a column when the service names its replicas
     lines = [head, "", "| way | max batch | clients | requests | tokens/s | latency p50 / p99 (s) | TTFT p50 / p99 (s) | mean batch | "
-                       "answers changed |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                       "answers changed |" + (" replicas serving |" if replicas else ""),
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if replicas else "")]
     for lv in sorted(report["levels"], key=lambda lv: (list(WAYS).index(lv["way"]), lv["max_batch"], lv["clients"])):
         lines.append(f"| {lv['way']} | {lv['max_batch']} | {lv['clients']} | {lv['requests']} | {lv['tokens_per_s']:.1f} | {lv['latency_p50_s']:.2f} / "
                      f"{lv['latency_p99_s']:.2f} | {lv['ttft_p50_s']:.2f} / {lv['ttft_p99_s']:.2f} | {lv['mean_batch']:.1f} | "
-                     f"{lv['changed']}/{lv['requests']} |")
+                     f"{lv['changed']}/{lv['requests']} |" + (f" {lv.get('replicas', 0)} |" if replicas else ""))
     lines += ["", *(f"- {k}: {v:.2f}x" for k, v in ratios(report).items())]
     return "\n".join(lines)
 
@@ -265,4 +298,4 @@ def plot(report: dict[str, Any], out: Path) -> list[Path]:
     return paths
 
 
-__all__ = ["LoadOptions", "Endpoint", "WAYS", "bodies", "markdown", "plot", "ratios", "run_level", "sweep"]
+__all__ = ["LoadOptions", "Endpoint", "WAYS", "bodies", "markdown", "plot", "ratios", "remote", "run_level", "sweep"]

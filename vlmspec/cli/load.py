@@ -3,7 +3,9 @@
 
 Builds the engine once (`vlmspec.factory`), starts the services over it (`vlmspec.app.serve.serving`:
 for load one per --max-batch value and the one-at-a-time baseline with max_batch 1, for soak one),
-and sends the requests to their URLs.
+and sends the requests to their URLs. With --url, load starts nothing: the sweep goes to a service
+already running there (e.g. `vlmspec serve --replicas N`, Ray Serve's proxy), and the engine options
+are unused.
 """
 
 from __future__ import annotations
@@ -36,8 +38,12 @@ def register(which: argparse._SubParsersAction) -> None:
     ld.add_argument("--warmup", type=non_negative_int("--warmup"), default=1, help="unmeasured requests per way before the sweep")
     ld.add_argument("--max-batch", type=int_list("--max-batch"), default=(16,),
                     help="the batched service's --max-batch; several (e.g. 4,8,16): one server each, every batched way on each, interleaved")
-    ld.add_argument("--ways", default=",".join(WAY_NAMES),
-                    help=f"which to run, comma-separated: {', '.join(WAY_NAMES)} (baseline: the service with max_batch 1)")
+    ld.add_argument("--ways", default=None,
+                    help=f"which to run, comma-separated: {', '.join(WAY_NAMES)} (baseline: the service with max_batch 1); "
+                         "default: all of them, with --url all but baseline")
+    ld.add_argument("--url", help="a running service's base URL (e.g. http://127.0.0.1:8000 of vlmspec serve --replicas N): send "
+                                  "the sweep there instead of starting servers (plain, fixed, goodput ways only; the engine and "
+                                  "--max-batch options are then the service's own)")
     ld.add_argument("--out", help="folder for load.json, load.md, load_throughput.png and load_latency.png")
     ld.set_defaults(func=run)
 
@@ -87,12 +93,25 @@ def _env(engine, args: argparse.Namespace, max_batch) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    ways = _ways(args.ways)
+    ways = _ways(args.ways or ",".join(w for w in WAY_NAMES if not (args.url and w == "baseline")))
+    if args.url and "baseline" in ways:
+        raise UsageError("--ways baseline needs a server of its own (max_batch 1); with --url pass --ways plain, fixed and/or goodput")
     ServerSettings, serving = _service("load")
-    from vlmspec import factory
-    from vlmspec.bench.load import Endpoint, LoadOptions, markdown, plot, sweep
+    from vlmspec.bench.load import Endpoint, LoadOptions, remote, sweep
 
     opts = LoadOptions(tuple(args.concurrency), args.requests, args.max_new_tokens, args.prompts, args.warmup)
+    if args.url:
+        import httpx
+
+        try:
+            endpoints, env = remote(args.url, ways)
+        except httpx.HTTPError as exc:
+            raise UsageError(f"--url {args.url}: no vlmspec service answers there ({type(exc).__name__}: {exc})") from None
+        report = sweep(endpoints, opts)
+        report["env"] = {**env, "command": args.command_line}
+        return _report(args, report)
+    from vlmspec import factory
+
     engine = factory.build_engine(engine_spec(args, max_batch=max(args.max_batch)))
 
     def settings(max_batch: int) -> ServerSettings:
@@ -107,13 +126,20 @@ def run(args: argparse.Namespace) -> int:
                       for w in ways if w != "baseline" for b in sizes]
         report = sweep(endpoints, opts)
     report["env"] = _env(engine, args, sizes)
+    return _report(args, report)
+
+
+def _report(args: argparse.Namespace, report: dict) -> int:
+    """The table on the console (and the figures in --out); 1 when an fp32 answer changed under load."""
+    from vlmspec.bench.load import markdown, plot
+
     table = markdown(report)
     if args.out:
         out = write_figures(args.out, "load", report, table, args.command_line)
         plot(report, out)
     print(table)
     changed = sum(lv["changed"] for lv in report["levels"])
-    if changed and report["env"]["dtype"] == "float32":  # fp32 batching is exact: a changed answer is a bug
+    if changed and report["env"].get("dtype") == "float32":  # fp32 batching is exact: a changed answer is a bug
         print(f"ERROR: {changed} answers under load differ from the same request's answer at the lowest concurrency")
         return 1
     return 0

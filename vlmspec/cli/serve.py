@@ -52,7 +52,65 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "the demo's uploads too")
     p.add_argument("--no-ui", action="store_true", help="do not mount the Gradio demo at /ui")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="uvicorn's log level")
+    scale = p.add_argument_group("scale out on Ray Serve (any of these: the app as a Ray Serve deployment behind Ray's HTTP proxy; "
+                                 "needs pip install 'vlmspec[ray]'; docs/scale-out.md)")
+    scale.add_argument("--replicas", type=positive_int("--replicas"), default=None,
+                       help="replicas, each with its own engine, batch and queue (with --min/--max-replicas: the count at start)")
+    scale.add_argument("--min-replicas", type=positive_int("--min-replicas"), default=None,
+                       help="autoscaling on the replicas' ongoing requests: the fewest replicas (default 1)")
+    scale.add_argument("--max-replicas", type=positive_int("--max-replicas"), default=None,
+                       help="autoscaling: the most replicas (default: --replicas, else --min-replicas)")
+    scale.add_argument("--ray-address", default=None,
+                       help="join a running Ray cluster: its head's HOST:PORT (what `ray start --head` prints) or 'auto'; "
+                            "default: start a local Ray on this machine")
+    scale.add_argument("--replica-cpus", type=float_in("--replica-cpus", 0.0, 1024.0, low_open=True), default=1.0,
+                       help="CPUs Ray reserves for each replica (its torch threads: this, rounded, at least 1)")
     p.set_defaults(func=run)
+
+
+RAY_HINT = "--replicas, --min/--max-replicas and --ray-address need Ray Serve: pip install 'vlmspec[ray]'"
+RAY_OPTIONS = ("replicas", "min_replicas", "max_replicas", "ray_address")
+
+
+def ray_config(args: argparse.Namespace):
+    """The `RayConfig` of the scale-out options (None when none is given: one process, no Ray).
+    UsageError, in one line, for a bad combination, a missing Ray or an address nobody answers at."""
+    if all(getattr(args, name, None) is None for name in RAY_OPTIONS):
+        if getattr(args, "replica_cpus", 1.0) != 1.0:
+            raise UsageError("--replica-cpus is for replicas on Ray: pass --replicas N (or --min/--max-replicas) too")
+        return None
+    lo, hi, n = args.min_replicas, args.max_replicas, args.replicas
+    autoscaling = lo is not None or hi is not None
+    if autoscaling:
+        lo = 1 if lo is None else lo
+        hi = hi if hi is not None else max(lo, n or lo)
+        if lo > hi:
+            raise UsageError(f"--min-replicas {lo} is above --max-replicas {hi}: pass min <= max")
+        if n is not None and not lo <= n <= hi:
+            raise UsageError(f"--replicas {n} is outside --min-replicas {lo} .. --max-replicas {hi}: the count at start must be in the range")
+    if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.serve") is None:
+        raise UsageError(RAY_HINT)
+    if args.ray_address is not None:
+        check_ray_address(args.ray_address)
+    from vlmspec.app.ray_config import RayConfig
+
+    return RayConfig(replicas=n or (lo if autoscaling else 1), min_replicas=lo, max_replicas=hi if autoscaling else None,
+                     address=args.ray_address, replica_cpus=args.replica_cpus)
+
+
+def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
+    """UsageError unless something answers at the HOST:PORT of `address` ('auto' is left to Ray)."""
+    if address == "auto":
+        return
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    if not host or not port.isdigit():
+        raise UsageError(f"--ray-address must be HOST:PORT (the head node's, as `ray start --head` prints it) or 'auto', got {address!r}")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        why = exc.strerror or type(exc).__name__
+        raise UsageError(f"--ray-address {address}: no Ray cluster answers there ({why}); start its head with 'ray start --head' "
+                         "and pass the address it prints, or leave --ray-address out for a local Ray") from None
 
 
 def served_name(model: str, served_model_name: str | None) -> str:
@@ -80,30 +138,60 @@ def check_port(host: str, port: int) -> None:
             raise UsageError(f"{host}:{port} {why}: pick another port with --port (make serve PORT=...)") from None
 
 
+def server_settings(args: argparse.Namespace, model: str, ui: bool):
+    from vlmspec.app import ServerSettings
+
+    return ServerSettings(
+        model=served_name(model, args.served_model_name), model_aliases=(model,), api_key=args.api_key,
+        allow_remote_images=args.allow_remote_images, max_batch=args.max_batch, max_queue=args.max_queue,
+        request_timeout_s=args.request_timeout, max_tokens_cap=args.max_tokens_cap, max_images=args.max_images,
+        max_image_pixels=args.max_image_pixels, max_image_aspect_ratio=args.max_image_aspect_ratio, max_body_bytes=args.max_body_bytes,
+        ui=ui,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     if any(importlib.util.find_spec(m) is None for m in SERVE_EXTRA):  # before the model loads
         raise UsageError(INSTALL_HINT)
+    scale_out = ray_config(args)
     check_port(args.host, args.port)
     from vlmspec import factory
 
     spec = engine_spec(args, max_batch=args.max_batch)  # the goodput cost is measured up to the batch it serves
     model = factory.resolve_model(spec.model)
     drafter = factory.resolve_drafter(spec.drafter, model)  # a bad choice fails before the model loads
+    if scale_out is not None:
+        return run_on_ray(args, spec, model, drafter, scale_out)
     print(f"loading {model} (drafter: {drafter}) ...", file=sys.stderr)
     engine = factory.build_engine(spec)
     print(f"speculation: {describe_speculation(engine)}", file=sys.stderr)
     try:
-        from vlmspec.app import ServerSettings, serve
+        from vlmspec.app import serve
     except ModuleNotFoundError as exc:  # an optional dependency of the service
         if exc.name and not exc.name.startswith("vlmspec"):
             raise UsageError(f"{INSTALL_HINT} ({exc.name} is missing)") from None
         raise
-    settings = ServerSettings(
-        model=served_name(model, args.served_model_name), model_aliases=(model,), api_key=args.api_key,
-        allow_remote_images=args.allow_remote_images, max_batch=args.max_batch, max_queue=args.max_queue,
-        request_timeout_s=args.request_timeout, max_tokens_cap=args.max_tokens_cap, max_images=args.max_images,
-        max_image_pixels=args.max_image_pixels, max_image_aspect_ratio=args.max_image_aspect_ratio, max_body_bytes=args.max_body_bytes,
-        ui=not args.no_ui,
-    )
+    settings = server_settings(args, model, ui=not args.no_ui)
     code = serve(engine, settings, args.host, args.port, args.log_level)
     return code if isinstance(code, int) else 0
+
+
+def run_on_ray(args: argparse.Namespace, spec, model: str, drafter: str, scale_out) -> int:
+    """The same app as a Ray Serve deployment: the replicas load the model (this process does not).
+    Local folders are passed as absolute paths (a replica's working directory is Ray's); on a
+    cluster every node needs them at that path (or pass a hub id)."""
+    import dataclasses
+
+    def absolute(name: str) -> str:
+        return str(Path(name).resolve()) if Path(name).is_dir() else name
+
+    spec = dataclasses.replace(spec, model=absolute(model), drafter=absolute(drafter))
+    from vlmspec.app.ray_serve import serve_on_ray
+
+    # the demo UI is not mounted on replicas: a Gradio session's requests must reach one process
+    settings = server_settings(args, model, ui=False)
+    try:
+        return serve_on_ray(spec, settings, scale_out, drafter, args.host, args.port)
+    except ConnectionError as exc:  # ray.init: no cluster at --ray-address (e.g. 'auto' with none running)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"--ray-address {args.ray_address}: {first}") from None
