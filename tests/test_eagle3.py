@@ -190,3 +190,24 @@ def test_speculators_weights_that_do_not_fit_are_refused(tmp_path):
             load_drafter(str(tmp_path), target)
     save_file(w, str(tmp_path / "model.safetensors"))
     load_drafter(str(tmp_path), target)  # control
+
+
+def test_cli_export_writes_the_format_and_refuses_an_eagle1_drafter_in_one_line(capsys, model_dir, tmp_path):
+    from vlmspec.cli import main
+    from vlmspec.target import load_target
+
+    target = load_target(model_dir)
+    EagleDrafter.random_init(target, seed=2, arch="eagle3").save(tmp_path / "e3")
+    EagleDrafter.random_init(target, seed=2).save(tmp_path / "e1")
+    assert main(["export", str(tmp_path / "e3"), "--format", "speculators", "--model", str(model_dir), "--out", str(tmp_path / "out")]) == 0
+    raw = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert raw["speculators_config"]["verifier"]["name_or_path"] == str(model_dir.resolve())
+    assert raw["speculators_config"]["verifier"]["architectures"] == ["LlavaForConditionalGeneration"]
+    back = load_drafter(str(tmp_path / "out"), target)  # and it reads back
+    assert back.feature_layers == tuple(raw["eagle_aux_hidden_state_layer_ids"])
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "e1"), "--model", str(model_dir), "--out", str(tmp_path / "no")]) == 2
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if "error" in line]  # (weight-loading progress aside)
+    assert len(err) == 1 and err[0].startswith("vlmspec export: error:") and "EAGLE-1 drafter does not export exactly" in err[0]
+    assert "--arch eagle3" in err[0]
+    assert not (tmp_path / "no").exists()
