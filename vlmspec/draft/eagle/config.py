@@ -112,8 +112,9 @@ class EagleConfig(PretrainedConfig):
             raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
         self.feature_layers = list(self.feature_layers)
         if self.arch == "eagle3":
-            if not self.feature_layers or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.feature_layers):
-                raise ValueError(f"an eagle3 head reads one or more target layers (feature_layers, ids >= 0), got {self.feature_layers!r}")
+            # (two or more: the head tells the target's features [mH] from its own outputs [H] by their width, as vLLM does)
+            if len(self.feature_layers) < 2 or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.feature_layers):
+                raise ValueError(f"an eagle3 head reads two or more target layers (feature_layers, ids >= 0), got {self.feature_layers!r}")
             if self.extra.get("visual"):
                 raise ValueError("the VLM-aware variants (extra.visual) are EAGLE-1 heads: train eagle3 with --visual none")
         elif self.feature_layers or self.norm_before_residual:

@@ -285,8 +285,8 @@ class _DecodeLinears(NamedTuple):
     """EagleHead.decode()'s matrix products (H = hidden, I = intermediate, d = head dim; EAGLE-3:
     fc reads the m fused target layers, [mH] -> [H], and q/k/v read [embedding, fused state], 2H)."""
 
-    fc: PackedLinear  # [2H] -> [H]
-    qkv: PackedLinear  # [H] -> [(heads + 2 kv heads) d]: q_proj | k_proj | v_proj
+    fc: PackedLinear  # [2H] -> [H] (EAGLE-3: [mH] -> [H])
+    qkv: PackedLinear  # [H] -> [(heads + 2 kv heads) d]: q_proj | k_proj | v_proj (EAGLE-3: [2H] -> ...)
     o: PackedLinear  # [heads d] -> [H]
     gate_up: PackedLinear  # [H] -> [2I]: gate_proj | up_proj
     down: PackedLinear  # [I] -> [H]

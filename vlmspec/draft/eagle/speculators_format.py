@@ -96,7 +96,9 @@ def config_from_speculators(raw: dict[str, Any], target: Target, path: Path) -> 
         problems.append(f"draft_vocab_size: {k!r}, not in 1..transformer_layer_config.vocab_size")
     depth = target_depth(target)
     ids = raw.get("eagle_aux_hidden_state_layer_ids") or [2, depth // 2, depth - 3]
-    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids) or min(ids) < 0 or max(ids) >= depth:
+    if len(ids) < 2 or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        problems.append(f"eagle_aux_hidden_state_layer_ids: {ids}; vlmspec's head reads two or more layer ids")
+    elif min(ids) < 0 or max(ids) >= depth:
         problems.append(f"eagle_aux_hidden_state_layer_ids: {ids} reach beyond this target's {depth} layers (ids 0..{depth - 1})")
     rope = tl.get("rope_parameters") or tl.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
