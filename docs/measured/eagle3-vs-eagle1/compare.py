@@ -62,12 +62,21 @@ def main() -> None:
                     r = SpecEngine(target, drafter).generate(inputs, cfg)
                     taus[key].append(r.mean_accepted_length)
                     rows.append({"set": name, "T": temp, "prompt": i, "task": c.task, "drafter": key, "tau": r.mean_accepted_length,
-                                 "steps": r.stats.num_drafts, "tokens": len(r.token_ids)})
+                                 "steps": r.stats.num_drafts, "tokens": len(r.token_ids),
+                                 "reached_per_pos": list(r.stats.reached_per_pos), "accepted_per_pos": list(r.stats.accepted_per_pos)})
             diffs = [a - b for a, b in zip(taus["a"], taus["b"])]
+            by_depth = {}  # acceptance at depth d given a node there was drafted, over the set's steps
+            for key in ("a", "b"):
+                mine = [r for r in rows if r["set"] == name and r["T"] == temp and r["drafter"] == key]
+                width = max(len(r["reached_per_pos"]) for r in mine)
+                reached = [sum(r["reached_per_pos"][d] for r in mine if d < len(r["reached_per_pos"])) for d in range(width)]
+                accepted = [sum(r["accepted_per_pos"][d] for r in mine if d < len(r["accepted_per_pos"])) for d in range(width)]
+                by_depth[key] = [round(a / n, 3) if n else None for a, n in zip(accepted, reached)]
             lo, hi = paired_interval(diffs)
             key = f"{name}_T{temp:g}"
             summary[key] = {"n": len(prompts), "tau_a": sum(taus["a"]) / len(prompts), "tau_b": sum(taus["b"]) / len(prompts),
-                            "diff_mean": sum(diffs) / len(diffs), "diff_90": [lo, hi]}
+                            "diff_mean": sum(diffs) / len(diffs), "diff_90": [lo, hi],
+                            "acceptance_by_depth_a": by_depth["a"], "acceptance_by_depth_b": by_depth["b"]}
             print(key, json.dumps(summary[key]), flush=True)
     out = {"a": args.a, "b": args.b, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens, "policy": "fixed",
            "summary": summary, "rows": rows, "seconds": time.perf_counter() - t0}

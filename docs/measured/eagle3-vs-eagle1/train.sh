@@ -10,3 +10,10 @@ COMMON="--target models/smolvlm-toyworld --dtype bfloat16 --steps 230 --batch-si
 flock /tmp/vlmspec-heavy.lock .venv/bin/vlmspec train --arch eagle3 --out runs/cmp-e3 $COMMON
 mkdir -p runs/cmp-e1 && cp runs/cmp-e3/magpie.json runs/cmp-e1/
 flock /tmp/vlmspec-heavy.lock .venv/bin/vlmspec train --arch eagle1 --out runs/cmp-e1 $COMMON
+# the budget diagnostic: EAGLE-3 with twice the steps (the same data, the same pairs)
+if [ "${LONG:-0}" = 1 ]; then
+  mkdir -p runs/cmp-e3-long && cp runs/cmp-e3/magpie.json runs/cmp-e3-long/
+  flock /tmp/vlmspec-heavy.lock .venv/bin/vlmspec train --arch eagle3 --out runs/cmp-e3-long --target models/smolvlm-toyworld \
+    --dtype bfloat16 --steps 460 --batch-size 6 --lr 1e-3 --draft-vocab 4096 --text-pairs 128 --text-share 0.34 \
+    --answer-style tally --eval-n 0 --minutes 20
+fi
