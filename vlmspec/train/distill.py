@@ -5,7 +5,8 @@ features F [B, T, H] and logits. The head reads pairs (F_t, x_{t+1}) and is trai
 
     loss = w_ce * CE(lm_head(h_t), softmax(teacher_logits_{t+1}))  +  w_feat * SmoothL1(h_t, F_{t+1})
 
-(SpecVLM's online-logit distillation, defaults 0.1 / 1.0), plus training-time test: the head is
+(SpecVLM's online-logit distillation, defaults 0.1 / 1.0; an EAGLE-3 head, `--arch eagle3`, reads the
+target's chosen layers [B, T, mH] and is trained on the CE alone, as EAGLE-3 is), plus training-time test: the head is
 unrolled `ttt_steps` times, step j reading its OWN predictions of step j-1 as features, so it
 learns to draft from what it will really see at depth j. (An approximation of EAGLE-3's TTT:
 within step j the head attends causally over that step's sequence of predicted features.)
