@@ -17,3 +17,10 @@ if [ "${LONG:-0}" = 1 ]; then
     --dtype bfloat16 --steps 460 --batch-size 6 --lr 1e-3 --draft-vocab 4096 --text-pairs 128 --text-share 0.34 \
     --answer-style tally --eval-n 0 --minutes 20
 fi
+# the unroll diagnostic: EAGLE-3 trained with training-time test over 5 steps (the tree's depth) instead of 2
+if [ "${TTT5:-0}" = 1 ]; then
+  mkdir -p runs/cmp-e3-ttt5 && cp runs/cmp-e3/magpie.json runs/cmp-e3-ttt5/
+  flock /tmp/vlmspec-heavy.lock .venv/bin/vlmspec train --arch eagle3 --out runs/cmp-e3-ttt5 --target models/smolvlm-toyworld \
+    --dtype bfloat16 --steps 230 --batch-size 6 --lr 1e-3 --draft-vocab 4096 --text-pairs 128 --text-share 0.34 \
+    --answer-style tally --eval-n 0 --minutes 12 --ttt-steps 5
+fi
