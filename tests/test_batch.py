@@ -35,7 +35,7 @@ def _drafter(target, name):
         return NoDrafter()
     if name == "ngram":
         return NgramDrafter(TREE)
-    return EagleDrafter.random_init(target, TREE, seed=1)
+    return EagleDrafter.random_init(target, TREE, seed=1, arch="eagle3" if name == "eagle3" else "eagle1")
 
 
 def _requests(target, specs, sampling=None):
@@ -70,7 +70,7 @@ def _hf_greedy(target, inputs, n):
 
 
 @pytest.mark.parametrize("arch", ["llava", "llava_next", "qwen2_5_vl", "idefics3"])
-@pytest.mark.parametrize("drafter", ["none", "ngram", "eagle"])
+@pytest.mark.parametrize("drafter", ["none", "ngram", "eagle", "eagle3"])
 def test_ragged_batch_equals_each_requests_batch_one_run_and_hf(arch, drafter):
     target = tiny_target(arch)
     engine = SpecEngine(target, _drafter(target, drafter))
@@ -141,9 +141,10 @@ def test_cancelling_one_request_leaves_the_others_unchanged():
     assert got[1:] == alone[1:]
 
 
-def test_seeded_sampling_is_the_same_alone_and_in_a_batch_of_mixed_temperatures():
+@pytest.mark.parametrize("arch", ["eagle1", "eagle3"])
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch_of_mixed_temperatures(arch):
     target = tiny_target("llava")
-    engine = SpecEngine(target, EagleDrafter.random_init(target, TREE, seed=1))
+    engine = SpecEngine(target, EagleDrafter.random_init(target, TREE, seed=1, arch=arch))
     requests = _requests(target, RAGGED[:4], SamplingParams(temperature=1.0, top_p=0.95))
     requests[1][1].sampling = SamplingParams(temperature=0.5)
     requests[2][1].sampling = SamplingParams()  # greedy in the same batch
@@ -191,24 +192,25 @@ def test_a_model_that_cannot_batch_exactly_says_so():
     SpecEngine(target, NoDrafter()).batch(1)  # control: one slot is fine
 
 
+@pytest.mark.parametrize("arch", ["eagle1", "eagle3"])
 @pytest.mark.parametrize("stop_threshold", [0.0, 0.4])
-def test_eagle_drafts_every_row_together_as_it_drafts_each_alone(stop_threshold):
+def test_eagle_drafts_every_row_together_as_it_drafts_each_alone(stop_threshold, arch):
     """Rows of different lengths and depths (0 included), with and without the SpecDec++ stop rule:
     the joint forwards propose each row's own tree, over several propose / commit rounds."""
     from vlmspec.draft.base import PromptContext
-    from vlmspec.draft.eagle import EagleConfig, EagleHead
+    from vlmspec.draft.eagle import EagleConfig, build_head
     from vlmspec.draft.eagle.session import propose_rows
 
     target = tiny_target("llava")
-    cfg = EagleConfig.from_target(target)
+    cfg = EagleConfig.from_target(target, arch)
     cfg.acceptance_head = bool(stop_threshold)
     torch.manual_seed(5)
-    head = EagleHead(cfg, target.input_embeddings(), target.output_embeddings()).to(target.device, target.dtype)
+    head = build_head(cfg, target.input_embeddings(), target.output_embeddings()).to(target.device, target.dtype)
     drafter = EagleDrafter(head, TreeConfig(depth=5, top_k=3, total_tokens=12), stop_threshold=stop_threshold)
     prompts = []
     for text, seeds in [(t, s) for t, s, _, _ in RAGGED[:4]]:
         inputs = encode_prompt(target, text, [tiny_image(s) for s in seeds])
-        _, out = target.prefill(inputs)
+        _, out = target.prefill(inputs, layers=drafter.feature_layers)
         prompts.append(PromptContext(inputs["input_ids"][0].cpu(), out.features, inputs))
     joint = [drafter.start(p) for p in prompts]
     alone = [drafter.start(p) for p in prompts]
@@ -223,7 +225,7 @@ def test_eagle_drafts_every_row_together_as_it_drafts_each_alone(stop_threshold)
         sizes += [t.size for t in a]
         for s_j, s_a, t in zip(joint, alone, a):
             path = t.path_to(min(t.size - 1, 2))
-            feats = torch.randn(len(path), target.hidden_size, generator=g).to(target.device)
+            feats = torch.randn(len(path), cfg.feature_width, generator=g).to(target.device)
             s_j.commit(t.tokens[path], feats)
             s_a.commit(t.tokens[path], feats)
         roots = [int(x) for x in torch.randint(target.vocab_size, (4,), generator=g)]

@@ -13,7 +13,7 @@ from vlmspec import assets
 from vlmspec.draft import load_drafter
 from vlmspec.draft.base import DraftSession, Drafter, NoDrafter, PromptContext, TreeConfig
 from vlmspec.draft import eagle as eagle_module
-from vlmspec.draft.eagle import DrafterLoadError, EagleConfig, EagleDrafter, EagleHead, _EagleSession, _rms_norm
+from vlmspec.draft.eagle import DrafterLoadError, EagleConfig, EagleDrafter, EagleHead, _EagleSession, _rms_norm, build_head
 from vlmspec.draft.ngram import NgramConfig, NgramDrafter
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.inputs import encode_prompt
@@ -77,9 +77,10 @@ def test_eagle_tree_shape_follows_config():
     assert s.cache.seq_len == inputs["input_ids"].shape[1]  # tree entries were dropped again
 
 
-def test_eagle_save_load_roundtrip(tmp_path):
+@pytest.mark.parametrize("arch", ["eagle1", "eagle3"])
+def test_eagle_save_load_roundtrip(tmp_path, arch):
     target = tiny_target("llava")
-    d = EagleDrafter.random_init(target, seed=3)
+    d = EagleDrafter.random_init(target, seed=3, arch=arch)
     d.save(tmp_path / "drafter")
     assert sorted(p.name for p in (tmp_path / "drafter").iterdir()) == ["config.json", "model.safetensors"]
     raw = json.loads((tmp_path / "drafter" / "config.json").read_text())
@@ -378,19 +379,23 @@ def _reference_propose(s, root, max_depth):
     return full.select(torch.tensor([0, *sorted(order)]))
 
 
-def _standalone_drafter(tree, vocab=40, hidden=32, ties=False, seed=0, draft_vocab=0, dtype=torch.float32):
+def _standalone_drafter(tree, vocab=40, hidden=32, ties=False, seed=0, draft_vocab=0, dtype=torch.float32, arch="eagle1",
+                        norm_before_residual=False):
     """An EAGLE head over its own small embedding / LM head (no target). ties=True: the LM head's
-    rows come in equal pairs, so every distribution has exact ties to break."""
+    rows come in equal pairs, so every distribution has exact ties to break. arch eagle3: an
+    EAGLE-3 head reading three target layers (its features are [n, 3 x hidden])."""
     torch.manual_seed(seed)
+    e3 = dict(arch="eagle3", feature_layers=[0, 2, 3], norm_before_residual=norm_before_residual) if arch == "eagle3" else {}
     cfg = EagleConfig(hidden_size=hidden, vocab_size=vocab, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                      intermediate_size=64, max_position_embeddings=512, draft_vocab_size=draft_vocab)
+                      intermediate_size=64, max_position_embeddings=512, draft_vocab_size=draft_vocab, **e3)
     embed, lm_head = torch.nn.Embedding(vocab, hidden), torch.nn.Linear(hidden, vocab, bias=False)
     if ties:
         with torch.no_grad():
             lm_head.weight[1::2] = lm_head.weight[0::2][: vocab // 2]
-    head = EagleHead(cfg, embed.to(dtype), lm_head.to(dtype))
+    head = build_head(cfg, embed.to(dtype), lm_head.to(dtype))
+    norms = (head.embed_norm, head.feat_norm) if arch == "eagle1" else (head.hidden_norm, head.norm)
     with torch.no_grad():  # norm weights away from their initial ones, so that multiplying by them is exercised
-        for norm in (head.embed_norm, head.feat_norm, head.layer.input_layernorm, head.layer.post_attention_layernorm):
+        for norm in (*norms, head.layer.input_layernorm, head.layer.post_attention_layernorm):
             norm.weight.copy_(1 + 0.2 * torch.randn(hidden))
     head = head.to(dtype)
     if draft_vocab:
@@ -408,7 +413,7 @@ def _same_proposals(drafter, prompt, hidden, steps=3, seed=0):
         assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist(), step
         assert new.cache.seq_len == ref.cache.seq_len and new.next_pos == ref.next_pos
         path = a.path_to(min(a.size - 1, 1 + step))
-        feats = torch.randn(len(path), hidden, generator=g).to(prompt.features.dtype)
+        feats = torch.randn(len(path), drafter.head.config.feature_width, generator=g).to(prompt.features.dtype)
         for s in (new, ref):
             s.commit(a.tokens[path], feats)
         root = int(torch.randint(drafter.head.config.vocab_size, (1,), generator=g))
@@ -417,32 +422,38 @@ def _same_proposals(drafter, prompt, hidden, steps=3, seed=0):
 @pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize("tree", [TreeConfig(4, 3, 10), TreeConfig(7, 10, 60), TreeConfig(1, 1, 1), TreeConfig(3, 5, 200),
                                   TreeConfig(5, 1, 3)])
-def test_propose_drafts_the_same_tree_as_the_reference(tree, ties):
-    d = _standalone_drafter(tree, ties=ties, seed=tree.depth)
+@pytest.mark.parametrize("arch", ["eagle1", "eagle3"])
+def test_propose_drafts_the_same_tree_as_the_reference(tree, ties, arch):
+    d = _standalone_drafter(tree, ties=ties, seed=tree.depth, arch=arch, norm_before_residual=tree.depth % 2 == 1)
     g = torch.Generator().manual_seed(tree.top_k)
     for n in (1, 9):
-        prompt = PromptContext(torch.randint(40, (n,), generator=g), torch.randn(n, 32, generator=g))
+        prompt = PromptContext(torch.randint(40, (n,), generator=g), torch.randn(n, d.head.config.feature_width, generator=g))
         _same_proposals(d, prompt, 32)
 
 
 @pytest.mark.parametrize("tree", [TreeConfig(4, 3, 10), TreeConfig(7, 4, 16)])
-def test_propose_in_bf16_drafts_the_same_tree_as_the_reference(tree):
+@pytest.mark.parametrize("arch", ["eagle1", "eagle3"])
+def test_propose_in_bf16_drafts_the_same_tree_as_the_reference(tree, arch):
     """bf16 is where decode() packs its weights (PackedLinear) and fuses q/k/v and gate/up: the
     reference runs the HF layer and F.linear, and every tree must still come out identical."""
-    d = _standalone_drafter(tree, vocab=64, hidden=64, seed=tree.depth, dtype=torch.bfloat16)
+    d = _standalone_drafter(tree, vocab=64, hidden=64, seed=tree.depth, dtype=torch.bfloat16, arch=arch)
     g = torch.Generator().manual_seed(5)
     for n in (1, 9):
-        prompt = PromptContext(torch.randint(64, (n,), generator=g), torch.randn(n, 64, generator=g).bfloat16())
+        prompt = PromptContext(torch.randint(64, (n,), generator=g), torch.randn(n, d.head.config.feature_width, generator=g).bfloat16())
         _same_proposals(d, prompt, 64)
 
 
+@pytest.mark.parametrize("arch", ["eagle1", "eagle3"])
 @pytest.mark.parametrize("draft_vocab", [0, 24])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_is_forward_and_follows_weights_changed_in_place(dtype, draft_vocab):
-    head = _standalone_drafter(TreeConfig(3, 2, 4), vocab=64, hidden=64, seed=1, draft_vocab=draft_vocab, dtype=dtype).head
+def test_decode_is_forward_and_follows_weights_changed_in_place(dtype, draft_vocab, arch):
+    head = _standalone_drafter(TreeConfig(3, 2, 4), vocab=64, hidden=64, seed=1, draft_vocab=draft_vocab, dtype=dtype, arch=arch).head
     g = torch.Generator().manual_seed(0)
     n, start = 5, 7
-    toks, feats = torch.randint(64, (start + n,), generator=g), torch.randn(start + n, 64, generator=g).to(dtype)
+    # committed rows read the target's features; EAGLE-3's drafted rows read the head's own outputs (width H, no fc)
+    toks = torch.randint(64, (start + n,), generator=g)
+    committed = torch.randn(start, head.config.feature_width, generator=g).to(dtype)
+    drafted = torch.randn(n, 64 if arch == "eagle3" else head.config.feature_width, generator=g).to(dtype)
     pos = torch.arange(start + n)
 
     def both():
@@ -450,8 +461,8 @@ def test_decode_is_forward_and_follows_weights_changed_in_place(dtype, draft_voc
         for run in (head.decode, head.forward):
             cache = KVCache()
             with torch.no_grad():
-                run(toks[:start], feats[:start], pos[:start], tree_attention_mask(torch.ones(start, start, dtype=torch.bool).tril(), 0, dtype), cache.hf)
-                h = run(toks[start:], feats[start:], pos[start:], tree_attention_mask(torch.eye(n, dtype=torch.bool), start, dtype), cache.hf)
+                run(toks[:start], committed, pos[:start], tree_attention_mask(torch.ones(start, start, dtype=torch.bool).tril(), 0, dtype), cache.hf)
+                h = run(toks[start:], drafted, pos[start:], tree_attention_mask(torch.eye(n, dtype=torch.bool), start, dtype), cache.hf)
             outs.append((h, head.decode_logits(h) if run == head.decode else head.logits(h)))
         return outs
 
@@ -462,14 +473,17 @@ def test_decode_is_forward_and_follows_weights_changed_in_place(dtype, draft_voc
     assert same(h1, h2) and same(l1, l2)
     with torch.no_grad():  # as an optimiser step writes them: in place
         head.layer.mlp.up_proj.weight.mul_(1.5)
-        head.lm_head.weight.add_(0.25)
+        head.logits_module.weight.add_(0.25)
     (h3, l3), (h4, l4) = both()
     assert not same(h3, h1) and not same(l3, l1)  # the cached packed weights were rebuilt ...
     assert same(h3, h4) and same(l3, l4)  # ... to the new ones
     if draft_vocab:  # and to a new draft vocabulary
         head.set_draft_vocab(torch.arange(draft_vocab) * 2)
         (h5, l5), (h6, l6) = both()
-        assert same(l5, l6) and same(l5, head.lm_head(h5).float()[..., ::2][..., :draft_vocab])
+        if arch == "eagle1":
+            assert same(l5, l6) and same(l5, head.lm_head(h5).float()[..., ::2][..., :draft_vocab])
+        else:  # its own LM head restarts from the target's rows of the new vocabulary
+            assert same(l5, l6) and torch.equal(head.lm.weight, head.lm_head.weight[::2][:draft_vocab])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -494,12 +508,12 @@ def test_decode_s_rotary_table_and_fused_norm_are_the_hf_modules_numbers(dtype, 
         assert torch.equal(_rms_norm(head.layer.input_layernorm, y), head.layer.input_layernorm(y))
 
 
-@pytest.mark.parametrize("vis", [None, VisualConfig("none", global_feature=True)])
+@pytest.mark.parametrize("vis", [None, VisualConfig("none", global_feature=True), "eagle3"])
 def test_propose_matches_the_reference_on_a_tiny_vlm(vis):
     target = tiny_target("llava")
     tree = TreeConfig(5, 4, 16)
-    if vis is None:
-        d = EagleDrafter.random_init(target, tree, seed=2)
+    if vis in (None, "eagle3"):
+        d = EagleDrafter.random_init(target, tree, seed=2, arch="eagle3" if vis else "eagle1")
     else:
         torch.manual_seed(2)
         cfg = EagleConfig.from_target(target)
@@ -507,7 +521,8 @@ def test_propose_matches_the_reference_on_a_tiny_vlm(vis):
         d = EagleDrafter(EagleHead(cfg, target.input_embeddings(), target.output_embeddings(), target.attention), tree)
     for text, seeds in (("describe the image", [0]), ("once upon a time", [])):
         inputs = encode_prompt(target, text, [tiny_image(s) for s in seeds])
-        _, out = target.prefill(inputs, visual=d.needs_visual)
+        _, out = target.prefill(inputs, visual=d.needs_visual, layers=d.feature_layers)
+        assert out.features.shape[-1] == d.head.config.feature_width
         prompt = PromptContext(inputs["input_ids"][0], out.features, inputs, out.image_mask, out.image_embeds, out.attention)
         _same_proposals(d, prompt, target.hidden_size)
 

@@ -38,6 +38,7 @@ def _drafters(target, ref):
         "none": NoDrafter(),
         "ngram": NgramDrafter(tree),
         "eagle_random": EagleDrafter.random_init(target, tree, seed=1),
+        "eagle3_random": EagleDrafter.random_init(target, tree, seed=1, arch="eagle3"),
         "oracle": OracleDrafter(ref, depth=tree.depth, vocab=target.vocab_size),
     }
     if not target.uses_mrope:  # self-speculation refuses M-RoPE targets (tests/test_self_spec.py)

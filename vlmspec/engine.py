@@ -26,7 +26,7 @@ from typing import Any, Iterator
 import torch
 
 from vlmspec.control import BatchTiming, Controller, Policy, Speculation, SpeculationOptions, choose_depths
-from vlmspec.draft.base import Drafter, NoDrafter, PromptContext, TreeConfig, propose_all
+from vlmspec.draft.base import Drafter, NoDrafter, PromptContext, TreeConfig, feature_layers, propose_all
 from vlmspec.sampling import SamplingParams, next_token
 from vlmspec.stats import SpecStats
 from vlmspec.errors import ContextLengthError
@@ -299,7 +299,7 @@ class Batch:
         depths = choose_depths([r.control for r in reqs], [r.max_depth(target.max_positions) for r in reqs], batch_cost, self.cost_timing)
         trees = [t.truncate_depth(d) for t, d in zip(propose_all(self.engine.drafter, [r.session for r in reqs], [r.root for r in reqs], depths), depths)]
         clock.lap("draft")
-        out = target.forward_batch([r.state for r in reqs], trees)  # logits [B, N, V]
+        out = target.forward_batch([r.state for r in reqs], trees, feature_layers(self.engine.drafter))  # logits [B, N, V]
         verdicts = verify_rows(trees, out.logits, [r.config.sampling for r in reqs], [r.rng for r in reqs])
         clock.lap("verify")
         target.commit_batch([r.state for r in reqs], [v.path for v in verdicts])
@@ -390,7 +390,7 @@ class SpecEngine:
         target = self.target
         t_start = time.perf_counter()
         clock = Clock(target.device, config.sync_timings)
-        state, out = target.prefill(inputs, visual=self.drafter.needs_visual, cache=cache, slot=slot)
+        state, out = target.prefill(inputs, visual=self.drafter.needs_visual, cache=cache, slot=slot, layers=feature_layers(self.drafter))
         clock.lap("prefill")
         prompt = PromptContext(inputs["input_ids"][0].cpu(), out.features, inputs, out.image_mask, out.image_embeds, out.attention,
                                kv=state.entries)

@@ -39,6 +39,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--w-feat", type=float_in("--w-feat", 0.0, 1e3), default=1.0, help='weight of the feature (hidden-state) regression loss')
     d.add_argument("--ttt-steps", type=positive_int("--ttt-steps"), default=2, help="training-time test unroll (1 = off)")
     d.add_argument("--curriculum-steps", type=non_negative_int("--curriculum-steps"), default=0, help="text-only -> multimodal ramp")
+    d.add_argument("--arch", choices=("eagle1", "eagle3"), default="eagle1",
+                   help="the head: eagle1 (fc over [embedding, last hidden state], the target's LM head) or eagle3 (the "
+                        "hidden states of three target layers, EAGLE-3's defaults [2, n/2, n-3], fused; its own LM head)")
     d.add_argument("--visual", default="none", choices=VISUAL_CHOICES,
                    help="VLM-aware head: compress the image tokens the drafter reads (issue #5); none = all of them")
     d.add_argument("--ratio", type=float_in("--ratio", 1.0, 4096.0), default=4.0, help="compression ratio for --visual")
@@ -102,6 +105,8 @@ def run_train(args: argparse.Namespace) -> int:
             raise UsageError(f"--init-from: {args.init_from} is not a drafter folder (config.json + model.safetensors)")
     if args.acceptance_head and args.eval_n == 0:
         raise UsageError("--acceptance-head chooses its stop threshold on the held-out prompts: give --eval-n 1 or more")
+    if args.arch == "eagle3" and args.visual != "none":
+        raise UsageError("--visual variants are EAGLE-1 heads: drop --visual, or train --arch eagle1")
     if args.text_style != "plain" and not args.text_pairs:
         raise UsageError("--text-style shapes the --text-pairs; add --text-pairs N")
     target = factory.load(spec)
@@ -111,7 +116,7 @@ def run_train(args: argparse.Namespace) -> int:
         ttt_steps=args.ttt_steps, curriculum_steps=args.curriculum_steps, eval_every=args.eval_every, eval_n=args.eval_n,
         minutes=args.minutes, seed=args.seed, regenerate=args.regenerate, draft_vocab=args.draft_vocab,
         acceptance_head=args.acceptance_head, text_pairs=args.text_pairs, text_share=args.text_share,
-        answer_style=args.answer_style, text_style=args.text_style, init_from=args.init_from or "",
+        answer_style=args.answer_style, text_style=args.text_style, init_from=args.init_from or "", arch=args.arch,
     )
     vis = VisualConfig(args.visual, args.ratio, args.decouple, args.global_feature, gate_cost=args.gate_cost if args.visual == "gate" else 0.0)
     cfg.visual = {} if vis.is_plain else vis.to_dict()

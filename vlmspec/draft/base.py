@@ -9,6 +9,10 @@ state (its own KV cache, the token history, the request's tree shape). The engin
     session.commit(tokens, features)         # tokens [k] now in the target KV (root + accepted),
                                              # features [k, H] the target's features for them
 
+A drafter may name `feature_layers` (a tuple of target layer ids, EAGLE-3): its features are then
+those layers' hidden states, concatenated, [k, m x H], from the same target forwards
+(`vlmspec.target.model.layer_features`); without it (or None) they are the last hidden state.
+
 A batch step drafts for all its rows with `propose_all(drafter, sessions, roots, max_depths)`:
 the drafter's own `propose_batch` where it has one (the EAGLE head runs every row's level in one
 forward), else each session's `propose`. Rows may ask for different depths, 0 included.
@@ -85,6 +89,11 @@ class Drafter(Protocol):
     def start(self, prompt: PromptContext, tree: TreeConfig | None = None) -> DraftSession:
         """One request's session; `tree` overrides the default shape for this request only."""
         ...
+
+
+def feature_layers(drafter: Drafter) -> tuple[int, ...] | None:
+    """The target layers whose hidden states `drafter` reads as its features; None: the last hidden state."""
+    return getattr(drafter, "feature_layers", None)
 
 
 def propose_all(drafter: Drafter, sessions: list[DraftSession], roots: list[int], max_depths: list[int]) -> list[DraftTree]:

@@ -10,7 +10,9 @@ Calls on explicit state (nothing is hung on the model); a request is a row of a 
 ``forward_tree`` / ``commit`` are the same for one row.
 
 "Features" are the target's last hidden states (what its LM head consumes): what an EAGLE-style
-drafter is trained to predict.
+drafter is trained to predict. A drafter that reads other layers (EAGLE-3: `layers`, ids as
+`vlmspec.draft.eagle.default_feature_layers`) gets those layers' hidden states concatenated,
+[.., m x H], from the same forward's `hidden_states` (no second forward).
 
 Loading (`vlmspec.target.loading`), the attention backend (`vlmspec.target.attention`) and
 prompts (`vlmspec.inputs`) live next to this class, not in it.
@@ -51,13 +53,13 @@ class TargetState:
 @dataclass
 class BatchOut:
     logits: torch.Tensor  # [B, N, V] float32: row b, node i < N_b: the distribution after node i
-    features: torch.Tensor  # [B, N, H]
+    features: torch.Tensor  # [B, N, H] (or [B, N, mH]: the `layers` asked for)
 
 
 @dataclass
 class ForwardOut:
     logits: torch.Tensor  # [N, V] float32
-    features: torch.Tensor  # [N, H]
+    features: torch.Tensor  # [N, H] (or [N, mH]: the `layers` asked for)
     # prefill(visual=True) only:
     image_mask: torch.Tensor | None = None  # [L] bool
     image_embeds: torch.Tensor | None = None  # [n_img, H] the projected image embeddings the decoder read
@@ -69,6 +71,16 @@ def last_hidden(hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
     AltUp streams there, [S, B, L, H]: its main stream, 0, is the one the others are predicted from."""
     h = hidden_states[-1]
     return h[0] if h.ndim == 4 else h
+
+
+def layer_features(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, ...] | None) -> torch.Tensor:
+    """A forward's `hidden_states` -> the features a drafter reads: [B, L, H], the last hidden state
+    (layers None), or [B, L, m x H], the hidden states decoder layers `layers` read (id i is
+    `hidden_states[i]`: 0 the embedding output, i the output of layer i - 1), concatenated in order."""
+    if layers is None:
+        return last_hidden(hidden_states)
+    assert max(layers) < len(hidden_states) - 1, (layers, len(hidden_states))
+    return torch.cat([h[0] if h.ndim == 4 else h for h in (hidden_states[i] for i in layers)], dim=-1)
 
 
 def _text_config(config: Any) -> Any:
@@ -240,11 +252,12 @@ class Target:
 
     @torch.no_grad()
     def prefill(self, inputs: dict[str, torch.Tensor], visual: bool = False, cache: SlotCache | None = None,
-                slot: int = 0) -> tuple[TargetState, ForwardOut]:
+                slot: int = 0, layers: tuple[int, ...] | None = None) -> tuple[TargetState, ForwardOut]:
         """Run the prompt (with images) into `slot` of `cache` (None: a cache of its own, one slot).
         Returns the state and logits/features of the LAST token (logits [1, V]) plus features of every
         prompt token ([L, H]). visual=True also captures the image embeddings and the last token's
-        attention (for VLM-aware drafters). The prompt runs alone, as batch 1: its numbers are the
+        attention (for VLM-aware drafters). `layers`: the features are those layers' hidden states
+        ([L, mH], `layer_features`). The prompt runs alone, as batch 1: its numbers are the
         same whatever else the batch holds."""
         ids = inputs["input_ids"]
         assert ids.shape[0] == 1, "one prompt per prefill"
@@ -268,7 +281,7 @@ class Target:
             except ValueError as exc:  # the model's own check of its inputs (e.g. one that runs only with an image)
                 raise InputError(f"{self.name} cannot run this prompt: {exc}", code="unsupported_prompt") from exc
         state = TargetState(cache=cache, slot=slot, seq_len=length, rope_delta=delta)
-        result = ForwardOut(out.logits[0, -1:].float(), last_hidden(out.hidden_states)[0])
+        result = ForwardOut(out.logits[0, -1:].float(), layer_features(out.hidden_states, layers)[0])
         if visual:
             mask = ids[0] == image_token_id(self.model)
             result.image_mask = mask
@@ -348,12 +361,12 @@ class Target:
         return masks
 
     @torch.no_grad()
-    def forward_batch(self, states: list[TargetState], trees: list[DraftTree]) -> BatchOut:
+    def forward_batch(self, states: list[TargetState], trees: list[DraftTree], layers: tuple[int, ...] | None = None) -> BatchOut:
         """Every row's tree in one forward over the rows' committed entries (all rows in one cache).
         Writes each row's N entries after its committed ones: call `commit_batch` afterwards (until
         then the row's length is unchanged, so another forward would overwrite them).
         logits [B, N, V]: row b, node i < N_b is the distribution after that node; rows are padded
-        to N = max N_b with copies of their root at depth 0, which nothing reads."""
+        to N = max N_b with copies of their root at depth 0, which nothing reads. `layers`: as `prefill`."""
         cache = states[0].cache
         assert all(s.cache is cache for s in states), "the rows of a batch share one cache"
         for s, t in zip(states, trees):
@@ -375,11 +388,11 @@ class Target:
             output_hidden_states=True,
             return_dict=True,
         )
-        return BatchOut(out.logits.float(), last_hidden(out.hidden_states))
+        return BatchOut(out.logits.float(), layer_features(out.hidden_states, layers))
 
-    def forward_tree(self, state: TargetState, tree: DraftTree) -> ForwardOut:
-        """One row's tree (`forward_batch` of one): logits [N, V], features [N, H]."""
-        out = self.forward_batch([state], [tree])
+    def forward_tree(self, state: TargetState, tree: DraftTree, layers: tuple[int, ...] | None = None) -> ForwardOut:
+        """One row's tree (`forward_batch` of one): logits [N, V], features [N, H] (or [N, mH], `layers`)."""
+        out = self.forward_batch([state], [tree], layers)
         return ForwardOut(out.logits[0], out.features[0])
 
     def commit_batch(self, states: list[TargetState], paths: list[list[int]]) -> None:

@@ -5,7 +5,8 @@ features F [B, T, H] and logits. The head reads pairs (F_t, x_{t+1}) and is trai
 
     loss = w_ce * CE(lm_head(h_t), softmax(teacher_logits_{t+1}))  +  w_feat * SmoothL1(h_t, F_{t+1})
 
-(SpecVLM's online-logit distillation, defaults 0.1 / 1.0), plus training-time test: the head is
+(SpecVLM's online-logit distillation, defaults 0.1 / 1.0; an EAGLE-3 head, `--arch eagle3`, reads the
+target's chosen layers [B, T, mH] and is trained on the CE alone, as EAGLE-3 is), plus training-time test: the head is
 unrolled `ttt_steps` times, step j reading its OWN predictions of step j-1 as features, so it
 learns to draft from what it will really see at depth j. (An approximation of EAGLE-3's TTT:
 within step j the head attends causally over that step's sequence of predicted features.)
@@ -42,7 +43,7 @@ from safetensors.torch import load_file
 from vlmspec.cost import COST_PROMPT, measure_cost
 from vlmspec.data.heldout import heldout
 from vlmspec.draft.base import TreeConfig
-from vlmspec.draft.eagle import EagleConfig, EagleDrafter, EagleHead, draft_vocabulary
+from vlmspec.draft.eagle import EagleConfig, EagleDrafter, EagleHead, build_head, draft_vocabulary
 from vlmspec.engine import SpecEngine
 from vlmspec.inputs import encode_prompt
 from vlmspec.target import Target
@@ -118,24 +119,25 @@ def warm_start(head: EagleHead, target: Target, folder: str | Path) -> None:
     init = EagleDrafter.load(folder, target).head  # checked against the target, loaded strictly
     want, have = head.config, init.config
     diff = [f"{name}: {getattr(have, name)!r} (--init-from) != {getattr(want, name)!r} (this run)"
-            for name in ("draft_vocab_size", "acceptance_head", "visual")  # the shape follows the target, checked on load
+            for name in ("arch", "feature_layers", "draft_vocab_size", "acceptance_head", "visual")  # the shape follows the target, checked on load
             if getattr(have, name) != getattr(want, name)]
     if diff:
         raise DataError(f"--init-from {folder}: a drafter of another kind ({'; '.join(diff)}); "
-                        "train with the same --draft-vocab / --visual / --acceptance-head as it was")
+                        "train with the same --arch / --draft-vocab / --visual / --acceptance-head as it was")
     head.load_state_dict(init.head_state_dict(), strict=True)  # same config, so the same keys
 
 
 
 def new_head(target: Target, cfg: DistillConfig) -> EagleHead:
-    """A fresh float32 head for `target`, of the config's kind (trimmed vocabulary, acceptance head, visual variant)."""
-    ecfg = EagleConfig.from_target(target)
+    """A fresh float32 head for `target`, of the config's kind (EAGLE-1 or EAGLE-3, trimmed vocabulary,
+    acceptance head, visual variant)."""
+    ecfg = EagleConfig.from_target(target, cfg.arch)
     ecfg.draft_vocab_size = cfg.draft_vocab
     ecfg.acceptance_head = cfg.acceptance_head
     vis = VisualConfig.from_dict(cfg.visual).sized_for(target.image_tokens)  # the resampler's queries cover one image
     if not vis.is_plain:
         ecfg.extra["visual"] = vis.to_dict()
-    head = EagleHead(ecfg, target.input_embeddings(), target.output_embeddings(), target.attention)
+    head = build_head(ecfg, target.input_embeddings(), target.output_embeddings(), target.attention)
     return head.to(device=target.device, dtype=torch.float32)
 
 
@@ -212,7 +214,8 @@ def train_drafter(
     text_pairs = text_pairs_for(target, out, cfg, progress, rank, world)
     if text_pairs:
         state["magpie_pairs"] = len(text_pairs)
-    if head.trimmed and not resume:
+    # (an EAGLE-3 head continued with --init-from keeps its vocabulary: its own LM head was trained on it)
+    if head.trimmed and not resume and not (cfg.init_from and not head.predicts_features):
         state["draft_vocab"] = trim_vocabulary(head, target, data, replace(cfg, batch_size=cfg.batch_size * world), text_pairs, regen)
     loss_fn: torch.nn.Module = DistillStep(head, cfg, VisualConfig.from_dict(cfg.visual).gate_cost)
     if world > 1:  # starts every process from process 0's weights, averages the gradients in backward
@@ -225,7 +228,7 @@ def train_drafter(
         if regen is not None:  # Magpie pairs already carry the target's own answers
             convs = [c if c.task == "magpie" else regen(c) for c in convs]
         batch = {k: v.to(target.device) if isinstance(v, torch.Tensor) else v for k, v in encode_conversations(target.processor, convs).items()}
-        feats, logits, captured = teacher(target, batch, visual=head.visual is not None)
+        feats, logits, captured = teacher(target, batch, visual=head.visual is not None, layers=drafter.feature_layers)
         head.train()
         with mixed_precision(target):
             loss, stats = loss_fn(batch["input_ids"], feats.float(), logits, batch["labels"], captured)

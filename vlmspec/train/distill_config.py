@@ -57,8 +57,14 @@ class DistillConfig(TrainConfig):
     # vocabulary size, visual variant and acceptance head); the draft vocabulary is recounted on
     # this run's data. "" = a fresh head
     init_from: str = ""
+    # the head: "eagle1" (EagleHead) or "eagle3" (Eagle3Head: three target layers, its own LM head)
+    arch: str = "eagle1"
 
     def __post_init__(self) -> None:
+        if self.arch not in ("eagle1", "eagle3"):
+            raise ValueError(f"arch must be eagle1 or eagle3, got {self.arch!r}")
+        if self.arch == "eagle3" and self.visual:
+            raise ValueError("the VLM-aware variants (visual) are EAGLE-1 heads: train eagle3 without one")
         if not 0.0 <= self.text_share <= 1.0 or self.text_pairs < 0:
             raise ValueError(f"text_pairs must be >= 0 and text_share in [0, 1], got {self.text_pairs}, {self.text_share}")
         if self.text_style not in TEXT_STYLES:

@@ -9,7 +9,7 @@ import torch
 
 from vlmspec.control import CostModel, FixedPolicy
 from vlmspec.data.heldout import Conversation
-from vlmspec.draft.eagle import EagleDrafter, EagleHead
+from vlmspec.draft.eagle import EagleDrafter, EagleHead, build_head
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.inputs import encode_prompt
 from vlmspec.sampling import SamplingParams
@@ -73,6 +73,6 @@ def inference_copy(head: EagleHead, target: Target) -> EagleHead:
     (evaluation during training must not round the float32 weights it trains)."""
     if target.dtype == torch.float32:
         return head
-    twin = EagleHead(head.config, target.input_embeddings(), target.output_embeddings(), target.attention)
+    twin = build_head(head.config, target.input_embeddings(), target.output_embeddings(), target.attention)
     twin.load_state_dict(head.state_dict(), strict=True)
     return twin.to(device=target.device, dtype=target.dtype).eval()

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from vlmspec.draft.eagle import EagleHead, draft_entropy
 from vlmspec.target import Target
-from vlmspec.target.model import last_hidden
+from vlmspec.target.model import layer_features
 from vlmspec.train.distill_config import DistillConfig
 from vlmspec.vision_compress.capture import capture, image_token_id, last_layer_attention
 
@@ -105,7 +105,7 @@ def visual_rows(head: EagleHead, input_ids: torch.Tensor, feats: torch.Tensor, c
 def distill_losses(
     head: EagleHead,
     rows: RowBatch,  # the head's step-1 rows
-    feats: torch.Tensor,  # [B, T, H] teacher features (last hidden state)
+    feats: torch.Tensor,  # [B, T, H] teacher features (last hidden state; EAGLE-3: its layers, [B, T, mH])
     teacher_logits: torch.Tensor,  # [B, T, V]
     labels: torch.Tensor,  # [B, T], -100 = not trained
     cfg: DistillConfig,
@@ -114,7 +114,9 @@ def distill_losses(
     """The unrolled distillation loss. Step j (1-based), row t stands at slot t+j-1: it reads
     (the step-(j-1) prediction of F_{t+j-1} [the teacher's F_t at step 1], token x_{t+j}) and
     predicts F_{t+j} and the teacher's next-token distribution there. Image-content rows keep
-    their input in every step; dropped (compressed-away) rows are hidden from every query."""
+    their input in every step; dropped (compressed-away) rows are hidden from every query.
+    EAGLE-3 (`head.predicts_features` False): step 1 reads the teacher's layers [mH], later steps
+    the head's own outputs [H], and only the token distributions are distilled (no regression)."""
     B, T, _ = feats.shape
     total = feats.new_zeros(())
     stats: dict[str, float] = {}
@@ -125,7 +127,11 @@ def distill_losses(
         if n <= 1:
             break
         sl = slice(j - 1, j - 1 + n)
-        inp = torch.where(rows.fixed[:, sl, None], rows.feats[:, sl], prev[:, :n])  # [B, n, H]
+        if j == 1 or not head.predicts_features:  # (EAGLE-3's plain rows: nothing is fixed, widths differ)
+            assert j == 1 or not bool(rows.fixed.any()), "an EAGLE-3 head has no image-content rows"
+            inp = rows.feats[:, sl] if j == 1 else prev[:, :n]  # [B, n, H | mH]
+        else:
+            inp = torch.where(rows.fixed[:, sl, None], rows.feats[:, sl], prev[:, :n])  # [B, n, H]
         keep = rows.keep[:, sl]
         mask = None
         if not bool(keep.all()):
@@ -147,11 +153,15 @@ def distill_losses(
             break
         w = 1.0 if row_weights is None else row_weights[:, None].expand(B, n)[lmask]
         ce = shard_mean(soft_ce(head.logits(h[lmask]), head.draft_view(target_l[lmask])) * w, count)
-        fl = shard_mean(F.smooth_l1_loss(h[lmask].float(), target_f[lmask].float(), reduction="none").mean(-1) * w, count)
-        total = total + (cfg.w_ce * ce + cfg.w_feat * fl) / cfg.ttt_steps
+        if head.predicts_features:
+            fl = shard_mean(F.smooth_l1_loss(h[lmask].float(), target_f[lmask].float(), reduction="none").mean(-1) * w, count)
+            total = total + (cfg.w_ce * ce + cfg.w_feat * fl) / cfg.ttt_steps
+            stats[f"feat{j}"] = float(fl.detach())
+        else:
+            total = total + cfg.w_ce * ce / cfg.ttt_steps
         with torch.no_grad():
             acc = (head.target_ids(head.logits(h[lmask]).argmax(-1)) == target_l[lmask].argmax(-1)).float().mean()
-        stats.update({f"ce{j}": float(ce.detach()), f"feat{j}": float(fl.detach()), f"acc{j}": float(acc)})
+        stats.update({f"ce{j}": float(ce.detach()), f"acc{j}": float(acc)})
         if head.accept is not None:
             bce, calib = acceptance_loss(head, h[lmask].detach(), target_l[lmask], cfg, count)
             total = total + cfg.w_accept * bce / cfg.ttt_steps
@@ -199,8 +209,10 @@ def gated_losses(
 
 
 @torch.no_grad()
-def teacher(target: Target, batch: dict[str, torch.Tensor], visual: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Frozen target forward: (features [B, T, H], logits [B, T, V], captured). With visual=True,
+def teacher(target: Target, batch: dict[str, torch.Tensor], visual: bool = False,
+            layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Frozen target forward: (features [B, T, H], or [B, T, mH] of `layers` (EAGLE-3,
+    `layer_features`), logits [B, T, V], captured). With visual=True,
     captured holds image_mask [B, T], inputs_embeds [B, T, H], prompt_len [B] and attention
     [B, T] (last layer, from each sample's last prompt token)."""
     kwargs = {k: v for k, v in batch.items() if k != "labels"}
@@ -218,7 +230,7 @@ def teacher(target: Target, batch: dict[str, torch.Tensor], visual: bool = False
             "prompt_len": prompt_len,
             "attention": last_layer_attention(target.model, cap, (prompt_len - 1).clamp(min=0)),
         }
-    return last_hidden(out.hidden_states), out.logits, captured
+    return layer_features(out.hidden_states, layers), out.logits, captured
 
 
 
@@ -258,7 +270,8 @@ class DistillStep(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, feats: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor,
                 captured: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         """input_ids / labels [B, T], the teacher's feats [B, T, H] (float32) and logits [B, T, V],
-        `teacher(visual=True)`'s captured tensors ({} for the plain head) -> (loss, stats)."""
+        `teacher(visual=True)`'s captured tensors ({} for the plain head) -> (loss, stats).
+        An EAGLE-3 head's feats are the teacher's layers, [B, T, mH]."""
         head = self.head
         if head.visual is None:
             return distill_losses(head, plain_rows(input_ids, feats), feats, logits, labels, self.cfg)

@@ -13,6 +13,10 @@ same layer in fewer ops over weights packed once for the CPU's matrix units, hel
 Embedding and LM head are the target's own modules, shared and frozen; only fc, the norms and
 the decoder layer are the head's weights.
 
+EAGLE-3 (`Eagle3Head`, config arch "eagle3") reads the hidden states of three target layers
+(low, middle, high) fused by fc, and has its own LM head over the draft vocabulary; the target
+hands it those layers' states (`EagleDrafter.feature_layers`) from the same forwards.
+
 A drafter checkpoint is a Hugging Face artefact: `config.json` written by `EagleConfig`
 (a `PretrainedConfig`, model_type "vlmspec_eagle", registered with `AutoConfig`) plus
 `model.safetensors` with the head's weights. It loads from a folder or a hub id ("org/name");
@@ -32,7 +36,7 @@ The modules (each imports only those above it in this list):
 
     config   EagleConfig, the checkpoint's files (either format), folder / hub id resolution
     vocab    the trimmed draft vocabulary (d2t) tools
-    head     EagleHead (training forward, packed decode), AcceptanceHead
+    head     EagleHead (training forward, packed decode), Eagle3Head (EAGLE-3 on the same), AcceptanceHead
     session  EagleDrafter (random_init, save / load / from_pretrained) and _EagleSession (the tree search)
 
 Every name is re-exported here: import from `vlmspec.draft.eagle`.
@@ -41,13 +45,14 @@ Every name is re-exported here: import from `vlmspec.draft.eagle`.
 from __future__ import annotations
 
 from vlmspec.errors import DrafterLoadError
-from vlmspec.draft.eagle.config import CONFIG_NAME, LEGACY_KEY, MODEL_TYPE, WEIGHTS_NAME, EagleConfig, logger, looks_like_hub_id
+from vlmspec.draft.eagle.config import (CONFIG_NAME, LEGACY_KEY, MODEL_TYPE, WEIGHTS_NAME, EagleConfig, default_feature_layers, logger,
+                                        looks_like_hub_id)
 from vlmspec.draft.eagle.vocab import check_draft_vocab, draft_vocabulary, t2d_map
-from vlmspec.draft.eagle.head import AcceptanceHead, EagleHead, _rms_norm, draft_entropy, question_embedding
+from vlmspec.draft.eagle.head import AcceptanceHead, Eagle3Head, EagleHead, _rms_norm, build_head, draft_entropy, question_embedding
 from vlmspec.draft.eagle.session import EagleDrafter, _EagleSession
 
 __all__ = [
     "CONFIG_NAME", "LEGACY_KEY", "MODEL_TYPE", "WEIGHTS_NAME",
-    "AcceptanceHead", "DrafterLoadError", "EagleConfig", "EagleDrafter", "EagleHead",
-    "check_draft_vocab", "draft_entropy", "draft_vocabulary", "looks_like_hub_id", "question_embedding", "t2d_map",
+    "AcceptanceHead", "DrafterLoadError", "Eagle3Head", "EagleConfig", "EagleDrafter", "EagleHead", "build_head",
+    "check_draft_vocab", "default_feature_layers", "draft_entropy", "draft_vocabulary", "looks_like_hub_id", "question_embedding", "t2d_map",
 ]

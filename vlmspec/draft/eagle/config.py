@@ -23,6 +23,25 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 MODEL_TYPE = "vlmspec_eagle"
 LEGACY_KEY = "drafter"  # the first format's marker: {"drafter": "eagle", <EagleConfig fields>}
+ARCHS = ("eagle1", "eagle3")  # EagleConfig.arch
+
+
+def default_feature_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's (and vLLM's, and `speculators`') default low / middle / high layers of a target with
+    `num_layers` decoder layers: [2, n // 2, n - 3]. Layer id i is the hidden state decoder layer i
+    reads (HF `hidden_states[i]`; 0 is the embedding output), as vLLM collects its auxiliary hidden
+    states. A target too shallow for three distinct ids there (n < 7, the tiny test models) gets
+    [0, n // 2, n - 1] without repeats ([0, 1] for two layers)."""
+    assert num_layers >= 1, num_layers
+    ids = [2, num_layers // 2, num_layers - 3]
+    if ids[0] < ids[1] < ids[2] < num_layers:
+        return ids
+    return sorted({0, num_layers // 2, num_layers - 1})
+
+
+def target_depth(target: Target) -> int:
+    """The target language model's decoder layers."""
+    return int(getattr(target.text_config, "num_hidden_layers"))
 
 logger = logging.getLogger("vlmspec.draft")
 
@@ -59,6 +78,12 @@ class EagleConfig(PretrainedConfig):
     # measured best tree per device type, {"cpu": [depth, top_k, total_tokens]} (`python -m vlmspec.recipes trees`;
     # the card says how); a device without an entry gets `TreeConfig.for_device`
     tree_defaults: dict[str, list[int]] = field(default_factory=dict)
+    # "eagle1": fc over [embedding, the target's last hidden state], the target's LM head (`EagleHead`);
+    # "eagle3": the hidden states of the target's `feature_layers` fused by fc, embedding and fused state
+    # normed apart into the decoder layer, a final norm and its own LM head (`Eagle3Head`)
+    arch: str = "eagle1"
+    feature_layers: list[int] = field(default_factory=list)  # eagle3: the target layers it reads (ids as `default_feature_layers`)
+    norm_before_residual: bool = False  # eagle3: the residual of its layer is the normed fused state (else the fused state)
 
     def __post_init__(self, **kwargs: Any) -> None:
         for name in ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -83,7 +108,24 @@ class EagleConfig(PretrainedConfig):
             ok = isinstance(shape, (list, tuple)) and len(shape) == 3 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in shape)
             if device not in ("cpu", "cuda") or not ok:
                 raise ValueError(f"tree_defaults maps 'cpu' / 'cuda' to [depth, top_k, total_tokens] (positive integers), got {device!r}: {shape!r}")
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
+        self.feature_layers = list(self.feature_layers)
+        if self.arch == "eagle3":
+            # (two or more: the head tells the target's features [mH] from its own outputs [H] by their width, as vLLM does)
+            if len(self.feature_layers) < 2 or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.feature_layers):
+                raise ValueError(f"an eagle3 head reads two or more target layers (feature_layers, ids >= 0), got {self.feature_layers!r}")
+            if self.extra.get("visual"):
+                raise ValueError("the VLM-aware variants (extra.visual) are EAGLE-1 heads: train eagle3 with --visual none")
+        elif self.feature_layers or self.norm_before_residual:
+            raise ValueError("feature_layers and norm_before_residual are eagle3 settings (arch is eagle1)")
         super().__post_init__(**kwargs)
+
+    @property
+    def feature_width(self) -> int:
+        """The width of the target features the head reads: H (eagle1: the last hidden state) or
+        len(feature_layers) x H (eagle3: the chosen layers' hidden states, concatenated)."""
+        return self.hidden_size * max(1, len(self.feature_layers))
 
     @property
     def visual(self) -> VisualConfig:
@@ -111,7 +153,8 @@ class EagleConfig(PretrainedConfig):
         return cls(**raw)
 
     @classmethod
-    def from_target(cls, target: Target) -> "EagleConfig":
+    def from_target(cls, target: Target, arch: str = "eagle1") -> "EagleConfig":
+        """A head of `arch` sized for `target` (eagle3: EAGLE-3's default layers, `default_feature_layers`)."""
         tc = target.text_config
 
         def attr(name: str) -> Any:
@@ -136,6 +179,8 @@ class EagleConfig(PretrainedConfig):
             rope_theta=_rope_theta(tc),
             rms_norm_eps=float(attr("rms_norm_eps") or 1e-6),
             target_model_type=str(getattr(target.model.config, "model_type", "")),
+            arch=arch,
+            feature_layers=default_feature_layers(target_depth(target)) if arch == "eagle3" else [],
         )
 
     def llama_config(self, attn_implementation: str = "sdpa") -> LlamaConfig:
@@ -162,6 +207,10 @@ class EagleConfig(PretrainedConfig):
             for name in ("hidden_size", "vocab_size", "max_position_embeddings", "rope_theta")
             if getattr(self, name) != getattr(want, name)
         ]
+        depth = target_depth(target)
+        beyond = [i for i in self.feature_layers if i >= depth]
+        if beyond:
+            problems.append(f"feature_layers: drafter reads layers {beyond}, beyond this target's {depth} layers (ids 0..{depth - 1})")
         vis = self.visual
         if vis.sized_for(target.image_tokens) != vis:  # its resampler has fewer queries than one image needs
             problems.append(f"its resampler reads images of up to {vis.max_queries * vis.ratio:g} tokens at {vis.ratio:g}x "

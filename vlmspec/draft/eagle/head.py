@@ -1,6 +1,7 @@
 """The head module: `EagleHead` (its training `forward`, the HF decoder layer as it is, and its
-packed `decode`, the same layer in fewer ops over weights packed once), SpecDec++'s
-`AcceptanceHead`, and the helpers both share."""
+packed `decode`, the same layer in fewer ops over weights packed once), `Eagle3Head` (EAGLE-3's
+head on the same machinery), SpecDec++'s `AcceptanceHead`, and the helpers they share.
+`build_head` makes the one a config's `arch` names."""
 
 from __future__ import annotations
 
@@ -55,9 +56,7 @@ class EagleHead(nn.Module):
         self.config = config
         lcfg = config.llama_config(attn_implementation)
         h = config.hidden_size
-        self.embed_norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
-        self.feat_norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
-        self.fc = nn.Linear(2 * h, h, bias=False)
+        self._input_modules(config)
         self.layer = LlamaDecoderLayer(lcfg, layer_idx=0)
         self.rotary = LlamaRotaryEmbedding(lcfg)
         vis = config.visual
@@ -73,6 +72,18 @@ class EagleHead(nn.Module):
         self._draft_weight: tuple[tuple, torch.Tensor] | None = None  # lm_head rows of d2t, cached (never saved)
         self._decode: tuple[tuple, _DecodeLinears] | None = None  # decode()'s packed weights, cached (never saved)
         self._rope_table: tuple[tuple, torch.Tensor, torch.Tensor] | None = None  # decode()'s cos, sin [P, d], cached
+
+    def _input_modules(self, config: EagleConfig) -> None:
+        """What turns (token, feature) into the decoder layer's input: fc over the normed pair."""
+        h = config.hidden_size
+        self.embed_norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+        self.feat_norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+        self.fc = nn.Linear(2 * h, h, bias=False)
+
+    @property
+    def predicts_features(self) -> bool:
+        """True: the head's output is trained to be the target's next feature (EAGLE-1's regression)."""
+        return True
 
     @property
     def embed(self) -> nn.Module:
@@ -153,9 +164,9 @@ class EagleHead(nn.Module):
         MKL). Every proposal is held to `forward`'s in tests/test_drafters.py."""
         layer, att = self.layer, self.layer.self_attn
         lin = self._decode_linears()
-        x = self._layer_input(*_batch_of_one(token_ids, features, direct, fuse, global_feat), packed=lin)[0]  # [n, H]
+        a_in, x = self._decode_input(token_ids, features, direct, fuse, global_feat, lin)  # [n, H_in], [n, H]
         n, d, heads, kv = x.shape[0], att.head_dim, self.config.num_attention_heads, self.config.num_key_value_heads
-        qkv = lin.qkv(_rms_norm(layer.input_layernorm, x)).view(n, heads + 2 * kv, d)
+        qkv = lin.qkv(a_in).view(n, heads + 2 * kv, d)
         cos, sin = self._rope(x, position_ids)  # [n, 1, d]
         qk = qkv[:, : heads + kv]  # [n, heads + kv, d]: HF's apply_rotary_pos_emb, on q and k at once
         qk = qk * cos + rotate_half(qk) * sin
@@ -165,6 +176,12 @@ class EagleHead(nn.Module):
         x = x + lin.o(a[0].transpose(0, 1).reshape(n, heads * d))  # [n, H]
         gate, up = lin.gate_up(_rms_norm(layer.post_attention_layernorm, x)).chunk(2, dim=-1)
         return x + lin.down(layer.mlp.act_fn(gate) * up)
+
+    def _decode_input(self, token_ids: torch.Tensor, features: torch.Tensor, direct: torch.Tensor | None, fuse: torch.Tensor | None,
+                      global_feat: torch.Tensor | None, lin: "_DecodeLinears") -> tuple[torch.Tensor, torch.Tensor]:
+        """decode()'s attention input [n, H_in] (here H: the layer's input norm of x) and residual x [n, H]."""
+        x = self._layer_input(*_batch_of_one(token_ids, features, direct, fuse, global_feat), packed=lin)[0]  # [n, H]
+        return _rms_norm(self.layer.input_layernorm, x), x
 
     def _rope(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [n, H], position_ids [n] -> cos, sin [n, 1, d]: the head's rotary module's numbers, read
@@ -186,13 +203,22 @@ class EagleHead(nn.Module):
     @torch.no_grad()
     def decode_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`logits` for drafting: [..., H] -> [..., V'] float32, over the packed weight."""
-        return self._decode_linears().logits(hidden).float()
+        return self._decode_linears().logits(self._final_norm(hidden)).float()
+
+    def _final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the LM head reads of the head's output (EAGLE-1: the output itself, a predicted feature)."""
+        return hidden
+
+    @property
+    def logits_module(self) -> nn.Module:
+        """The LM head the draft logits come from (EAGLE-1: the target's, trimmed to d2t)."""
+        return self.lm_head
 
     def _decode_linears(self) -> "_DecodeLinears":
         """decode()'s packed weights, rebuilt whenever one of them changed (another tensor, or one
         written in place: a training step, a load, a new draft vocabulary)."""
         att, mlp = self.layer.self_attn, self.layer.mlp
-        mods = (self.fc, att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj, self.lm_head)
+        mods = (self.fc, att.q_proj, att.k_proj, att.v_proj, att.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj, self.logits_module)
         assert all(getattr(m, "bias", None) is None for m in mods[:-1]), "the head's projections have no biases"
         vocab = self.d2t if self.trimmed else None
         key = tuple((t.data_ptr(), t._version, t.dtype) for t in [m.weight for m in mods] + ([] if vocab is None else [vocab]))
@@ -256,10 +282,11 @@ def _batch_of_one(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, .
 
 
 class _DecodeLinears(NamedTuple):
-    """EagleHead.decode()'s matrix products (H = hidden, I = intermediate, d = head dim)."""
+    """EagleHead.decode()'s matrix products (H = hidden, I = intermediate, d = head dim; EAGLE-3:
+    fc reads the m fused target layers, [mH] -> [H], and q/k/v read [embedding, fused state], 2H)."""
 
-    fc: PackedLinear  # [2H] -> [H]
-    qkv: PackedLinear  # [H] -> [(heads + 2 kv heads) d]: q_proj | k_proj | v_proj
+    fc: PackedLinear  # [2H] -> [H] (EAGLE-3: [mH] -> [H])
+    qkv: PackedLinear  # [H] -> [(heads + 2 kv heads) d]: q_proj | k_proj | v_proj (EAGLE-3: [2H] -> ...)
     o: PackedLinear  # [heads d] -> [H]
     gate_up: PackedLinear  # [H] -> [2I]: gate_proj | up_proj
     down: PackedLinear  # [I] -> [H]
@@ -273,3 +300,111 @@ def question_embedding(head: EagleHead, token_ids: torch.Tensor, image_mask: tor
         return None
     text = token_ids if image_mask is None else token_ids[~image_mask.to(token_ids.device)]
     return head.embed(text).float().mean(0)
+
+
+class Eagle3Head(EagleHead):
+    """EAGLE-3's head (the shape vLLM, SGLang and `speculators` load), on `EagleHead`'s machinery
+    (packed decode, rotary table, trimmed vocabulary, acceptance head, the session's tree search):
+
+        fused_i = fc(concat(F^l1_i, F^l2_i, F^l3_i))       # the target's chosen layers, [mH] -> [H]
+        a_i     = concat(input_layernorm(embed(token_{i+1})), hidden_norm(fused_i))    # [2H]
+        x_i     = r_i + o_proj(attention(q/k/v over a_i))   # r_i = hidden_norm(fused_i) if norm_before_residual else fused_i
+        h_i     = x_i + mlp(post_attention_layernorm(x_i))  # [H]: the next step's fused state
+        p(token_{i+2}) = softmax(lm(norm(h_i)))             # its own LM head over the draft vocabulary
+
+    A drafted node's input is its parent's h (width H, no fc): `fc` applies to features of the
+    target's width m x H only (vLLM's `combine_hidden_states`). h is not trained to equal any
+    target feature (no regression loss): only the token distributions are distilled.
+    Its own LM head `lm` [K, H] starts as the target's LM head rows of the draft vocabulary."""
+
+    def __init__(self, config: EagleConfig, embed: nn.Module, lm_head: nn.Module, attn_implementation: str = "sdpa") -> None:
+        assert config.arch == "eagle3", config.arch
+        super().__init__(config, embed, lm_head, attn_implementation)
+        h, att = config.hidden_size, self.layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):  # the attention reads [embedding, fused state]: 2H
+            setattr(att, name, nn.Linear(2 * h, getattr(att, name).out_features, bias=False))
+        self.norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+        self.lm = nn.Linear(h, config.draft_vocab_size or config.vocab_size, bias=False)
+        with torch.no_grad():
+            self.lm.weight.copy_(self._target_rows(lm_head))
+
+    def _input_modules(self, config: EagleConfig) -> None:
+        h = config.hidden_size
+        self.fc = nn.Linear(config.feature_width, h, bias=False)
+        self.hidden_norm = LlamaRMSNorm(h, eps=config.rms_norm_eps)
+
+    def _target_rows(self, lm_head: nn.Module) -> torch.Tensor:
+        """The target LM head's rows of the draft vocabulary [K, H] (all of them untrimmed)."""
+        w = lm_head.weight.detach()
+        return w.index_select(0, self.d2t.to(w.device)) if self.trimmed else w
+
+    @property
+    def predicts_features(self) -> bool:
+        return False
+
+    @property
+    def logits_module(self) -> nn.Module:
+        return self.lm
+
+    def _fuse(self, features: torch.Tensor, fc: nn.Module) -> torch.Tensor:
+        """[..., mH] target features -> fc -> [..., H]; a drafted node's [..., H] (its parent's output) as it is."""
+        return fc(features) if features.shape[-1] != self.config.hidden_size else features
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,  # [n] or [B, n]
+        features: torch.Tensor,  # [n, mH] | [n, H] or batched: the target's layers, or the head's own outputs
+        position_ids: torch.Tensor,  # [n] or [B, n]
+        attention_mask: torch.Tensor | None,  # [1|B, 1, n, cache + n] additive; None = causal
+        cache: DynamicCache | None,
+        direct: torch.Tensor | None = None,
+        fuse: torch.Tensor | None = None,
+        global_feat: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # [n, H] or [B, n, H]
+        """Training and the reference: the HF layer's own modules, composed as EAGLE-3's layer."""
+        assert direct is None and fuse is None and global_feat is None, "the VLM-aware variants are EAGLE-1 heads"
+        batched = token_ids.ndim == 2
+        if not batched:
+            token_ids, features, position_ids = _batch_of_one(token_ids, features, position_ids)
+        layer = self.layer
+        emb = self.embed(token_ids)
+        fused = self._fuse(features.to(emb.dtype), self.fc)
+        normed = self.hidden_norm(fused)
+        a_in = torch.cat([layer.input_layernorm(emb), normed], dim=-1)  # [B, n, 2H]
+        attn, _ = layer.self_attn(a_in, position_embeddings=self.rotary(fused, position_ids), attention_mask=attention_mask,
+                                  **cache_kwarg(layer.self_attn, cache))
+        x = (normed if self.config.norm_before_residual else fused) + attn
+        out = x + layer.mlp(layer.post_attention_layernorm(x))
+        return out if batched else out[0]
+
+    def _decode_input(self, token_ids: torch.Tensor, features: torch.Tensor, direct: torch.Tensor | None, fuse: torch.Tensor | None,
+                      global_feat: torch.Tensor | None, lin: "_DecodeLinears") -> tuple[torch.Tensor, torch.Tensor]:
+        """decode()'s attention input [n, 2H] and residual [n, H] (`forward`'s, over the packed fc and fused norms)."""
+        assert direct is None and fuse is None and global_feat is None, "the VLM-aware variants are EAGLE-1 heads"
+        emb = self.embed(token_ids)
+        fused = self._fuse(features.to(emb.dtype), lin.fc)
+        normed = _rms_norm(self.hidden_norm, fused)
+        a_in = torch.cat([_rms_norm(self.layer.input_layernorm, emb), normed], dim=-1)
+        return a_in, normed if self.config.norm_before_residual else fused
+
+    def _final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return _rms_norm(self.norm, hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., K] float32: its own (trained) LM head over the final norm."""
+        return self.lm(self.norm(hidden)).float()
+
+    def _draft_head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.lm.weight.detach(), None
+
+    def set_draft_vocab(self, d2t: torch.Tensor) -> None:
+        """d2t [K]: the draft vocabulary; its own LM head restarts from the target's rows of it."""
+        super().set_draft_vocab(d2t)
+        with torch.no_grad():
+            self.lm.weight.copy_(self._target_rows(self.lm_head))
+
+
+def build_head(config: EagleConfig, embed: nn.Module, lm_head: nn.Module, attn_implementation: str = "sdpa") -> EagleHead:
+    """The head a config's `arch` names: `EagleHead` (eagle1) or `Eagle3Head` (eagle3)."""
+    cls = Eagle3Head if config.arch == "eagle3" else EagleHead
+    return cls(config, embed, lm_head, attn_implementation)

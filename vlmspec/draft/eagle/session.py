@@ -4,6 +4,7 @@ stop rule) on the device and reads it back with one device->host transfer."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -18,7 +19,8 @@ from vlmspec.kv_cache import KVCache
 from vlmspec.target import Target
 from vlmspec.tree import DraftTree, tree_attention_mask
 from vlmspec.draft.eagle.config import CONFIG_NAME, WEIGHTS_NAME, EagleConfig, _checkpoint_folder, _read_config
-from vlmspec.draft.eagle.head import EagleHead, draft_entropy, question_embedding
+from vlmspec.draft.eagle.head import EagleHead, build_head, draft_entropy, question_embedding
+from vlmspec.draft.eagle.speculators_format import config_from_speculators, is_speculators, weights_from_speculators
 from vlmspec.draft.eagle.vocab import check_draft_vocab
 
 class EagleDrafter:
@@ -28,6 +30,13 @@ class EagleDrafter:
     def needs_visual(self) -> bool:
         """VLM-aware variants read the image embeddings and the target's attention at prefill."""
         return self.head.visual is not None
+
+    @property
+    def feature_layers(self) -> tuple[int, ...] | None:
+        """The target layers whose hidden states the head reads (EAGLE-3), concatenated as the
+        features the target hands it; None: the target's last hidden state (EAGLE-1)."""
+        layers = self.head.config.feature_layers
+        return tuple(layers) if layers else None
 
     def __init__(self, head: EagleHead, tree: TreeConfig | None = None, stop_threshold: float | None = None) -> None:
         """stop_threshold: SpecDec++'s stop rule (None: the config's; 0: off, EAGLE-2's tree)."""
@@ -40,9 +49,9 @@ class EagleDrafter:
 
     # ------------------------------------------------------------ construction / io
     @classmethod
-    def random_init(cls, target: Target, tree: TreeConfig | None = None, seed: int = 0) -> "EagleDrafter":
+    def random_init(cls, target: Target, tree: TreeConfig | None = None, seed: int = 0, arch: str = "eagle1") -> "EagleDrafter":
         torch.manual_seed(seed)
-        head = EagleHead(EagleConfig.from_target(target), target.input_embeddings(), target.output_embeddings(), target.attention)
+        head = build_head(EagleConfig.from_target(target, arch), target.input_embeddings(), target.output_embeddings(), target.attention)
         return cls(head.to(device=target.device, dtype=target.dtype), tree)
 
     def save(self, directory: str | Path) -> None:
@@ -54,8 +63,12 @@ class EagleDrafter:
 
     @staticmethod
     def default_tree(folder_or_hub_id: str | Path, device: str | torch.device) -> TreeConfig | None:
-        """The tree a drafter's config records as measured best on `device`'s type (None: none recorded)."""
-        return _read_config(_checkpoint_folder(str(folder_or_hub_id))).default_tree(device)
+        """The tree a drafter's config records as measured best on `device`'s type (None: none recorded,
+        or a speculators-format drafter)."""
+        folder = _checkpoint_folder(str(folder_or_hub_id))
+        if _speculators_raw(folder) is not None:
+            return None
+        return _read_config(folder).default_tree(device)
 
     @classmethod
     def from_pretrained(cls, folder_or_hub_id: str | Path, target: Target, tree: TreeConfig | None = None) -> "EagleDrafter":
@@ -65,18 +78,22 @@ class EagleDrafter:
 
     @classmethod
     def load(cls, directory: str | Path, target: Target, tree: TreeConfig | None = None) -> "EagleDrafter":
-        """A drafter folder (either format), checked against `target`, weights loaded strictly."""
+        """A drafter folder (vlmspec's format, its first one, or the speculators format of an EAGLE-3
+        drafter), checked against `target`, weights loaded strictly."""
         d = Path(directory)
         w_path = d / WEIGHTS_NAME
         if not (d / CONFIG_NAME).is_file() or not w_path.is_file():
             raise DrafterLoadError(f"{d} is not a drafter folder: it needs {CONFIG_NAME} and {WEIGHTS_NAME}")
-        config = _read_config(d)
+        raw = _speculators_raw(d)
+        config = _read_config(d) if raw is None else config_from_speculators(raw, target, d / CONFIG_NAME)
         config.check_against(target)
-        head = EagleHead(config, target.input_embeddings(), target.output_embeddings(), target.attention)
+        head = build_head(config, target.input_embeddings(), target.output_embeddings(), target.attention)
         try:
             state = load_file(str(w_path))
         except SafetensorError as exc:
             raise DrafterLoadError(f"{w_path}: not a readable safetensors file ({exc})") from exc
+        if raw is not None:
+            state = weights_from_speculators(state, config, target, w_path)
         expected = set(head.state_dict())
         missing, unexpected = expected - set(state), set(state) - expected
         if missing or unexpected:
@@ -96,6 +113,16 @@ class EagleDrafter:
     def propose_batch(self, sessions: list["_EagleSession"], roots: list[int], max_depths: list[int]) -> list[DraftTree]:
         """Every row's tree, the rows' head forwards and LM-head products run together (`propose_rows`)."""
         return propose_rows(sessions, roots, max_depths)
+
+
+def _speculators_raw(folder: Path) -> dict[str, Any] | None:
+    """The folder's config.json when it is in the speculators format, else None (vlmspec's formats,
+    or an unreadable file: `_read_config` says what is wrong with it)."""
+    try:
+        raw = json.loads((folder / CONFIG_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return raw if isinstance(raw, dict) and is_speculators(raw) else None
 
 
 class _EagleSession:
