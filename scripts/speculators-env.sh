@@ -11,4 +11,4 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 test -x "$VENV/bin/python" || python3 -m venv "$VENV"
 "$VENV/bin/pip" install -q $TORCH_SPEC
 "$VENV/bin/pip" install -q $SPECULATORS_SPEC
-"$VENV/bin/python" -c "import importlib.metadata as m; print("speculators", m.version("speculators"), "transformers", m.version("transformers"), "torch", m.version("torch"))"
+"$VENV/bin/python" -c 'import importlib.metadata as m; print(*(f"{p} {m.version(p)}" for p in ("speculators", "transformers", "torch")))'

@@ -194,4 +194,7 @@ def run_on_ray(args: argparse.Namespace, spec, model: str, drafter: str, scale_o
         return serve_on_ray(spec, settings, scale_out, drafter, args.host, args.port)
     except ConnectionError as exc:  # ray.init: no cluster at --ray-address (e.g. 'auto' with none running)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UsageError(f"--ray-address {args.ray_address}: {first}") from None
+        hint = "" if os.environ.get("RAY_AUTH_MODE") else (
+            " (a cluster with Ray's token authentication, on by default since Ray 2.60, needs RAY_AUTH_MODE=token "
+            "and its head's ~/.ray/auth_token on this machine)")
+        raise UsageError(f"--ray-address {args.ray_address}: {first}{hint}") from None
