@@ -152,6 +152,17 @@ def judge(kind: str, got: dict[str, Any], ref: str, exact: bool) -> str | None:
     return None if ref.startswith(text) else f"off its prefix: {text[:60]!r} vs {ref[:60]!r}"
 
 
+def draw(rng: random.Random, opts: SoakOptions) -> tuple[str, tuple[int, str], tuple[int, str], int | None]:
+    """A client's next request: (kind, body key, reference key, close after that many chunks or None)."""
+    p, u = rng.randrange(opts.prompts), rng.random()
+    cut = [sum(opts.shares[:i + 1]) for i in range(3)]
+    kind = "cancel" if u < cut[0] else "client-timeout" if u < cut[1] else "server-timeout" if u < cut[2] else "complete"
+    if kind == "server-timeout":
+        return kind, (p, "long"), (p, "long-ref"), None
+    v = rng.choice(VARIANTS if kind == "complete" else [v for v in VARIANTS if v.stream]).name
+    return kind, (p, v), (p, v), rng.randint(1, 4) if kind == "cancel" else None
+
+
 def rss_bytes() -> int:
     """This process's resident memory (Linux /proc)."""
     with open("/proc/self/statm") as f:
@@ -177,7 +188,6 @@ def soak(url: str, model: str, opts: SoakOptions, server_timeout_s: float, progr
     if progress:
         print(f"  {len(refs)} references answered alone; soaking {opts.clients} clients for {opts.minutes:g} min", flush=True)
     exact = {v.name: v.exact for v in VARIANTS}
-    streamed = [v.name for v in VARIANTS if v.stream]
     lock, results, samples = threading.Lock(), [], []
     t0 = time.perf_counter()
     end = t0 + 60 * opts.minutes
@@ -192,19 +202,8 @@ def soak(url: str, model: str, opts: SoakOptions, server_timeout_s: float, progr
         rng = random.Random(opts.seed * 1000 + k)
         with httpx.Client(timeout=httpx.Timeout(server_timeout_s + 60)) as c:
             while time.perf_counter() < end:
-                p, u = rng.randrange(opts.prompts), rng.random()
-                cut = [sum(opts.shares[:i + 1]) for i in range(3)]
-                kind = "cancel" if u < cut[0] else "client-timeout" if u < cut[1] else "server-timeout" if u < cut[2] else "complete"
-                stop_after, client = None, c
-                if kind == "complete":
-                    v = rng.choice(VARIANTS).name
-                    key, ref_key = (p, v), (p, v)
-                elif kind == "server-timeout":
-                    key, ref_key = (p, "long"), (p, "long-ref")
-                else:
-                    v = rng.choice(streamed)
-                    key, ref_key = (p, v), (p, v)
-                    stop_after = rng.randint(1, 4) if kind == "cancel" else None
+                kind, key, ref_key, stop_after = draw(rng, opts)
+                client, p = c, key[0]
                 started = time.perf_counter() - t0
                 try:
                     if kind == "client-timeout":
