@@ -288,8 +288,9 @@ class AcceptanceTracker:
 
     def probing(self) -> bool:
         """The next drafted step is a probe: the request's first, a retry after plain steps, or one
-        after a drafted step that accepted nothing (only a drafted step that paid leads deeper)."""
-        return not self.last_depth or self.last_accepted == 0
+        after a drafted step that accepted nothing (a plain step, and no step, accepted nothing too:
+        only a drafted step that paid leads deeper)."""
+        return self.last_accepted == 0
 
     def retry_price(self) -> float:
         """What a retry (a drafted step at the probe depth, else at the deepest depth seen) costs over

@@ -27,7 +27,6 @@ for each concurrency, every way in turn (rotated), so a drifting machine moves t
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmspec.bench.batch import mixed_conversations
-from vlmspec.bench.server import chat_body
+from vlmspec.bench.server import chat_body, delta_text, sse_events
 from vlmspec.stats import rotated
 
 WAYS: dict[str, dict[str, Any]] = {  # a way's request fields (the OpenAI body's extensions)
@@ -94,13 +93,10 @@ def _one(client: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
             r.read()
             raise RuntimeError(f"the server answered {r.status_code}: {r.text[:300]}")
         replica = r.headers.get(REPLICA_HEADER)
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
+        for event in sse_events(r):
             if "error" in event:
                 raise RuntimeError(f"the stream failed: {event['error']}")
-            text = (event["choices"][0]["delta"].get("content") or "") if event["choices"] else ""
+            text = delta_text(event)
             if text and first is None:
                 first = time.perf_counter() - t0
             parts.append(text)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import base64
 import io
 import json
-from typing import Any
+from typing import Any, Iterator
 
 from vlmspec.bench.runner import run_ways
 from vlmspec.data.heldout import Conversation
@@ -46,16 +46,23 @@ def _direct(engine: SpecEngine, conv: Conversation, max_tokens: int) -> str:
     return generate_text(engine, inputs, GenerationConfig(max_new_tokens=max_tokens)).text
 
 
+def sse_events(response: Any) -> Iterator[dict[str, Any]]:
+    """The JSON events of a streamed chat completion (an httpx streaming response), [DONE] left out."""
+    for line in response.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
+def delta_text(event: dict[str, Any]) -> str:
+    """A chunk's text ("" for the role, finish and usage chunks)."""
+    return (event["choices"][0].get("delta", {}).get("content") or "") if event.get("choices") else ""
+
+
 def _served(client: Any, url: str, body: dict[str, Any]) -> str:
     if body["stream"]:
-        parts = []
         with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
             r.raise_for_status()
-            for line in r.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    choices = json.loads(line[6:]).get("choices") or [{}]
-                    parts.append(choices[0].get("delta", {}).get("content") or "")
-        return "".join(parts)
+            return "".join(delta_text(e) for e in sse_events(r))
     r = client.post(f"{url}/v1/chat/completions", json=body)
     r.raise_for_status()
     return r.json()["choices"][0]["message"]["content"]

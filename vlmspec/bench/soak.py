@@ -25,7 +25,6 @@ no unexpected status, nothing hung (every request has a deadline), memory after 
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import statistics
@@ -37,7 +36,7 @@ from typing import Any
 
 from vlmspec.bench.batch import mixed_conversations
 from vlmspec.bench.load import _pct
-from vlmspec.bench.server import chat_body
+from vlmspec.bench.server import chat_body, delta_text, sse_events
 
 KINDS = ("complete", "cancel", "client-timeout", "server-timeout")
 
@@ -112,16 +111,13 @@ def send(client: Any, url: str, body: dict[str, Any], stop_after: int | None = N
                 if status != 200:
                     r.read()
                     error = r.json().get("error", {}).get("code")
-                for line in r.iter_lines() if status == 200 else ():
+                for event in sse_events(r) if status == 200 else ():
                     if time.perf_counter() - t0 > deadline_s:
                         raise TimeoutError(f"no end after {deadline_s:g} s")
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
                     if "error" in event:
                         error = event["error"].get("code")
                         continue
-                    text = (event["choices"][0]["delta"].get("content") or "") if event["choices"] else ""
+                    text = delta_text(event)
                     if text:
                         parts.append(text)
                         if stop_after is not None and len(parts) >= stop_after:
