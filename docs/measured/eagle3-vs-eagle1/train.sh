@@ -24,3 +24,13 @@ if [ "${TTT5:-0}" = 1 ]; then
     --dtype bfloat16 --steps 230 --batch-size 6 --lr 1e-3 --draft-vocab 4096 --text-pairs 128 --text-share 0.34 \
     --answer-style tally --eval-n 0 --minutes 12 --ttt-steps 5
 fi
+# the shipped head's budget: the two stages of assets/smolvlm-toyworld-drafter (700 + 250 steps, 512 + 512
+# text pairs, the acceptance head), with EAGLE-3 and training-time test over the tree's depth (5)
+if [ "${FULL:-0}" = 1 ]; then
+  flock /tmp/vlmspec-heavy.lock .venv/bin/vlmspec train --arch eagle3 --ttt-steps 5 --target models/smolvlm-toyworld --out runs/e3-full1 \
+    --dtype bfloat16 --steps 700 --batch-size 6 --lr 1e-3 --draft-vocab 4096 --text-pairs 512 --text-share 0.34 \
+    --acceptance-head --answer-style tally --eval-every 700 --minutes 75
+  flock /tmp/vlmspec-heavy.lock .venv/bin/vlmspec train --arch eagle3 --ttt-steps 5 --target models/smolvlm-toyworld --out runs/e3-full2 \
+    --init-from runs/e3-full1/drafter --dtype bfloat16 --steps 250 --batch-size 6 --lr 5e-4 --draft-vocab 4096 --text-pairs 512 \
+    --text-style varied --text-share 0.5 --acceptance-head --answer-style tally --eval-every 250 --minutes 40
+fi
