@@ -10,7 +10,7 @@ pytest.importorskip("httpx")
 pytest.importorskip("matplotlib")
 
 from vlmspec import assets
-from vlmspec.bench.load import _check_answers, _pct, markdown, ratios
+from vlmspec.bench.load import _check_answers, _pct, markdown, ratios, same_request_p99
 from vlmspec.cli import main
 
 
@@ -49,3 +49,11 @@ def test_answers_are_checked_against_the_lowest_concurrency_and_percentiles():
                               "goodput / plain at 8 clients": 1.5}
     assert "goodput / plain at 8 clients: 1.50x" in markdown(report)  # on the first max_batch only (not 16's 90 tokens/s)
     assert "| goodput | 16 | 8 | 2 | 90.0 |" in markdown(report)
+
+
+def test_the_tail_is_read_per_request_against_the_same_request_alone():
+    """A slow prompt that is as slow alone is no tail; a prompt slowed by the load is (negative control)."""
+    alone = {"latencies": {"0": [1.0], "1": [4.0]}}  # keys as JSON writes them
+    assert same_request_p99(alone, {"latencies": {0: [2.0, 2.0], 1: [8.0]}}) == pytest.approx(2.0)
+    assert same_request_p99(alone, {"latencies": {0: [2.0], 1: [40.0]}}) == pytest.approx(9.92)
+    assert same_request_p99(alone, {"latencies": {0: [2.0], 2: [99.0]}}) == 2.0  # a request not run alone is not compared

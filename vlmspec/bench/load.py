@@ -27,6 +27,7 @@ for each concurrency, every way in turn (rotated), so a drifting machine moves t
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from dataclasses import dataclass
@@ -176,7 +177,8 @@ def run_level(target: Endpoint, requests: list[dict[str, Any]], clients: int, n:
             "tokens_per_s": sum(d["tokens"] for d in done) / wall, "latency_p50_s": _pct(lat, 50), "latency_p99_s": _pct(lat, 99),
             "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99), "mean_batch": (after[0] - before[0]) / steps if steps else 0.0,
             "replicas": len({d["replica"] for d in done if d["replica"] is not None}),  # replicas that served the level (0: one process)
-            "answers": {d["index"]: d["text"] for d in sorted(done, key=lambda d: d["index"])}}
+            "answers": {d["index"]: d["text"] for d in sorted(done, key=lambda d: d["index"])},
+            "latencies": {i: [d["latency_s"] for d in done if d["index"] == i] for i in sorted({d["index"] for d in done})}}
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -230,12 +232,22 @@ def ratios(report: dict[str, Any]) -> dict[str, float]:
         if (way, 8) in cell and (way, 1) in cell:
             out[f"{way}: tokens/s at 8 clients / at 1"] = cell[(way, 8)]["tokens_per_s"] / cell[(way, 1)]["tokens_per_s"]
             out[f"{way}: p99 latency at 8 clients / p50 at 1"] = cell[(way, 8)]["latency_p99_s"] / cell[(way, 1)]["latency_p50_s"]
+            if "latencies" in cell[(way, 1)]:  # reports written before per-request latencies were kept have none
+                out[f"{way}: p99 over requests of latency at 8 clients / the same request's at 1"] = same_request_p99(cell[(way, 1)], cell[(way, 8)])
     for c in (4, 8, 16):
         if ("goodput", c) in cell and ("plain", c) in cell:
             out[f"goodput / plain at {c} clients"] = cell[("goodput", c)]["tokens_per_s"] / cell[("plain", c)]["tokens_per_s"]
     if ("goodput", 1) in cell and ("baseline", 1) in cell:
         out["goodput at 1 client / the one-at-a-time service"] = cell[("goodput", 1)]["tokens_per_s"] / cell[("baseline", 1)]["tokens_per_s"]
     return out
+
+
+def same_request_p99(alone: dict[str, Any], loaded: dict[str, Any]) -> float:
+    """The 99th percentile, over the requests both levels ran, of a request's latency in `loaded` over
+    its latency in `alone` (each the median of that request's runs in the level)."""
+    mine = {str(i): v for i, v in alone["latencies"].items()}
+    per_request = [statistics.median(v) / statistics.median(mine[str(i)]) for i, v in loaded["latencies"].items() if str(i) in mine]
+    return _pct(per_request, 99)
 
 
 def markdown(report: dict[str, Any]) -> str:
