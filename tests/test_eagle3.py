@@ -211,3 +211,19 @@ def test_cli_export_writes_the_format_and_refuses_an_eagle1_drafter_in_one_line(
     assert len(err) == 1 and err[0].startswith("vlmspec export: error:") and "EAGLE-1 drafter does not export exactly" in err[0]
     assert "--arch eagle3" in err[0]
     assert not (tmp_path / "no").exists()
+
+
+def test_chosen_feature_layers_are_the_heads_and_bad_choices_are_refused_at_the_edge():
+    from vlmspec.cli.options import UsageError
+    from vlmspec.cli.train import feature_layer_ids
+    from vlmspec.train.distill import new_head
+
+    assert feature_layer_ids("27,15,2", 30) == (2, 15, 27)
+    for bad in ("a,b", "15", "2,2", "2,30", "-1,4"):
+        with pytest.raises(UsageError, match="--feature-layers"):
+            feature_layer_ids(bad, 30)
+    with pytest.raises(ValueError, match="eagle3"):
+        DistillConfig(arch="eagle1", feature_layers=(0, 1))
+    target = tiny_target("llava")
+    assert new_head(target, DistillConfig(arch="eagle3")).config.feature_layers == [0, 1]  # the default on 2 layers
+    assert new_head(target, DistillConfig(arch="eagle3", feature_layers=(1, 0))).config.feature_layers == [1, 0]  # the choice, as given

@@ -42,6 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--arch", choices=("eagle1", "eagle3"), default="eagle1",
                    help="the head: eagle1 (fc over [embedding, last hidden state], the target's LM head) or eagle3 (the "
                         "hidden states of three target layers, EAGLE-3's defaults [2, n/2, n-3], fused; its own LM head)")
+    d.add_argument("--feature-layers", default=None, metavar="I,J,K",
+                   help="--arch eagle3: the target layers it reads, as HF hidden_states ids (layer i's input), e.g. 15,22,29 "
+                        "(default: EAGLE-3's [2, n/2, n-3])")
     d.add_argument("--visual", default="none", choices=VISUAL_CHOICES,
                    help="VLM-aware head: compress the image tokens the drafter reads (issue #5); none = all of them")
     d.add_argument("--ratio", type=float_in("--ratio", 1.0, 4096.0), default=4.0, help="compression ratio for --visual")
@@ -89,6 +92,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     from vlmspec import factory
+    from vlmspec.draft.eagle.config import target_depth
     from vlmspec.train.distill import DistillConfig, train_drafter
     from vlmspec.vision_compress import VisualConfig
 
@@ -109,14 +113,18 @@ def run_train(args: argparse.Namespace) -> int:
         raise UsageError("--visual variants are EAGLE-1 heads: drop --visual, or train --arch eagle1")
     if args.text_style != "plain" and not args.text_pairs:
         raise UsageError("--text-style shapes the --text-pairs; add --text-pairs N")
+    if args.feature_layers is not None and args.arch != "eagle3":
+        raise UsageError("--feature-layers chooses an EAGLE-3 head's layers: add --arch eagle3")
     target = factory.load(spec)
     check_draft_vocab(args.draft_vocab, target.vocab_size)
+    layers = feature_layer_ids(args.feature_layers, target_depth(target)) if args.feature_layers is not None else ()
     cfg = DistillConfig(
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, w_ce=args.w_ce, w_feat=args.w_feat,
         ttt_steps=args.ttt_steps, curriculum_steps=args.curriculum_steps, eval_every=args.eval_every, eval_n=args.eval_n,
         minutes=args.minutes, seed=args.seed, regenerate=args.regenerate, draft_vocab=args.draft_vocab,
         acceptance_head=args.acceptance_head, text_pairs=args.text_pairs, text_share=args.text_share,
         answer_style=args.answer_style, text_style=args.text_style, init_from=args.init_from or "", arch=args.arch,
+        feature_layers=layers,
     )
     vis = VisualConfig(args.visual, args.ratio, args.decouple, args.global_feature, gate_cost=args.gate_cost if args.visual == "gate" else 0.0)
     cfg.visual = {} if vis.is_plain else vis.to_dict()
@@ -130,6 +138,17 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"train: {summary['step']} steps, {summary['elapsed_s'] / 60:.1f} min of training steps "
               f"({summary['run_wall_s'] / 60:.1f} min this run with data, evals and the stop threshold); drafter in {args.out}/drafter")
     return 0
+
+
+def feature_layer_ids(text: str, depth: int) -> tuple[int, ...]:
+    """--feature-layers "I,J,K": two or more distinct layer ids of a target `depth` layers deep, in order."""
+    try:
+        ids = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise UsageError(f"--feature-layers {text!r}: give layer ids separated by commas, e.g. 15,22,29") from None
+    if len(ids) < 2 or len(set(ids)) != len(ids) or not all(0 <= i < depth for i in ids):
+        raise UsageError(f"--feature-layers {text!r}: two or more distinct ids in 0..{depth - 1} (this target has {depth} layers)")
+    return tuple(sorted(ids))
 
 
 def process_device(device: str | None) -> dict[str, str]:

@@ -59,10 +59,15 @@ class DistillConfig(TrainConfig):
     init_from: str = ""
     # the head: "eagle1" (EagleHead) or "eagle3" (Eagle3Head: three target layers, its own LM head)
     arch: str = "eagle1"
+    # eagle3: the target layers whose hidden states the head reads (HF hidden_states ids); () = EAGLE-3's defaults
+    feature_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.arch not in ("eagle1", "eagle3"):
             raise ValueError(f"arch must be eagle1 or eagle3, got {self.arch!r}")
+        self.feature_layers = tuple(self.feature_layers)
+        if self.feature_layers and self.arch != "eagle3":
+            raise ValueError("feature_layers choose an eagle3 head's layers: train arch eagle3, or leave them out")
         if self.arch == "eagle3" and self.visual:
             raise ValueError("the VLM-aware variants (visual) are EAGLE-1 heads: train eagle3 without one")
         if not 0.0 <= self.text_share <= 1.0 or self.text_pairs < 0:
