@@ -34,3 +34,16 @@ if [ "${FULL:-0}" = 1 ]; then
     --init-from runs/e3-full1/drafter --dtype bfloat16 --steps 250 --batch-size 6 --lr 5e-4 --draft-vocab 4096 --text-pairs 512 \
     --text-style varied --text-share 0.5 --acceptance-head --answer-style tally --eval-every 250 --minutes 40
 fi
+# the layer diagnostic: the TTT5 run with the upper half's layers [15, 22, 29] in place of EAGLE-3's [2, 15, 27]
+if [ "${LAYERS:-0}" = 1 ]; then
+  flock /tmp/vlmspec-heavy.lock .venv/bin/vlmspec train --arch eagle3 --feature-layers 15,22,29 --out runs/cmp-e3-upper --target models/smolvlm-toyworld \
+    --dtype bfloat16 --steps 230 --batch-size 6 --lr 1e-3 --draft-vocab 4096 --text-pairs 128 --text-share 0.34 \
+    --answer-style tally --eval-n 0 --minutes 12 --ttt-steps 5
+fi
+# the unroll diagnostic, deeper: training-time test over 7 steps (the shipped tree's depth), the TTT5 run otherwise
+if [ "${TTT7:-0}" = 1 ]; then
+  mkdir -p runs/cmp-e3-ttt7 && cp runs/cmp-e3-upper/magpie.json runs/cmp-e3-ttt7/
+  flock /tmp/vlmspec-heavy.lock .venv/bin/vlmspec train --arch eagle3 --out runs/cmp-e3-ttt7 --target models/smolvlm-toyworld \
+    --dtype bfloat16 --steps 230 --batch-size 6 --lr 1e-3 --draft-vocab 4096 --text-pairs 128 --text-share 0.34 \
+    --answer-style tally --eval-n 0 --minutes 15 --ttt-steps 7
+fi
