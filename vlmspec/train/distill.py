@@ -123,7 +123,7 @@ def warm_start(head: EagleHead, target: Target, folder: str | Path) -> None:
             if getattr(have, name) != getattr(want, name)]
     if diff:
         raise DataError(f"--init-from {folder}: a drafter of another kind ({'; '.join(diff)}); "
-                        "train with the same --arch / --draft-vocab / --visual / --acceptance-head as it was")
+                        "train with the same --arch / --feature-layers / --draft-vocab / --visual / --acceptance-head as it was")
     head.load_state_dict(init.head_state_dict(), strict=True)  # same config, so the same keys
 
 
