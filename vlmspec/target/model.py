@@ -66,11 +66,15 @@ class ForwardOut:
     attention: torch.Tensor | None = None  # [L] last layer's head-averaged attention of the last token
 
 
-def last_hidden(hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """The decoder's last hidden states [B, L, H] from a forward's `hidden_states`. Gemma 3n keeps
-    AltUp streams there, [S, B, L, H]: its main stream, 0, is the one the others are predicted from."""
-    h = hidden_states[-1]
+def _main_stream(h: torch.Tensor) -> torch.Tensor:
+    """One entry of `hidden_states` as [B, L, H]. Gemma 3n keeps AltUp streams there, [S, B, L, H]:
+    its main stream, 0, is the one the others are predicted from."""
     return h[0] if h.ndim == 4 else h
+
+
+def last_hidden(hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The decoder's last hidden states [B, L, H] from a forward's `hidden_states`."""
+    return _main_stream(hidden_states[-1])
 
 
 def layer_features(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, ...] | None) -> torch.Tensor:
@@ -80,7 +84,7 @@ def layer_features(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, .
     if layers is None:
         return last_hidden(hidden_states)
     assert max(layers) < len(hidden_states) - 1, (layers, len(hidden_states))
-    return torch.cat([h[0] if h.ndim == 4 else h for h in (hidden_states[i] for i in layers)], dim=-1)
+    return torch.cat([_main_stream(hidden_states[i]) for i in layers], dim=-1)
 
 
 def _text_config(config: Any) -> Any:

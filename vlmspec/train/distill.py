@@ -131,9 +131,7 @@ def warm_start(head: EagleHead, target: Target, folder: str | Path) -> None:
 def new_head(target: Target, cfg: DistillConfig) -> EagleHead:
     """A fresh float32 head for `target`, of the config's kind (EAGLE-1 or EAGLE-3, trimmed vocabulary,
     acceptance head, visual variant)."""
-    ecfg = EagleConfig.from_target(target, cfg.arch)
-    if cfg.feature_layers:
-        ecfg.feature_layers = list(cfg.feature_layers)
+    ecfg = EagleConfig.from_target(target, cfg.arch, cfg.feature_layers)
     ecfg.draft_vocab_size = cfg.draft_vocab
     ecfg.acceptance_head = cfg.acceptance_head
     vis = VisualConfig.from_dict(cfg.visual).sized_for(target.image_tokens)  # the resampler's queries cover one image

@@ -153,8 +153,8 @@ class EagleConfig(PretrainedConfig):
         return cls(**raw)
 
     @classmethod
-    def from_target(cls, target: Target, arch: str = "eagle1") -> "EagleConfig":
-        """A head of `arch` sized for `target` (eagle3: EAGLE-3's default layers, `default_feature_layers`)."""
+    def from_target(cls, target: Target, arch: str = "eagle1", layers: tuple[int, ...] = ()) -> "EagleConfig":
+        """A head of `arch` sized for `target` (eagle3: reading `layers`, () = EAGLE-3's defaults, `default_feature_layers`)."""
         tc = target.text_config
 
         def attr(name: str) -> Any:
@@ -180,7 +180,7 @@ class EagleConfig(PretrainedConfig):
             rms_norm_eps=float(attr("rms_norm_eps") or 1e-6),
             target_model_type=str(getattr(target.model.config, "model_type", "")),
             arch=arch,
-            feature_layers=default_feature_layers(target_depth(target)) if arch == "eagle3" else [],
+            feature_layers=(list(layers) or default_feature_layers(target_depth(target))) if arch == "eagle3" else [],
         )
 
     def llama_config(self, attn_implementation: str = "sdpa") -> LlamaConfig:
