@@ -45,6 +45,7 @@ from vlmspec.control import SpeculationOptions
 from vlmspec.engine import Batch, GenerationConfig, GenerationResult, SpecEngine, StepEvent
 from vlmspec.errors import ConfigError, ContextLengthError
 from vlmspec.inputs import encode_messages
+from vlmspec.openmp import release_thread_pool
 from vlmspec.text import TextStream
 
 from .metrics import Metrics
@@ -333,6 +334,7 @@ class Service:
                     self._cancel_waiting(job, job.cancel_reason or "timeout")
                 if self._rows or self._waiting or self.closing:
                     break
+                release_thread_pool()  # idle: another service's worker in this process gets the cores (vlmspec.openmp)
                 self._cond.wait()
             if self.closing and not self._rows:
                 return None

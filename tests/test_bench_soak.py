@@ -33,6 +33,10 @@ def test_each_kind_is_judged_against_the_answer_alone():
     assert judge("server-timeout", _got("The", error="timeout"), ref, exact=True) is None
     assert "timeout event" in judge("server-timeout", _got(ref), ref, exact=True)  # it finished: the timeout did not fire
     assert "prefix" in judge("server-timeout", _got("A dog", error="timeout"), ref, exact=True)
+    # a complete request the server cut at its deadline (a machine loaded beyond it): not wrong while a prefix, counted apart
+    assert judge("complete", _got("The cat", error="timeout"), ref, exact=True) is None
+    assert judge("complete", _got("", status=504, error="timeout"), ref, exact=True) is None  # cut before its first token
+    assert "prefix" in judge("complete", _got("The dog", error="timeout"), ref, exact=True)
 
 
 def _run(wrong=None, rss=(100, 100, 101, 100, 101, 100), active=0):
@@ -46,7 +50,10 @@ def _run(wrong=None, rss=(100, 100, 101, 100, 101, 100), active=0):
 
 def test_the_checks_over_a_run_and_their_negative_controls():
     ok = _run()
-    assert ok["passed"] and ok["rss"]["growth"] == pytest.approx(0.0) and ok["counts"]["cancel"] == {"sent": 1, "wrong": 0}
+    assert ok["passed"] and ok["rss"]["growth"] == pytest.approx(0.0) and ok["counts"]["cancel"] == {"sent": 1, "cut": 0, "wrong": 0}
+    cut = [{"kind": "complete", "variant": "plain", "start_s": 1.0, "wrong": None, **_got("x", error="timeout")}]
+    assert summarise(cut, [(0.0, 1)], {"active": 0, "waiting": 0, "free_slots": 4, "max_batch": 4}, [], 1.0, SoakOptions(minutes=5), 30.0
+                     )["counts"]["complete"] == {"sent": 1, "cut": 1, "wrong": 0}
     assert not _run(wrong="changed")["passed"]
     grown = _run(rss=(100, 100, 100, 100, 108, 110))  # after warm-up (minute 1) memory grows 10%
     assert not grown["passed"] and grown["rss"]["growth"] == pytest.approx(0.10)
