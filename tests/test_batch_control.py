@@ -54,6 +54,23 @@ def test_the_batch_drafts_less_as_it_grows_and_not_at_all_when_it_does_not_pay()
     assert choose_depths([_tracker(5) for _ in range(8)], [5] * 8, COST) == [5] * 8
 
 
+def test_fresh_rows_probe_shallow_in_a_batch_as_alone():
+    """Rows with no history yet (the prior's optimistic acceptance): at B = 8 a depth-1 step costs
+    1.9 plain steps and a depth-5 step 2.5. The full depth looks as if it paid at the prior, but a
+    fresh row's first draft is a probe (depth 1), which does not pay here: the batch decodes
+    plainly. Rows whose last draft paid may go deep; negative control: without probes the fresh
+    batch drafts its full depth."""
+    cheap_deep = BatchCost(((1, B1), (8, CostModel.fit({0: 1.0, 1: 1.9, 5: 2.5}))))
+    assert choose_depths([GoodputPolicy(B1).start() for _ in range(8)], [5] * 8, cheap_deep) == [0] * 8
+    assert choose_depths([_tracker(4) for _ in range(8)], [5] * 8, cheap_deep) == [5] * 8
+    no_probe = GoodputPolicy(B1, probe_depth=None)
+    assert choose_depths([no_probe.start() for _ in range(8)], [5] * 8, cheap_deep) == [5] * 8
+    # a probing row next to rows that paid: they go deep, and it as deep as the step already is
+    mixed = [GoodputPolicy(B1).start()] + [_tracker(4) for _ in range(7)]
+    assert choose_depths(mixed, [5] * 8, cheap_deep) == [5] * 8
+    assert choose_depths(mixed, [5] + [2] * 7, cheap_deep) == [2] * 8  # the others' limit sets the step's depth
+
+
 def test_rows_keep_their_own_limits_and_fixed_rows_their_own_depth():
     rows = [_tracker(5), _tracker(5), FixedPolicy(3).start()]
     depths = choose_depths(rows, [5, 1, 5], COST)

@@ -48,6 +48,23 @@ def _run(wrong=None, rss=(100, 100, 101, 100, 101, 100), active=0):
     return summarise(results, samples, state, [], 300.0, SoakOptions(minutes=5, warmup_fraction=0.2), 30.0)
 
 
+def test_the_heap_is_read_apart_from_resident_memory():
+    """glibc's heap in use and free, sampled beside resident memory: compared after warm-up like it."""
+    from vlmspec.bench.soak import heap_bytes
+
+    got = heap_bytes()
+    assert got is not None and got[0] > 0 and got[1] >= 0  # glibc (Linux): in use, free in its arenas
+    results = [{"kind": k, "variant": "plain", "start_s": 1.0, "wrong": None, **_got("x")} for k in KINDS]
+    rss = [(60.0 * i, 100 * 2**20) for i in range(6)]
+    heap = [(60.0 * i, (50 + 10 * i) * 2**20, (20 - 2 * i) * 2**20) for i in range(6)]  # in use grows, free shrinks
+    report = summarise(results, rss, {"active": 0, "waiting": 0, "free_slots": 4, "max_batch": 4}, [], 300.0,
+                       SoakOptions(minutes=5, warmup_fraction=0.2), 30.0, heap)
+    h = report["heap"]
+    assert h["in_use_after_warmup_mib"] == pytest.approx(60) and h["in_use_end_mib"] == pytest.approx(100)
+    assert h["free_after_warmup_mib"] == pytest.approx(18) and h["free_end_mib"] == pytest.approx(10)
+    assert "heap in use after warm-up 60 MiB, at the end 100 MiB" in markdown(report)
+
+
 def test_the_checks_over_a_run_and_their_negative_controls():
     ok = _run()
     assert ok["passed"] and ok["rss"]["growth"] == pytest.approx(0.0) and ok["counts"]["cancel"] == {"sent": 1, "cut": 0, "wrong": 0}
@@ -57,6 +74,7 @@ def test_the_checks_over_a_run_and_their_negative_controls():
     assert not _run(wrong="changed")["passed"]
     grown = _run(rss=(100, 100, 100, 100, 108, 110))  # after warm-up (minute 1) memory grows 10%
     assert not grown["passed"] and grown["rss"]["growth"] == pytest.approx(0.10)
+    assert ok["heap"] is None and "heap" not in markdown(ok)  # no heap samples given: no heap line
     assert not grown["checks"]["memory after warm-up grew under 5%"]
     leaked = _run(active=1)
     assert not leaked["passed"] and not leaked["checks"]["all slots free at the end"]

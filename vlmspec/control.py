@@ -43,16 +43,19 @@ Over a batch (SmartSpec's goodput is defined over the batch) the rows' depths ar
 drafts every level for all rows at once, so its cost follows the batch size and its deepest row
 (`BatchCost`, measured at start-up per batch size). The goodput rows of a step share one depth D,
 
-    D* = argmax_D  sum_b E_b[min(D, max_depth_b)] / T_B[max(D, deepest fixed row)]
+    D* = argmax_D  sum_b E_b[min(D, cap_b)] / T_B[max(min(D, cap_b) over b, deepest fixed row)]
 
-each row's E_b from its own acceptance history, with the same margin over D = 0; rows of the fixed
-policy keep their own choice. As the batch grows a drafted step costs more plain steps and D*
-falls, to 0 (plain decoding) where drafting no longer pays for the batch. With one row, or without
-a batch cost, each row's controller chooses alone as above. Inside a batch a row's step times are
-not its own, so they do not correct its cost model; the batch's own step times correct the batch
-cost instead (`BatchTiming`: measured / modelled seconds, decayed, drafted and plain steps apart),
-as a request's do alone: the batch's prompts (long image prompts) are not the short one it was
-measured on.
+each row's E_b from its own acceptance history, with the same margin over D = 0; a row's cap is its
+max depth, or `probe_depth` while it is probing (as alone: a fresh row or a retry drafts shallow, so
+a batch of fresh rows prices a depth-1 step, not its full tree at the prior's optimistic acceptance;
+a probing row next to deeper rows drafts as deep as the step is, which costs nothing more); rows of
+the fixed policy keep their own choice. As the batch grows a drafted step costs more plain steps and
+D* falls, to 0 (plain decoding) where drafting no longer pays for the batch. With one row, or
+without a batch cost, each row's controller chooses alone as above. Inside a batch a row's step
+times are not its own, so they do not correct its cost model; the batch's own step times correct the
+batch cost instead (`BatchTiming`: measured / modelled seconds, decayed, drafted and plain steps
+apart), as a request's do alone: the batch's prompts (long image prompts) are not the short one it
+was measured on.
 """
 
 from __future__ import annotations
@@ -391,19 +394,33 @@ def choose_depths(controls: list[Controller], max_depths: list[int], cost: Batch
     depths = [0 if (i in tracked or m < 0) else c.choose(m) for i, (c, m) in enumerate(zip(controls, max_depths))]
     floor, rows = max(depths), len(controls)
     policy: GoodputPolicy = controls[tracked[0]].policy  # type: ignore[attr-defined]
+    caps = {i: _batch_row_cap(controls[i], max_depths[i]) for i in tracked}  # type: ignore[arg-type]
+
+    def row_depths(depth: int) -> tuple[int, dict[int, int]]:
+        """(the step's depth, each goodput row's): the rows share `depth` within their caps, and a
+        probing row drafts as deep as the step already is (its deeper levels cost nothing more)."""
+        step = max([floor] + [min(depth, caps[i]) for i in tracked])
+        return step, {i: min(depth, max_depths[i], max(caps[i], step)) for i in tracked}
 
     def goodput(depth: int) -> float:
-        tokens = sum(controls[i].expected_tokens(min(depth, max_depths[i])) for i in tracked)  # type: ignore[attr-defined]
-        step = max(depth, floor)
+        step, rows_at = row_depths(depth)
+        tokens = sum(controls[i].expected_tokens(d) for i, d in rows_at.items())  # type: ignore[attr-defined]
         return tokens / (cost.seconds(rows, step) * (timing.scale(step) if timing is not None else 1.0))
 
-    best = max(range(max(max_depths[i] for i in tracked) + 1), key=lambda d: (goodput(d), -d))
+    best = max(range(max(caps.values()) + 1), key=lambda d: (goodput(d), -d))
     if best > 0 and goodput(best) < (1.0 + policy.min_gain) * goodput(0):
         best = 0
-    for i in tracked:
-        depths[i] = min(best, max_depths[i])
-        controls[i].chosen.append(depths[i])  # type: ignore[attr-defined]
+    for i, d in row_depths(best)[1].items():
+        depths[i] = d
+        controls[i].chosen.append(d)  # type: ignore[attr-defined]
     return depths
+
+
+def _batch_row_cap(control: AcceptanceTracker, max_depth: int) -> int:
+    """The deepest a goodput row may draft this step in a batch: its max depth, or the probe depth
+    while it is probing (as alone: a request's first draft and every retry are shallow)."""
+    probe = control.policy.probe_depth
+    return min(max_depth, probe) if probe is not None and control.probing() else max_depth
 
 
 def depth_summary(depths: list[int]) -> str:

@@ -27,6 +27,8 @@ no unexpected status, nothing hung (every request has a deadline), memory after 
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import random
 import statistics
@@ -34,7 +36,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from vlmspec.bench.batch import mixed_conversations
 from vlmspec.bench.load import _pct
@@ -169,6 +171,33 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                                                      "uordblks", "fordblks", "keepcost")]
+
+
+@functools.lru_cache(maxsize=1)
+def _mallinfo2() -> Callable[[], _MallInfo2] | None:
+    """glibc's mallinfo2 (2.33+), or None (another C library, an older glibc)."""
+    try:
+        fn = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    return fn
+
+
+def heap_bytes() -> tuple[int, int] | None:
+    """(bytes malloc has handed out and not had back, bytes free inside its arenas), over all of
+    glibc's arenas; None where glibc's mallinfo2 is missing. What tells a growing resident memory
+    apart: live allocations (the first grows) or an allocator holding freed memory (the second)."""
+    info = _mallinfo2()
+    if info is None:
+        return None
+    m = info()
+    return int(m.uordblks + m.hblkhd), int(m.fordblks)
+
+
 def health(client: Any, url: str) -> dict[str, Any]:
     return client.get(f"{url}/healthz", timeout=30).json()
 
@@ -188,14 +217,17 @@ def soak(url: str, model: str, opts: SoakOptions, server_timeout_s: float, progr
     if progress:
         print(f"  {len(refs)} references answered alone; soaking {opts.clients} clients for {opts.minutes:g} min", flush=True)
     exact = {v.name: v.exact for v in VARIANTS}
-    lock, results, samples = threading.Lock(), [], []
+    lock, results, samples, heap = threading.Lock(), [], [], []
     t0 = time.perf_counter()
     end = t0 + 60 * opts.minutes
     stop_sampling = threading.Event()
 
     def sampler() -> None:
         while not stop_sampling.is_set():
-            samples.append((time.perf_counter() - t0, rss_bytes()))
+            t, h = time.perf_counter() - t0, heap_bytes()
+            samples.append((t, rss_bytes()))
+            if h is not None:
+                heap.append((t, *h))
             stop_sampling.wait(opts.sample_s)
 
     def client_loop(k: int) -> None:
@@ -242,16 +274,23 @@ def soak(url: str, model: str, opts: SoakOptions, server_timeout_s: float, progr
             if state["active"] == 0 and state["waiting"] == 0:
                 break
             time.sleep(0.2)
-    return summarise(results, samples, state, hung, wall, opts, server_timeout_s)
+    return summarise(results, samples, state, hung, wall, opts, server_timeout_s, heap)
 
 
 def summarise(results: list[dict[str, Any]], samples: list[tuple[float, int]], state: dict[str, Any], hung: list[str],
-              wall: float, opts: SoakOptions, server_timeout_s: float) -> dict[str, Any]:
+              wall: float, opts: SoakOptions, server_timeout_s: float,
+              heap: list[tuple[float, int, int]] | None = None) -> dict[str, Any]:
     warm = 60 * opts.minutes * opts.warmup_fraction
-    after = [r for t, r in samples if t >= warm]
-    span = max(len(after) // 5, 1)  # the first and last fifth after warm-up, medians
-    rss_start, rss_end = (statistics.median(after[:span]), statistics.median(after[-span:])) if after else (0.0, 0.0)
+
+    def start_end(values: list[float]) -> tuple[float, float]:
+        """Medians of the first and last fifth of `values` (the samples after warm-up)."""
+        span = max(len(values) // 5, 1)
+        return (statistics.median(values[:span]), statistics.median(values[-span:])) if values else (0.0, 0.0)
+
+    rss_start, rss_end = start_end([r for t, r in samples if t >= warm])
     growth = rss_end / rss_start - 1 if rss_start else float("nan")
+    heap_after = [(used, free) for t, used, free in heap or [] if t >= warm]
+    used, free = start_end([u for u, _ in heap_after]), start_end([f for _, f in heap_after])
     done = [r for r in results if r["kind"] == "complete" and r["wrong"] is None]
     lat = [r["seconds"] for r in done]
     counts = {k: {"sent": sum(r["kind"] == k for r in results), "cut": sum(r["kind"] == k and r["error"] == "timeout" for r in results),
@@ -266,6 +305,8 @@ def summarise(results: list[dict[str, Any]], samples: list[tuple[float, int]], s
             "wall_s": wall, "requests": len(results), "counts": counts, "hung": hung,
             "complete_latency_p50_s": _pct(lat, 50) if lat else None, "complete_latency_p99_s": _pct(lat, 99) if lat else None,
             "rss": {"samples": samples, "after_warmup_mib": rss_start / 2**20, "end_mib": rss_end / 2**20, "growth": growth},
+            "heap": {"samples": heap or [], "in_use_after_warmup_mib": used[0] / 2**20, "in_use_end_mib": used[1] / 2**20,
+                     "free_after_warmup_mib": free[0] / 2**20, "free_end_mib": free[1] / 2**20} if heap_after else None,
             "health_at_end": state, "wrong": [r for r in results if r["wrong"] is not None][:20],
             "timeline": [{k: r[k] for k in ("kind", "variant", "start_s", "seconds", "status", "error", "closed")} | {"chars": len(r["text"])}
                          for r in results],
@@ -283,6 +324,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["", f"- requests: {report['requests']} in {report['wall_s']:.0f} s; completed answers' latency p50 "
                   f"{report['complete_latency_p50_s'] or 0:.2f} s, p99 {report['complete_latency_p99_s'] or 0:.2f} s",
               f"- resident memory after warm-up {r['after_warmup_mib']:.0f} MiB, at the end {r['end_mib']:.0f} MiB: {r['growth']:+.1%}",
+              *([f"- glibc's heap in use after warm-up {h['in_use_after_warmup_mib']:.0f} MiB, at the end {h['in_use_end_mib']:.0f} MiB; "
+                 f"free inside its arenas {h['free_after_warmup_mib']:.0f} MiB, then {h['free_end_mib']:.0f} MiB"]
+                if (h := report.get("heap")) else []),
               f"- `/healthz` at the end: active {report['health_at_end']['active']}, waiting {report['health_at_end']['waiting']}, "
               f"free slots {report['health_at_end']['free_slots']} of {report['health_at_end']['max_batch']}", ""]
     lines += [f"- {'pass' if ok else 'FAIL'}: {name}" for name, ok in report["checks"].items()]
@@ -290,7 +334,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], out: Path) -> list[Path]:
-    """Resident memory over time above; below, every request's seconds at the time it ended, by kind."""
+    """Resident memory (and glibc's heap in use) over time above; below, every request's seconds at the time it ended, by kind."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -298,9 +342,12 @@ def plot(report: dict[str, Any], out: Path) -> list[Path]:
 
     fig, (a, b) = plt.subplots(2, 1, figsize=(6.4, 5.6), sharex=True)
     ts = [t / 60 for t, _ in report["rss"]["samples"]]
-    a.plot(ts, [m / 2**20 for _, m in report["rss"]["samples"]], lw=1)
+    a.plot(ts, [m / 2**20 for _, m in report["rss"]["samples"]], lw=1, label="resident")
+    if report.get("heap"):
+        heap = report["heap"]["samples"]
+        a.plot([t / 60 for t, _, _ in heap], [u / 2**20 for _, u, _ in heap], lw=1, ls=":", label="glibc heap in use")
     a.axvline(report["options"]["minutes"] * report["options"]["warmup_fraction"], color="grey", ls="--", lw=1, label="end of warm-up")
-    a.set_ylabel("resident memory (MiB)")
+    a.set_ylabel("memory (MiB)")
     a.legend(loc="lower right")
     a.grid(alpha=0.3)
     for kind in KINDS:
