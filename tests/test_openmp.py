@@ -74,4 +74,5 @@ def test_service_releases_where_it_hands_the_engine_over(monkeypatch):
         body = {"model": "bench", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
         assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 200
     assert calls[0] == caller
-    assert calls.count("vlmspec-worker") >= 2  # idle at start, and again after the request left
+    # the worker: idle before the request came (and again after it left, unless the service closed first)
+    assert calls.count("vlmspec-worker") >= 1 and calls.index("vlmspec-worker") > 0
