@@ -10,7 +10,6 @@ from typing import Iterator, TextIO
 import uvicorn
 
 from vlmspec.engine import SpecEngine
-from vlmspec.openmp import release_thread_pool
 
 from .settings import ServerSettings
 
@@ -24,7 +23,6 @@ def serve(engine: SpecEngine, settings: ServerSettings, host: str = "127.0.0.1",
     from . import create_app
 
     app = create_app(engine, settings)
-    release_thread_pool()  # this thread built the engine; the worker runs it, alone on the cores (vlmspec.openmp)
     print_urls(settings, engine.drafter.name, host, port, app.state.ui_path, sys.stderr, app.state.docs_path)
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=int(settings.request_timeout_s))
@@ -41,9 +39,7 @@ def serving(engine: SpecEngine, settings: ServerSettings) -> Iterator[str]:
 
     from . import create_app
 
-    app = create_app(engine, settings)
-    release_thread_pool()  # as in serve(): the caller built the engine, the worker runs it
-    with LiveServer(app) as srv:
+    with LiveServer(create_app(engine, settings)) as srv:
         yield srv.url
 
 

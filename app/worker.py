@@ -177,6 +177,8 @@ class Service:
     """One worker thread that owns the engine and its batch; a bounded queue in front of it."""
 
     def __init__(self, engines: Engines, settings: ServerSettings, metrics: Metrics) -> None:
+        if not callable(engines):  # built on this thread, run on the worker's: this thread's OpenMP pool goes (vlmspec.openmp)
+            release_thread_pool()
         self._source = engines
         self.settings = settings
         self.metrics = metrics

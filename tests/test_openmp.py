@@ -52,8 +52,8 @@ def test_release_gives_the_threads_pool_back():
 
 
 def test_service_releases_where_it_hands_the_engine_over(monkeypatch):
-    """serving() releases on the caller's thread (which built the engine); the worker releases
-    whenever its batch is empty and it waits for work."""
+    """The service releases on the caller's thread when handed an engine built there (as serving()
+    is); the worker releases whenever its batch is empty and it waits for work."""
     httpx = pytest.importorskip("httpx")
     from vlmspec import factory
     from vlmspec.app import ServerSettings
@@ -66,7 +66,6 @@ def test_service_releases_where_it_hands_the_engine_over(monkeypatch):
         calls.append(threading.current_thread().name)
         return release_thread_pool()
 
-    monkeypatch.setattr(serve_module, "release_thread_pool", record)
     monkeypatch.setattr(worker, "release_thread_pool", record)
     engine = factory.build_engine(factory.EngineSpec(model="toy", policy="fixed", max_batch=2))
     caller = threading.current_thread().name

@@ -319,7 +319,7 @@ def markdown(report: dict[str, Any]) -> str:
              f"{env.get('drafter', '?')}; {o['clients']} clients for {o['minutes']:g} min, max_batch {env.get('max_batch', '?')}, "
              f"server request timeout {o['server_timeout_s']:g} s, {o['max_tokens']} tokens per answer at most", "",
              "| kind | sent | cut by the server's timeout | wrong |", "|---|---:|---:|---:|"]
-    lines += [f"| {k} | {c['sent']} | {c.get('cut', 0)} | {c['wrong']} |" for k, c in report["counts"].items()]
+    lines += [f"| {k} | {c['sent']} | {c['cut']} | {c['wrong']} |" for k, c in report["counts"].items()]
     r = report["rss"]
     lines += ["", f"- requests: {report['requests']} in {report['wall_s']:.0f} s; completed answers' latency p50 "
                   f"{report['complete_latency_p50_s'] or 0:.2f} s, p99 {report['complete_latency_p99_s'] or 0:.2f} s",
