@@ -13,7 +13,8 @@ policy "goodput" (the default) -> the engine's cost model is measured at build (
 three rounds of 16 tokens at every depth from 0 to the tree's on a short text prompt, about 20 s in fp32 here for a depth-5 tree,
 growing with the depth, and per batch size up to `max_batch` for batched serving) unless the drafter never drafts; it is kept in a
 cache file per model, drafter, device and dtype, so the next build with the same ones reads it instead.
-Bad choices raise `ConfigError` with a message that says what to pass instead.
+Before it builds an engine it bounds oneDNN's per-shape caches (`vlmspec.onednn`: on CPU a service's memory
+would otherwise grow with every new prompt length). Bad choices raise `ConfigError` with a message that says what to pass instead.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from vlmspec.draft import NoDrafter, TreeConfig, check_drafter_name, default_tre
 from vlmspec.draft.base import Drafter
 from vlmspec.engine import SpecEngine
 from vlmspec.errors import ConfigError
+from vlmspec.onednn import bound_shape_caches
 from vlmspec.target import Target, load_target
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -148,6 +150,7 @@ def build_engine(spec: EngineSpec) -> SpecEngine:
         raise ConfigError(f"--policy must be one of {', '.join(POLICIES)}, got {spec.policy!r}")
     if spec.max_batch < 1:
         raise ConfigError(f"--max-batch must be at least 1, got {spec.max_batch}")
+    bound_shape_caches()  # before the drafter packs its weights: oneDNN reads it at its first primitive
     target = load(spec)
     engine = SpecEngine(target, drafter_for(spec, target))
     return with_policy(engine, spec.policy, max_batch=spec.max_batch)

@@ -13,6 +13,9 @@ differ from `F.linear` by float rounding (about 1e-6 relative): fine for a draft
 the target verifies, not for the target. See for yourself: `python -m vlmspec.kernels.packed_linear`.
 
 CUDA has no reorder to save: other devices and dtypes stay on `F.linear`.
+
+oneDNN builds a primitive for each row count it is called at and caches it; the composition root
+bounds those caches (`vlmspec.onednn`), or a service's memory grows with every new prompt length.
 """
 
 from __future__ import annotations
