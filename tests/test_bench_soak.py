@@ -63,6 +63,9 @@ def test_the_heap_is_read_apart_from_resident_memory():
     assert h["in_use_after_warmup_mib"] == pytest.approx(60) and h["in_use_end_mib"] == pytest.approx(100)
     assert h["free_after_warmup_mib"] == pytest.approx(18) and h["free_end_mib"] == pytest.approx(10)
     assert "heap in use after warm-up 60 MiB, at the end 100 MiB" in markdown(report)
+    assert "CACHE_CAPACITY" not in markdown(report)  # no env: no capacities said
+    report["env"] = {"onednn_caches": {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256", "LRU_CACHE_CAPACITY": "1024"}}
+    assert "; ONEDNN_PRIMITIVE_CACHE_CAPACITY=256; LRU_CACHE_CAPACITY=1024" in markdown(report).splitlines()[0]
 
 
 def test_the_checks_over_a_run_and_their_negative_controls():

@@ -317,7 +317,8 @@ def markdown(report: dict[str, Any]) -> str:
     env, o = report.get("env", {}), report["options"]
     lines = [f"{env.get('model', '?')}, {env.get('dtype', '?')} on {env.get('device', '?')} ({env.get('threads', '?')} threads), drafter "
              f"{env.get('drafter', '?')}; {o['clients']} clients for {o['minutes']:g} min, max_batch {env.get('max_batch', '?')}, "
-             f"server request timeout {o['server_timeout_s']:g} s, {o['max_tokens']} tokens per answer at most", "",
+             f"server request timeout {o['server_timeout_s']:g} s, {o['max_tokens']} tokens per answer at most"
+             + "".join(f"; {name}={value}" for name, value in (env.get("onednn_caches") or {}).items()), "",
              "| kind | sent | cut by the server's timeout | wrong |", "|---|---:|---:|---:|"]
     lines += [f"| {k} | {c['sent']} | {c['cut']} | {c['wrong']} |" for k, c in report["counts"].items()]
     r = report["rss"]
