@@ -24,7 +24,9 @@ import time
 
 import torch
 
-# entries per cache: above the shapes a served model uses over and over (see above), far below oneDNN's 1,024
+# entries per cache: above the shapes the default model uses over and over in fp32 (see above), far below
+# oneDNN's 1,024. In bf16 the target's own products add theirs, and some are rebuilt: about 1% of a soak's
+# time, with memory still growing there (docs/serving.md)
 SHAPE_CACHES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": 256, "LRU_CACHE_CAPACITY": 128}
 
 
