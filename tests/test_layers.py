@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # lowest first; a module's layer is that of its longest matching prefix
 LAYERS = [
     ("core", ("vlmspec.errors", "vlmspec.sampling", "vlmspec.tree", "vlmspec.stats", "vlmspec.kv_cache", "vlmspec.slot_cache", "vlmspec.assets",
-              "vlmspec.inputs", "vlmspec.transfer", "vlmspec.openmp", "vlmspec.onednn", "vlmspec.kernels", "vlmspec.vision_compress", "vlmspec.data")),
+              "vlmspec.inputs", "vlmspec.transfer", "vlmspec.openmp", "vlmspec.onednn", "vlmspec.memory", "vlmspec.kernels", "vlmspec.vision_compress", "vlmspec.data")),
     ("target", ("vlmspec.target", "vlmspec.verify")),
     ("draft", ("vlmspec.draft",)),
     ("engine", ("vlmspec.engine", "vlmspec.control", "vlmspec.cost")),

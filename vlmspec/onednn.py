@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from vlmspec.memory import rss_bytes
+
 # entries per cache: above the shapes the default model uses over and over in fp32 (see above), far below
 # oneDNN's 1,024. In bf16 the target's own products add theirs, and some are rebuilt: about 1% of a soak's
 # time, with memory still growing there (docs/serving.md)
@@ -39,11 +41,6 @@ def bound_shape_caches(capacities: dict[str, int] | None = None) -> dict[str, st
     return {name: os.environ[name] for name in SHAPE_CACHES}
 
 
-def _resident_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
 def new_shapes_growth(row_counts: range, dtype: torch.dtype = torch.float32) -> float:
     """MiB of resident memory that the default model's drafter's five packed products (hidden 576,
     MLP 1536, a 4,096-token draft vocabulary) take on at `row_counts` rows each, once each."""
@@ -53,11 +50,11 @@ def new_shapes_growth(row_counts: range, dtype: torch.dtype = torch.float32) -> 
     products = [(PackedLinear(torch.randn(n, k).to(dtype)), k) for n, k in shapes]
     for product, k in products:  # the first call of each allocates what every later one reuses
         product(torch.randn(1, k).to(dtype))
-    before = _resident_mib()
+    before = rss_bytes()
     for rows in row_counts:
         for product, k in products:
             product(torch.randn(rows, k).to(dtype))
-    return _resident_mib() - before
+    return (rss_bytes() - before) / 2**20
 
 
 def main() -> None:

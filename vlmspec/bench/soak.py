@@ -27,20 +27,18 @@ no unexpected status, nothing hung (every request has a deadline), memory after 
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import os
 import random
 import statistics
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from vlmspec.bench.batch import mixed_conversations
 from vlmspec.bench.load import _pct
 from vlmspec.bench.server import chat_body, delta_text, sse_events
+from vlmspec.memory import heap_bytes, rss_bytes
 
 KINDS = ("complete", "cancel", "client-timeout", "server-timeout")
 
@@ -163,39 +161,6 @@ def draw(rng: random.Random, opts: SoakOptions) -> tuple[str, tuple[int, str], t
         return kind, (p, "long"), (p, "long-ref"), None
     v = rng.choice(VARIANTS if kind == "complete" else [v for v in VARIANTS if v.stream]).name
     return kind, (p, v), (p, v), rng.randint(1, 4) if kind == "cancel" else None
-
-
-def rss_bytes() -> int:
-    """This process's resident memory (Linux /proc)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
-                                                      "uordblks", "fordblks", "keepcost")]
-
-
-@functools.lru_cache(maxsize=1)
-def _mallinfo2() -> Callable[[], _MallInfo2] | None:
-    """glibc's mallinfo2 (2.33+), or None (another C library, an older glibc)."""
-    try:
-        fn = ctypes.CDLL("libc.so.6").mallinfo2
-    except (OSError, AttributeError):
-        return None
-    fn.restype = _MallInfo2
-    return fn
-
-
-def heap_bytes() -> tuple[int, int] | None:
-    """(bytes malloc has handed out and not had back, bytes free inside its arenas), over all of
-    glibc's arenas; None where glibc's mallinfo2 is missing. What tells a growing resident memory
-    apart: live allocations (the first grows) or an allocator holding freed memory (the second)."""
-    info = _mallinfo2()
-    if info is None:
-        return None
-    m = info()
-    return int(m.uordblks + m.hblkhd), int(m.fordblks)
 
 
 def health(client: Any, url: str) -> dict[str, Any]:
