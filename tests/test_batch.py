@@ -192,11 +192,12 @@ def test_a_model_that_cannot_batch_exactly_says_so():
     SpecEngine(target, NoDrafter()).batch(1)  # control: one slot is fine
 
 
-@pytest.mark.parametrize("arch", ["eagle1", "eagle3"])
-@pytest.mark.parametrize("stop_threshold", [0.0, 0.4])
-def test_eagle_drafts_every_row_together_as_it_drafts_each_alone(stop_threshold, arch):
-    """Rows of different lengths and depths (0 included), with and without the SpecDec++ stop rule:
-    the joint forwards propose each row's own tree, over several propose / commit rounds."""
+@pytest.mark.parametrize("arch,stop_threshold,mixed", [("eagle1", 0.0, False), ("eagle3", 0.0, False), ("eagle1", 0.4, False),
+                                                       ("eagle3", 0.4, False), ("eagle1", 0.0, True), ("eagle1", 0.4, True)])
+def test_eagle_drafts_every_row_together_as_it_drafts_each_alone(stop_threshold, arch, mixed):
+    """Rows of different lengths and depths (0 included), with and without the SpecDec++ stop rule,
+    with one tree shape or two (rows of each width grow as one stack): the joint forwards propose
+    each row's own tree, over several propose / commit rounds."""
     from vlmspec.draft.base import PromptContext
     from vlmspec.draft.eagle import EagleConfig, build_head
     from vlmspec.draft.eagle.session import propose_rows
@@ -212,8 +213,10 @@ def test_eagle_drafts_every_row_together_as_it_drafts_each_alone(stop_threshold,
         inputs = encode_prompt(target, text, [tiny_image(s) for s in seeds])
         _, out = target.prefill(inputs, layers=drafter.feature_layers)
         prompts.append(PromptContext(inputs["input_ids"][0].cpu(), out.features, inputs))
-    joint = [drafter.start(p) for p in prompts]
-    alone = [drafter.start(p) for p in prompts]
+    # rows of two tree widths (per-request trees) grow in two groups; each row's tree is its own
+    trees = [None, TreeConfig(depth=4, top_k=2, total_tokens=7), None, TreeConfig(depth=5, top_k=2, total_tokens=9)] if mixed else [None] * 4
+    joint = [drafter.start(p, t) for p, t in zip(prompts, trees)]
+    alone = [drafter.start(p, t) for p, t in zip(prompts, trees)]
     g = torch.Generator().manual_seed(0)
     roots, sizes = [5, 9, 11, 13], []
     for depths in ([5, 3, 0, 5], [2, 5, 5, 1], [5, 0, 4, 5]):
@@ -230,3 +233,48 @@ def test_eagle_drafts_every_row_together_as_it_drafts_each_alone(stop_threshold,
             s_a.commit(t.tokens[path], feats)
         roots = [int(x) for x in torch.randint(target.vocab_size, (4,), generator=g)]
     assert len(set(sizes)) > 2  # rows did grow different trees
+
+
+def test_batched_drafting_does_little_host_work_per_row():
+    """What a batch of EAGLE rows costs the host (the pace-setter on a GPU whose kernels are small):
+    operations dispatched per proposal, counted for 1 and 5 rows. The rows' trees grow stacked, so a
+    row adds a few dozen operations, not a proposal's worth. Negative control: proposing each row on
+    its own adds a whole proposal's operations per row."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from vlmspec.draft.base import PromptContext
+    from vlmspec.draft.eagle import EagleConfig, build_head
+    from vlmspec.draft.eagle.session import propose_rows
+
+    class Ops(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += not func.is_view  # views launch nothing
+            return func(*args, **(kwargs or {}))
+
+    target = tiny_target("llava")
+    torch.manual_seed(5)
+    head = build_head(EagleConfig.from_target(target), target.input_embeddings(), target.output_embeddings()).to(target.device, target.dtype)
+    drafter = EagleDrafter(head, TreeConfig(depth=4, top_k=3, total_tokens=10))
+    prompts = []
+    for text, seeds, _, _ in RAGGED:
+        inputs = encode_prompt(target, text, [tiny_image(s) for s in seeds])
+        _, out = target.prefill(inputs)
+        prompts.append(PromptContext(inputs["input_ids"][0].cpu(), out.features, inputs))
+
+    def ops(rows: int, together: bool) -> int:
+        sessions = [drafter.start(p) for p in prompts[:rows]]
+        for _ in range(2):  # the first proposal runs the prompts; the second is a step's
+            with Ops() as count:
+                trees = propose_rows(sessions, [7] * rows, [4] * rows) if together else \
+                    [propose_rows([s], [7], [4])[0] for s in sessions]
+            for s, t in zip(sessions, trees):
+                s.commit(t.tokens[t.path_to(1)], torch.randn(2, target.hidden_size).to(target.device))
+        return count.n
+
+    one, five = ops(1, True), ops(5, True)
+    per_row = (five - one) / 4
+    alone_per_row = (ops(5, False) - one) / 4
+    print(f"operations per proposal: 1 row {one}, 5 rows {five} ({per_row:.0f} per row; one by one {alone_per_row:.0f} per row)")
+    assert per_row <= 60 < one <= alone_per_row, (one, five, alone_per_row)

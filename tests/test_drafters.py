@@ -554,7 +554,7 @@ def test_propose_reads_the_device_once(monkeypatch):
     s = d.start(prompt)
     from vlmspec.draft.eagle import session as session_module
 
-    for name in ("_run_committed", "_grow"):
+    for name in ("_run_committed", "grow_trees"):
         real = getattr(session_module, name)
 
         def counted(*args, _real=real):

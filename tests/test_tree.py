@@ -105,3 +105,38 @@ def test_position_ids_1d_and_mrope():
     assert three.shape == (3, 1, 7)
     for axis in range(3):
         assert three[axis, 0].tolist() == [28, 29, 29, 30, 30, 30, 31]
+
+
+
+def _diagonal(blocks: list[torch.Tensor]) -> torch.Tensor:
+    """The oracle: per-row additive masks [1, 1, q_b, k_b] laid on the diagonal of the dtype's min."""
+    out = torch.full((1, 1, sum(b.shape[-2] for b in blocks), sum(b.shape[-1] for b in blocks)), torch.finfo(blocks[0].dtype).min)
+    q = k = 0
+    for b in blocks:
+        out[..., q : q + b.shape[-2], k : k + b.shape[-1]] = b
+        q, k = q + b.shape[-2], k + b.shape[-1]
+    return out
+
+
+def test_the_joint_masks_are_each_rows_mask_on_the_diagonal():
+    """The drafter's joint masks are built in a fixed number of operations for any number of rows:
+    the tree mask (`joint_tree_mask`, every row's frontier over its tree so far) and the causal one
+    (`joint_causal_mask`, rows appending different numbers of entries); each equals laying every
+    row's own `tree_attention_mask` on the diagonal, rows of different committed lengths and a
+    single row included. Negative control: the rows' lengths swapped give another mask."""
+    from vlmspec.draft.eagle.grow import joint_causal_mask, joint_tree_mask
+
+    g = torch.Generator().manual_seed(0)
+    for rows, f, m, committed in [(1, 3, 5, [7]), (3, 3, 6, [4, 9, 0]), (4, 2, 2, [1, 1, 5, 2])]:
+        seen = torch.rand(rows, f, m, generator=g) < 0.5
+        want = _diagonal([tree_attention_mask(seen[r], committed[r], torch.float32) for r in range(rows)])
+        got = joint_tree_mask(seen, committed, torch.float32)
+        assert got.shape == want.shape and torch.equal(got, want), (rows, committed)
+    swapped = joint_tree_mask(seen, committed[::-1], torch.float32)
+    assert swapped.shape == want.shape and not torch.equal(swapped, want)
+    for counts, committed in [([3], [5]), ([1, 4, 2], [7, 0, 3]), ([2, 2], [1, 9])]:
+        want = _diagonal([tree_attention_mask(torch.ones(n, n, dtype=torch.bool).tril(), c, torch.float32) for n, c in zip(counts, committed)])
+        got = joint_causal_mask(counts, committed, torch.float32, torch.device("cpu"))
+        assert got.shape == want.shape and torch.equal(got, want), (counts, committed)
+    swapped = joint_causal_mask(counts, committed[::-1], torch.float32, torch.device("cpu"))
+    assert swapped.shape == want.shape and not torch.equal(swapped, want)

@@ -23,7 +23,8 @@ A drafter checkpoint is a Hugging Face artefact: `config.json` written by `Eagle
 the first format (config.json with "drafter": "eagle") still loads and is converted in memory.
 
 On CUDA, a proposal grows the whole tree on the device and reads it back with ONE
-device->host transfer (not one per node); see `_EagleSession.propose`.
+device->host transfer (not one per node); a batch's rows grow stacked and come back in one
+transfer together (`grow`).
 
 SpecDec++ (`acceptance_head`): a small head beside it predicts, for each of a node's top-k
 children, the probability that the target accepts that child given that the node was accepted.
@@ -37,7 +38,8 @@ The modules (each imports only those above it in this list):
     config   EagleConfig, the checkpoint's files (either format), folder / hub id resolution
     vocab    the trimmed draft vocabulary (d2t) tools
     head     EagleHead (training forward, packed decode), Eagle3Head (EAGLE-3 on the same), AcceptanceHead
-    session  EagleDrafter (random_init, save / load / from_pretrained) and _EagleSession (the tree search)
+    grow     the tree growth of a batch of rows, stacked on the device, and its one read back
+    session  EagleDrafter (random_init, save / load / from_pretrained) and _EagleSession (one request's state)
 
 Every name is re-exported here: import from `vlmspec.draft.eagle`.
 """
