@@ -57,3 +57,36 @@ def test_the_tail_is_read_per_request_against_the_same_request_alone():
     assert same_request_p99(alone, {"latencies": {0: [2.0, 2.0], 1: [8.0]}}) == pytest.approx(2.0)
     assert same_request_p99(alone, {"latencies": {0: [2.0], 1: [40.0]}}) == pytest.approx(9.92)
     assert same_request_p99(alone, {"latencies": {0: [2.0], 2: [99.0]}}) == 2.0  # a request not run alone is not compared
+
+
+def test_a_sweep_stopped_part_way_keeps_the_levels_it_measured(tmp_path, monkeypatch):
+    """After each level the report so far is written (load.json and load.md, the table saying it
+    stopped part way), so a run killed by a time limit leaves its levels; a finished run says
+    nothing of the kind (negative control)."""
+    import argparse
+
+    from vlmspec.bench import load
+    from vlmspec.cli.load import _checkpoint
+
+    def fake_level(endpoint, bodies, clients, requests):
+        if clients == 4 and endpoint.way == "plain":  # the second level of 4 clients (the ways are rotated)
+            raise KeyboardInterrupt  # the time limit, say
+        return {"clients": clients, "requests": requests, "tokens": 8 * requests, "tokens_per_s": 10.0 * clients, "latency_p50_s": 1.0,
+                "latency_p99_s": 2.0, "ttft_p50_s": 0.1, "ttft_p99_s": 0.2, "mean_batch": 1.0, "answers": {0: "a"}, "latencies": {0: [1.0]}}
+
+    monkeypatch.setattr(load, "run_level", fake_level)
+    monkeypatch.setattr(load, "bodies", lambda model, opts, way: [])
+    endpoints = [load.Endpoint("http://x", "m", w, 16) for w in ("plain", "goodput")]
+    opts = load.LoadOptions((1, 4), 2, 8, 3, 0)
+    args = argparse.Namespace(out=str(tmp_path / "load"), command_line="vlmspec bench load --concurrency 1,4")
+    with pytest.raises(KeyboardInterrupt):
+        load.sweep(endpoints, opts, progress=False, on_level=_checkpoint(args, {"dtype": "float32"}))
+    kept = json.loads((tmp_path / "load" / "load.json").read_text())
+    assert [(lv["way"], lv["clients"]) for lv in kept["levels"]] == [("plain", 1), ("goodput", 1), ("goodput", 4)]
+    assert kept["planned"] == 4 and kept["env"] == {"dtype": "float32"}
+    assert "Stopped part way: 3 of 4 levels measured" in (tmp_path / "load" / "load.md").read_text()
+    assert _checkpoint(argparse.Namespace(out=None), {}) is None  # without --out nothing is written
+
+    monkeypatch.setattr(load, "run_level", lambda e, b, clients, requests: fake_level(e, b, clients if clients == 1 else 2, requests))
+    done = load.sweep(endpoints, load.LoadOptions((1, 2), 2, 8, 3, 0), progress=False)
+    assert len(done["levels"]) == done["planned"] == 4 and "Stopped part way" not in load.markdown(done)

@@ -23,6 +23,8 @@ the sweep to a service already running (`remote`: e.g. Ray Serve's proxy in fron
 whose aggregated `/metrics/replicas` gives the mean batch over all of them, and whose
 `x-vlmspec-replica` header says how many replicas served each level). Levels are interleaved:
 for each concurrency, every way in turn (rotated), so a drifting machine moves them together.
+After each level the report so far can be written (`sweep`'s `on_level`; the CLI rewrites
+load.json and load.md), so a run stopped by a time limit keeps the levels it measured.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -192,13 +195,18 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def sweep(endpoints: list[Endpoint], opts: LoadOptions, progress: bool = True) -> dict[str, Any]:
-    """Every endpoint (a way on a server) at every concurrency, interleaved. Returns the report."""
+def sweep(endpoints: list[Endpoint], opts: LoadOptions, progress: bool = True,
+          on_level: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Every endpoint (a way on a server) at every concurrency, interleaved. Returns the report.
+    on_level: called after each level with the report so far (`planned` levels, `len(levels)` of
+    them measured), so that a run stopped part way leaves what it measured."""
     reqs = {e.label: bodies(e.model, opts, e.way) for e in endpoints}
     for e in endpoints:  # warm-up: each way's first requests are not measured
         if opts.warmup:
             run_level(e, reqs[e.label], 1, opts.warmup)
     levels: list[dict[str, Any]] = []
+    report = {"options": {"concurrency": list(opts.concurrency), "requests": opts.requests, "max_tokens": opts.max_tokens,
+                          "prompts": opts.prompts, "warmup": opts.warmup}, "planned": len(endpoints) * len(opts.concurrency), "levels": levels}
     for k, clients in enumerate(opts.concurrency):
         for e in rotated(endpoints, k):
             level = run_level(e, reqs[e.label], clients, max(opts.requests, 2 * clients))
@@ -206,9 +214,10 @@ def sweep(endpoints: list[Endpoint], opts: LoadOptions, progress: bool = True) -
             if progress:
                 print(f"  {e.label:>18} x{clients:<3} {level['tokens_per_s']:7.1f} tokens/s  p50 {level['latency_p50_s']:.2f} s  "
                       f"p99 {level['latency_p99_s']:.2f} s  TTFT p50 {level['ttft_p50_s']:.2f} s  batch {level['mean_batch']:.1f}", flush=True)
-    _check_answers(levels)
-    return {"options": {"concurrency": list(opts.concurrency), "requests": opts.requests, "max_tokens": opts.max_tokens,
-                        "prompts": opts.prompts, "warmup": opts.warmup}, "levels": levels}
+            _check_answers(levels)
+            if on_level is not None:
+                on_level(report)
+    return report
 
 
 def _check_answers(levels: list[dict[str, Any]]) -> None:
@@ -261,6 +270,8 @@ def markdown(report: dict[str, Any]) -> str:
                 f"{env.get('drafter', '?')}; {o['max_tokens']} tokens per request (ignore_eos), at least {o['requests']} requests per level "
                 f"(2 per client); baseline: the one-at-a-time service (max_batch 1) with its default policy ({env.get('default_policy', '?')})")
     replicas = any(lv.get("replicas") for lv in report["levels"])  # a column when the service names its replicas
+    if len(report["levels"]) < report.get("planned", 0):
+        head += f"\n\n**Stopped part way: {len(report['levels'])} of {report['planned']} levels measured.**"
     lines = [head, "", "| way | max batch | clients | requests | tokens/s | latency p50 / p99 (s) | TTFT p50 / p99 (s) | mean batch | "
                        "answers changed |" + (" replicas serving |" if replicas else ""),
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if replicas else "")]

@@ -111,9 +111,8 @@ def run(args: argparse.Namespace) -> int:
             endpoints, env = remote(args.url, ways)
         except httpx.HTTPError as exc:
             raise UsageError(f"--url {args.url}: no vlmspec service answers there ({type(exc).__name__}: {exc})") from None
-        report = sweep(endpoints, opts)
-        report["env"] = {**env, "command": args.command_line}
-        return _report(args, report)
+        env = {**env, "command": args.command_line}
+        return _report(args, sweep(endpoints, opts, on_level=_checkpoint(args, env)), env)
     from vlmspec import factory
 
     engine = factory.build_engine(engine_spec(args, max_batch=max(args.max_batch)))
@@ -128,15 +127,30 @@ def run(args: argparse.Namespace) -> int:
         endpoints = [Endpoint(urls[1], "bench", w, 1) for w in ways if w == "baseline"]
         endpoints += [Endpoint(urls[b], "bench", w, b, w if len(sizes) == 1 else f"{w}, max_batch {b}")
                       for w in ways if w != "baseline" for b in sizes]
-        report = sweep(endpoints, opts)
-    report["env"] = _env(engine, args, sizes)
-    return _report(args, report)
+        env = _env(engine, args, sizes)
+        report = sweep(endpoints, opts, on_level=_checkpoint(args, env))
+    return _report(args, report, env)
 
 
-def _report(args: argparse.Namespace, report: dict) -> int:
+def _checkpoint(args: argparse.Namespace, env: dict):
+    """With --out: after each level, load.json and load.md hold the levels so far (a run stopped by
+    a time limit keeps them; the table says it stopped part way). None without --out."""
+    if not args.out:
+        return None
+    from vlmspec.bench.load import markdown
+
+    def write(report: dict) -> None:
+        report = {**report, "env": env}
+        write_figures(args.out, "load", report, markdown(report), args.command_line)
+
+    return write
+
+
+def _report(args: argparse.Namespace, report: dict, env: dict) -> int:
     """The table on the console (and the figures in --out); 1 when an fp32 answer changed under load."""
     from vlmspec.bench.load import markdown, plot
 
+    report["env"] = env
     table = markdown(report)
     if args.out:
         out = write_figures(args.out, "load", report, table, args.command_line)
