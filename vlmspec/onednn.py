@@ -32,13 +32,18 @@ from vlmspec.memory import rss_bytes
 SHAPE_CACHES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": 256, "LRU_CACHE_CAPACITY": 128}
 
 
-def bound_shape_caches(capacities: dict[str, int] | None = None) -> dict[str, str]:
+def bound_shape_caches(capacities: dict[str, int] | None = None) -> dict[str, str | None]:
     """Each cache's capacity (`SHAPE_CACHES` by default) into the environment where it is not set
     there already (a user's setting wins); the settings in effect. oneDNN and ideep read them at
     their first primitive, so this must run before the process's first oneDNN product."""
     for name, capacity in (SHAPE_CACHES if capacities is None else capacities).items():
         os.environ.setdefault(name, str(capacity))
-    return {name: os.environ[name] for name in SHAPE_CACHES}
+    return shape_cache_settings()
+
+
+def shape_cache_settings() -> dict[str, str | None]:
+    """The capacities in effect, as the environment sets them (None: unset, oneDNN's default)."""
+    return {name: os.environ.get(name) for name in SHAPE_CACHES}
 
 
 def new_shapes_growth(row_counts: range, dtype: torch.dtype = torch.float32) -> float:
@@ -67,8 +72,7 @@ def main() -> None:
     print(f"{settings}: resident memory +{grown:.0f} MiB over 400 new row counts ({time.perf_counter() - start:.1f} s)")
 
 
+__all__ = ["SHAPE_CACHES", "bound_shape_caches", "new_shapes_growth", "shape_cache_settings"]
+
 if __name__ == "__main__":
     main()
-
-
-__all__ = ["SHAPE_CACHES", "bound_shape_caches", "new_shapes_growth"]

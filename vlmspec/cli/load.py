@@ -82,18 +82,16 @@ def _service(bench: str):
 
 def _env(engine, args: argparse.Namespace, max_batch) -> dict:
     """What the reports say about the engine and the run."""
-    import os
-
     import torch
 
     from vlmspec.bench.batch import model_label
-    from vlmspec.onednn import SHAPE_CACHES
+    from vlmspec.onednn import shape_cache_settings
 
     target = engine.target
     return {"model": model_label(target), "drafter": engine.drafter.name, "dtype": str(target.dtype).replace("torch.", ""),
             "device": str(target.device), "threads": torch.get_num_threads(), "max_batch": max_batch,
             "default_policy": engine.speculation.policy().name, "command": args.command_line,
-            "onednn_caches": {name: os.environ.get(name) for name in SHAPE_CACHES}}  # the capacities in effect (vlmspec.onednn)
+            "onednn_caches": shape_cache_settings()}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -60,6 +60,13 @@ class JointCache:
         return torch.cat([k for k, _ in out], 2), torch.cat([v for _, v in out], 2)
 
 
+def _laid_end_to_end(lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of `lens[b]` entries laid end to end -> (each entry's row, its index within the row),
+    [sum(lens)] long each, on the host."""
+    row = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    return row, torch.arange(sum(lens)) - torch.tensor([0, *accumulate(lens)][:-1])[row]
+
+
 def joint_tree_mask(seen: torch.Tensor, committed: list[int], dtype: torch.dtype) -> torch.Tensor:
     """The block-diagonal additive mask of G rows' frontiers over their own keys, built in a fixed
     number of operations: row g's F queries see its `committed[g]` prefix entries and the tree
@@ -70,9 +77,8 @@ def joint_tree_mask(seen: torch.Tensor, committed: list[int], dtype: torch.dtype
     g, f, m = seen.shape
     if g == 1:
         return tree_attention_mask(seen[0], committed[0], dtype)
-    lens = [c + m for c in committed]
-    key_row = torch.repeat_interleave(torch.arange(g), torch.tensor(lens))  # [K] on the host: the row of each key
-    tree_col = torch.arange(sum(lens)) - torch.tensor([0, *accumulate(lens)][:-1])[key_row] - torch.tensor(committed)[key_row]
+    key_row, key_off = _laid_end_to_end([c + m for c in committed])  # [K] each
+    tree_col = key_off - torch.tensor(committed)[key_row]  # >= 0: the key's tree entry
     maps = to_device(torch.stack([key_row, tree_col.clamp(min=0), (tree_col < 0).long()]), seen.device)  # [3, K]: one transfer
     q_row = torch.arange(g, device=seen.device).repeat_interleave(f)  # [G * F]
     tree_seen = seen.reshape(g * f, m).gather(1, maps[1][None, :].expand(g * f, -1))  # [G * F, K] (m >= F >= 1)
@@ -89,11 +95,9 @@ def joint_causal_mask(counts: list[int], committed: list[int], dtype: torch.dtyp
     if len(counts) == 1:
         causal = torch.ones(counts[0], counts[0], dtype=torch.bool, device=device).tril()
         return tree_attention_mask(causal, committed[0], dtype)
-    lens = [c + n for c, n in zip(committed, counts)]
-    q_row = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))  # [Q] on the host
-    q_last = torch.tensor(committed)[q_row] + torch.arange(sum(counts)) - torch.tensor([0, *accumulate(counts)][:-1])[q_row]  # own key index
-    key_row = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(lens))  # [K]
-    key_off = torch.arange(sum(lens)) - torch.tensor([0, *accumulate(lens)][:-1])[key_row]
+    q_row, q_idx = _laid_end_to_end(counts)  # [Q] each
+    q_last = torch.tensor(committed)[q_row] + q_idx  # the query's own key, within its row
+    key_row, key_off = _laid_end_to_end([c + n for c, n in zip(committed, counts)])  # [K] each
     q_maps, k_maps = to_device(torch.cat([q_row, q_last, key_row, key_off]), device).split([2 * len(q_row), 2 * len(key_row)])
     q_row, q_last = q_maps.view(2, -1)
     key_row, key_off = k_maps.view(2, -1)
@@ -151,14 +155,17 @@ def _grow_group(rows: list[Any], ids_of: list[int], root_hidden: torch.Tensor, c
             acc = (acc[:, :, None] * child_acc).flatten(1).gather(1, best)  # [G, F']
             best_acc = acc.max(1).values.tolist()  # one read for every row
             on = [j for j in on if not best_acc[j] < rows[live[j]].stop_threshold]
-        levels.append(Level([ids_of[r] for r in live], ids, cand, _pick(best, on, len(live)), on))
         if not on:
+            levels.append(Level([ids_of[r] for r in live], ids, cand, None, on))
             break
-        if len(on) < len(live):
-            pick = to_device(torch.tensor(on), dev)
-            ids, cand, best, h, seen, acc, base = (t.index_select(0, pick) for t in (ids, cand, best, h, seen, acc, base))
-        live = [live[j] for j in on]
         assert best is not None
+        pick = to_device(torch.tensor(on), dev) if len(on) < len(live) else None  # the rows that grow on, when not all
+        if pick is not None:
+            best = best.index_select(0, pick)
+        levels.append(Level([ids_of[r] for r in live], ids, cand, best, on))
+        if pick is not None:
+            ids, cand, h, seen, acc, base = (t.index_select(0, pick) for t in (ids, cand, h, seen, acc, base))
+        live = [live[j] for j in on]
         g, n_new = best.shape
         parent = torch.div(best, k, rounding_mode="floor")  # [G, F'] each one's parent in the frontier
         # a node sees its parent's entries plus itself (its entry goes right after the tree's so far)
@@ -175,13 +182,6 @@ def _grow_group(rows: list[Any], ids_of: list[int], root_hidden: torch.Tensor, c
         h = h.view(g, n_new, -1)
         logp = log_probs(head, h)
     return levels
-
-
-def _pick(best: torch.Tensor | None, on: list[int], g: int) -> torch.Tensor | None:
-    """best's rows at positions `on` ([C, F']; None when no row grows on)."""
-    if best is None or not on:
-        return None
-    return best if len(on) == g else best.index_select(0, to_device(torch.tensor(on), best.device))
 
 
 def read_trees(roots: list[int], levels: list[Level]) -> list[tuple[list[int], list[int], list[float]]]:
