@@ -235,6 +235,30 @@ def test_eagle_drafts_every_row_together_as_it_drafts_each_alone(stop_threshold,
     assert len(set(sizes)) > 2  # rows did grow different trees
 
 
+def test_eagle_rows_asked_for_a_chain_grow_their_top1_chain_beside_tree_rows():
+    """A row asked for a chain (a goodput row of a batch) grows one node per level: the tree of a
+    session whose own shape is top-1, whether it drafts alone or beside rows growing their trees
+    (which stay their own)."""
+    from vlmspec.draft.base import PromptContext
+    from vlmspec.draft.eagle.session import propose_rows
+
+    target = tiny_target("llava")
+    wide, narrow = TreeConfig(depth=4, top_k=3, total_tokens=9), TreeConfig(depth=4, top_k=1, total_tokens=4)
+    drafter = EagleDrafter.random_init(target, wide, seed=3)
+    prompts = []
+    for text, seeds in [(t, s) for t, s, _, _ in RAGGED[:3]]:
+        inputs = encode_prompt(target, text, [tiny_image(s) for s in seeds])
+        _, out = target.prefill(inputs, layers=drafter.feature_layers)
+        prompts.append(PromptContext(inputs["input_ids"][0].cpu(), out.features, inputs))
+    chains, roots, depths = [True, False, True], [5, 9, 11], [4, 4, 3]
+    joint = propose_rows([drafter.start(p) for p in prompts], roots, depths, chains)
+    for i, (p, c) in enumerate(zip(prompts, chains)):
+        oracle = propose_rows([drafter.start(p, narrow if c else None)], [roots[i]], [depths[i]])[0]
+        assert joint[i].tokens.tolist() == oracle.tokens.tolist() and joint[i].parents.tolist() == oracle.parents.tolist(), i
+    assert [t.parents.tolist() for t, c in zip(joint, chains) if c] == [[-1, 0, 1, 2, 3], [-1, 0, 1, 2]]
+    assert joint[1].size > joint[1].depth.max() + 1  # negative control: the tree row branches
+
+
 def test_batched_drafting_does_little_host_work_per_row():
     """What a batch of EAGLE rows costs the host (the pace-setter on a GPU whose kernels are small):
     operations dispatched per proposal, counted for 1 and 5 rows. The rows' trees grow stacked, so a

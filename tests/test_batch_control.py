@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from conftest import tiny_target
-from vlmspec.control import AcceptanceTracker, BatchCost, BatchTiming, CostModel, FixedPolicy, GoodputPolicy, Speculation, choose_depths
+from vlmspec.control import (AcceptanceTracker, BatchCost, BatchTiming, CostModel, FixedPolicy, GoodputPolicy, Speculation, batch_chains,
+                             choose_depths)
 from vlmspec.cost import measured_costs
 from vlmspec.draft.base import TreeConfig
 from vlmspec.draft.eagle import EagleDrafter
@@ -71,6 +72,43 @@ def test_fresh_rows_probe_shallow_in_a_batch_as_alone():
     assert choose_depths(mixed, [5] + [2] * 7, cheap_deep) == [2] * 8  # the others' limit sets the step's depth
 
 
+def test_in_a_batch_rows_are_priced_by_their_first_child_chain():
+    """Rows whose trees accept 4 of 5 drafted tokens, but only ever off the first child at depth 1
+    (the chain accepts nothing): alone the tree pays; in a batch, which drafts chains, nothing does.
+    Negative control: rows whose accepts lie along first children draft in the batch too."""
+    cheap = BatchCost(((1, B1), (4, CostModel.fit({0: 1.0, 1: 1.2, 5: 1.6}))))
+
+    def rows(chain_accepted: int) -> list[AcceptanceTracker]:
+        out = []
+        for _ in range(4):
+            t = GoodputPolicy(B1).start()
+            for _ in range(6):
+                t.observe(5, 4, chain_accepted=chain_accepted)
+            out.append(t)
+        return out
+
+    off_chain = rows(0)
+    assert off_chain[0].expected_tokens(5) > 3 and off_chain[0].expected_tokens(5, chain=True) < 1.5
+    assert choose_depths(off_chain[:1], [5], cheap)[0] > 0  # alone: the tree
+    assert choose_depths(off_chain, [5] * 4, cheap) == [0] * 4
+    assert choose_depths(rows(4), [5] * 4, cheap)[0] > 0
+
+
+def test_which_rows_draft_a_chain():
+    goodput, fixed = GoodputPolicy(B1).start(), FixedPolicy(3).start()
+    assert batch_chains([goodput, fixed, GoodputPolicy(B1).start()], COST) == [True, False, True]
+    assert batch_chains([goodput], COST) == [False]  # alone: its tree
+    assert batch_chains([goodput, goodput], None) == [False, False]  # no batch cost: each row chooses alone
+
+
+def test_a_chain_step_teaches_the_chain_and_leaves_the_tree_to_drift_back():
+    t = GoodputPolicy(B1).start()
+    t.observe(3, 0, chain=True)
+    t.observe(3, 0, chain=True)
+    assert t.accept_rates(1, chain=True)[0] < 0.5  # two rejected chains
+    assert t.reached == [] and t.accept_rates(1)[0] == pytest.approx(0.8)  # the tree's counts: untouched, the prior
+
+
 def test_rows_keep_their_own_limits_and_fixed_rows_their_own_depth():
     rows = [_tracker(5), _tracker(5), FixedPolicy(3).start()]
     depths = choose_depths(rows, [5, 1, 5], COST)
@@ -106,6 +144,24 @@ def test_a_batch_under_a_cost_that_says_drafting_never_pays_decodes_plainly_and_
     assert [r.token_ids for r in together] == [r.token_ids for r in alone]
     assert all(max(r.depths) > 0 for r in alone)  # alone, drafting looks cheap: it drafts
     assert all(set(r.depths) == {0} for r in together)  # two rows at 50x the price: never
+
+
+def test_goodput_rows_of_a_batch_draft_chains_and_answer_as_alone():
+    """Under a batch cost where drafting pays, two goodput rows draft in the batch, one node per
+    level (drafted nodes = levels reached), and answer what each answers alone, where its tree
+    branches (negative control)."""
+    target = tiny_target("llava")
+    drafter = EagleDrafter.random_init(target, TreeConfig(depth=3, top_k=2, total_tokens=6), seed=1)
+    cheap = BatchCost(((1, CostModel.fit({0: 1.0, 3: 1.1})), (2, CostModel.fit({0: 1.0, 3: 1.05}))))
+    engine = SpecEngine(target, drafter, Speculation("goodput", cheap.by_size[0][1], cheap))
+    texts = ["once upon a time", "the quick brown fox jumps over"]
+    requests = [(encode_prompt(target, t), GenerationConfig(max_new_tokens=10, ignore_eos=True)) for t in texts]
+    alone = [engine.generate(i, c) for i, c in requests]
+    together = engine.generate_many(requests, slots=2)
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    for r in together:
+        assert 0 < r.stats.num_draft_tokens == sum(r.stats.reached_per_pos)
+    assert all(r.stats.num_draft_tokens > sum(r.stats.reached_per_pos) for r in alone)
 
 
 def test_the_cost_model_is_measured_once_and_measured_again_when_the_model_drafter_or_dtype_changes(tmp_path, monkeypatch):

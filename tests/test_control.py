@@ -230,7 +230,8 @@ class CyclingPolicy:
         self.n += 1
         return min(self.n % 6, max_depth)
 
-    def observe(self, depth: int, num_accepted: int, seconds: float | None = None) -> None:
+    def observe(self, depth: int, num_accepted: int, seconds: float | None = None, chain_accepted: int | None = None,
+                chain: bool = False) -> None:
         self.seen.append((depth, num_accepted))
 
 

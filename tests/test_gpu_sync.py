@@ -69,9 +69,9 @@ def _count_propose(monkeypatch, counter: SyncCounter) -> list[int]:
     per_call: list[int] = []
     real = EagleDrafter.propose_batch
 
-    def propose_batch(self, sessions, roots, max_depths):
+    def propose_batch(self, sessions, roots, max_depths, chains=None):
         before = counter.count
-        trees = real(self, sessions, roots, max_depths)
+        trees = real(self, sessions, roots, max_depths, chains)
         per_call.append(counter.count - before)
         return trees
 

@@ -79,6 +79,18 @@ def test_select_and_truncate_keep_structure():
     assert cut.tokens.tolist() == [10, 11, 12] and cut.depth.tolist() == [0, 1, 1]
 
 
+def test_first_chain_follows_first_children_and_counts_what_it_would_have_accepted():
+    tree = DraftTree(torch.arange(10, 17), PARENTS)
+    assert tree.first_chain(5).tokens.tolist() == [10, 11, 13, 16] and tree.first_chain(5).parents.tolist() == [-1, 0, 1, 2]
+    assert tree.first_chain(2).tokens.tolist() == [10, 11, 13] and tree.first_chain(0).size == 1
+    chain = DraftTree.chain(7, [8, 9])
+    assert chain.first_chain(5) is chain  # already a chain: itself
+    assert tree.first_chain_run([0, 1, 3, 6]) == 3  # along first children all the way
+    assert tree.first_chain_run([0, 1, 4]) == 1  # the second child at depth 2: the chain stops at 1
+    assert tree.first_chain_run([0, 2, 5]) == 0  # negative control: the root's second child
+    assert tree.first_chain_run([0]) == 0
+
+
 class _FakeTarget:
     """Just enough of Target for its position-id helper."""
 

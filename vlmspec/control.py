@@ -41,7 +41,12 @@ than modelled (a long image prompt makes a tree's attention dearer) counts wholl
 Over a batch (SmartSpec's goodput is defined over the batch) the rows' depths are chosen together,
 `choose_depths`: one step verifies every row's tree in one forward padded to the largest tree and
 drafts every level for all rows at once, so its cost follows the batch size and its deepest row
-(`BatchCost`, measured at start-up per batch size). The goodput rows of a step share one depth D,
+(`BatchCost`, measured at start-up per batch size). There a drafted node costs a row-sized slice of
+a batched forward, not the nearly free extra query it is alone, so a goodput row of a batch drafts
+its first-child chain, one node per level (`batch_chains`; the EAGLE head grows it top-1), and
+its E_b is the chain's: the tracker keeps the chain's acceptance apart from the tree's, learnt
+from every drafted step (alone, from how far the accepted path ran along first children,
+`DraftTree.first_chain_run`). The goodput rows of a step share one depth D,
 
     D* = argmax_D  sum_b E_b[min(D, cap_b)] / T_B[max(min(D, cap_b) over b, deepest fixed row)]
 
@@ -185,9 +190,11 @@ class Controller(Protocol):
         """Levels to draft this step, 0..max_depth."""
         ...
 
-    def observe(self, depth: int, num_accepted: int, seconds: float | None = None) -> None:
+    def observe(self, depth: int, num_accepted: int, seconds: float | None = None, chain_accepted: int | None = None,
+                chain: bool = False) -> None:
         """The step drafted `depth` levels, `num_accepted` tokens of its path were accepted, and it
-        took `seconds` (None: not timed)."""
+        took `seconds` (None: not timed); `chain_accepted` of them lay along the tree's first children
+        (`DraftTree.first_chain_run`), and `chain` says the step drafted that chain only."""
         ...
 
 
@@ -217,7 +224,8 @@ class _Fixed:
     def choose(self, max_depth: int) -> int:
         return max_depth if self.depth is None else min(self.depth, max_depth)
 
-    def observe(self, depth: int, num_accepted: int, seconds: float | None = None) -> None:
+    def observe(self, depth: int, num_accepted: int, seconds: float | None = None, chain_accepted: int | None = None,
+                chain: bool = False) -> None:
         return None
 
 
@@ -254,6 +262,8 @@ class AcceptanceTracker:
     policy: GoodputPolicy
     reached: list[float] = field(default_factory=list)  # [d]: decayed steps that drafted depth d+1
     accepted: list[float] = field(default_factory=list)  # [d]: of those, decayed accepts at depth d+1
+    chain_reached: list[float] = field(default_factory=list)  # the same for the tree's first-child chain (`DraftTree.first_chain`)
+    chain_accepted: list[float] = field(default_factory=list)
     chosen: list[int] = field(default_factory=list)  # the depth of every step, in order
     plain_scale: float = 1.0  # measured / modelled seconds of this request's plain steps (decayed mean)
     draft_scale: float = 1.0  # the same for its drafted steps
@@ -261,23 +271,25 @@ class AcceptanceTracker:
     last_depth: int | None = None  # the depth of the step observed last (None: none yet)
     last_accepted: int = 0  # the tokens it accepted
 
-    def accept_rates(self, depth: int) -> list[float]:
-        """Posterior means of a_1..a_depth. a_1's prior mean is `prior_accept`; each deeper a_d's
-        is a_(d-1)'s estimate, so depths a collapse keeps from being reached are not left at an
-        optimistic prior."""
+    def accept_rates(self, depth: int, chain: bool = False) -> list[float]:
+        """Posterior means of a_1..a_depth (of the first-child chain's tokens with `chain`). a_1's
+        prior mean is `prior_accept`; each deeper a_d's is a_(d-1)'s estimate, so depths a collapse
+        keeps from being reached are not left at an optimistic prior."""
         p = self.policy
+        reached, accepted = (self.chain_reached, self.chain_accepted) if chain else (self.reached, self.accepted)
         rates, prior = [], p.prior_accept
         for d in range(depth):
-            r = self.reached[d] if d < len(self.reached) else 0.0
-            a = self.accepted[d] if d < len(self.accepted) else 0.0
+            r = reached[d] if d < len(reached) else 0.0
+            a = accepted[d] if d < len(accepted) else 0.0
             prior = posterior_acceptance(a, r, prior, p.prior_weight)
             rates.append(prior)
         return rates
 
-    def expected_tokens(self, depth: int) -> float:
-        """E[D]: the step's root token plus the expected accepted run."""
+    def expected_tokens(self, depth: int, chain: bool = False) -> float:
+        """E[D]: the step's root token plus the expected accepted run (of a first-child chain of D
+        tokens with `chain`, else of the request's tree cut at depth D)."""
         total, run = 1.0, 1.0
-        for a in self.accept_rates(depth):
+        for a in self.accept_rates(depth, chain):
             run *= a
             total += run
         return total
@@ -317,8 +329,13 @@ class AcceptanceTracker:
         self.chosen.append(best)
         return best
 
-    def observe(self, depth: int, num_accepted: int, seconds: float | None = None) -> None:
+    def observe(self, depth: int, num_accepted: int, seconds: float | None = None, chain_accepted: int | None = None,
+                chain: bool = False) -> None:
+        """`chain_accepted`: what the step's first-child chain had accepted (None: num_accepted);
+        `chain`: the step drafted that chain only (a batched step), so it says nothing of the tree."""
         assert 0 <= num_accepted <= depth, (depth, num_accepted)
+        chain_accepted = num_accepted if chain_accepted is None else chain_accepted
+        assert 0 <= chain_accepted <= num_accepted, (chain_accepted, num_accepted)
         if seconds is not None and seconds > 0 and self.policy.time_weight > 0:
             w, ratio = self.policy.time_weight, seconds / self.policy.cost.seconds(depth)
             if depth > 0:
@@ -329,15 +346,22 @@ class AcceptanceTracker:
             paid = (1 + num_accepted) * self.seconds(0) >= self.seconds(depth)
             self.retry_misses = 0 if paid else min(self.retry_misses + int(self.last_depth == 0), self.policy.max_backoff)
         self.last_depth, self.last_accepted = depth, num_accepted
-        k = self.policy.decay if depth > 0 else self.policy.idle_decay ** (1.0 / self.retry_price())
-        self.reached = [x * k for x in self.reached]
-        self.accepted = [x * k for x in self.accepted]
-        while len(self.reached) < depth:
-            self.reached.append(0.0)
-            self.accepted.append(0.0)
-        for d in range(min(depth, num_accepted + 1)):  # depths past the first rejection were not reached on the path
-            self.reached[d] += 1.0
-            self.accepted[d] += float(d < num_accepted)
+        idle = self.policy.idle_decay ** (1.0 / self.retry_price())
+        _count(self.chain_reached, self.chain_accepted, depth, chain_accepted, self.policy.decay if depth > 0 else idle)
+        _count(self.reached, self.accepted, 0 if chain else depth, num_accepted, self.policy.decay if depth > 0 and not chain else idle)
+
+
+def _count(reached: list[float], accepted: list[float], depth: int, num_accepted: int, decay: float) -> None:
+    """Decay a request's per-depth counts, then count a step that drafted `depth` levels and had
+    `num_accepted` accepted (depth 0: a plain step, nothing counted)."""
+    reached[:] = [x * decay for x in reached]
+    accepted[:] = [x * decay for x in accepted]
+    while len(reached) < depth:
+        reached.append(0.0)
+        accepted.append(0.0)
+    for d in range(min(depth, num_accepted + 1)):  # depths past the first rejection were not reached on the path
+        reached[d] += 1.0
+        accepted[d] += float(d < num_accepted)
 
 
 POLICIES = ("goodput", "fixed")
@@ -388,8 +412,9 @@ def choose_depths(controls: list[Controller], max_depths: list[int], cost: Batch
     """Every row's depth for one step (see the module docstring: goodput over the batch), the batch
     cost corrected by the batch's own `timing` when given. Rows whose max depth is negative (a full
     context) get 0 and are not asked."""
-    tracked = [i for i, c in enumerate(controls) if isinstance(c, AcceptanceTracker) and max_depths[i] > 0]
-    if len(controls) == 1 or cost is None or not tracked:
+    chains = batch_chains(controls, cost)
+    tracked = [i for i, c in enumerate(controls) if chains[i] and max_depths[i] > 0]
+    if not tracked:
         return [c.choose(m) if m >= 0 else 0 for c, m in zip(controls, max_depths)]
     depths = [0 if (i in tracked or m < 0) else c.choose(m) for i, (c, m) in enumerate(zip(controls, max_depths))]
     floor, rows = max(depths), len(controls)
@@ -404,7 +429,7 @@ def choose_depths(controls: list[Controller], max_depths: list[int], cost: Batch
 
     def goodput(depth: int) -> float:
         step, rows_at = row_depths(depth)
-        tokens = sum(controls[i].expected_tokens(d) for i, d in rows_at.items())  # type: ignore[attr-defined]
+        tokens = sum(controls[i].expected_tokens(d, chain=True) for i, d in rows_at.items())  # type: ignore[attr-defined]
         return tokens / (cost.seconds(rows, step) * (timing.scale(step) if timing is not None else 1.0))
 
     best = max(range(max(caps.values()) + 1), key=lambda d: (goodput(d), -d))
@@ -414,6 +439,16 @@ def choose_depths(controls: list[Controller], max_depths: list[int], cost: Batch
         depths[i] = d
         controls[i].chosen.append(d)  # type: ignore[attr-defined]
     return depths
+
+
+def batch_chains(controls: list[Controller], cost: BatchCost | None) -> list[bool]:
+    """Which rows of a step draft their tree's first-child chain (`DraftTree.first_chain`) instead of
+    the tree: the goodput rows of a batch of more than one row with a batch cost. One forward
+    verifies every row padded to the largest tree, so there a node costs a row-sized slice of a
+    batched forward, not the near-free extra query it is alone: a chain of D tokens is the
+    narrowest D-level draft and what the batch cost is measured on (`vlmspec.cost`)."""
+    batched = len(controls) > 1 and cost is not None
+    return [batched and isinstance(c, AcceptanceTracker) for c in controls]
 
 
 def _batch_row_cap(control: AcceptanceTracker, max_depth: int) -> int:
@@ -428,5 +463,5 @@ def depth_summary(depths: list[int]) -> str:
     return " ".join(f"{d}x{depths.count(d)}" for d in sorted(set(depths)))
 
 
-__all__ = ["AcceptanceTracker", "BatchCost", "BatchTiming", "Controller", "CostModel", "choose_depths", "FixedPolicy", "GoodputPolicy", "POLICIES", "Policy",
+__all__ = ["AcceptanceTracker", "BatchCost", "BatchTiming", "Controller", "CostModel", "batch_chains", "choose_depths", "FixedPolicy", "GoodputPolicy", "POLICIES", "Policy",
            "Speculation", "SpeculationOptions", "depth_summary"]

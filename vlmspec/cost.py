@@ -13,6 +13,7 @@ again when any of them changes.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -30,7 +31,7 @@ from vlmspec.inputs import encode_prompt
 from vlmspec.target.timing import time_tree_extras
 
 COST_PROMPT = "Write a short story about a lighthouse keeper."
-CACHE_VERSION = 1  # bump when what is measured, or how, changes: older files are then not read
+CACHE_VERSION = 2  # bump when what is measured, or how, changes: older files are then not read
 
 
 def tree_nodes(tree: TreeConfig, depth: int) -> int:
@@ -79,25 +80,43 @@ def measure_cost(engine: SpecEngine, inputs: dict, depths: tuple[int, ...] | Non
 def measure_batch_cost(engine: SpecEngine, inputs: dict, sizes: tuple[int, ...], depths: tuple[int, ...] | None = None,
                        tokens: int = 12, repeats: int = 2, single: CostModel | None = None) -> BatchCost:
     """Seconds per batched step by batch size: for each B in `sizes`, B copies of `inputs` decoded
-    together at each fixed depth (default 0, 1, 2 and the tree's full depth; the fastest of `repeats`
-    runs), fitted into one `CostModel` per size. B = 1 is `single` (measured by `measure_cost` when
-    not given)."""
+    together at each fixed depth (default 0, 1, 2 and the tree's full depth, `repeats` rounds), each
+    step timed and filed under the depth it really drafted (a drafter's stop rule ends a chain early),
+    the lower quartile of each depth's steps fitted into one `CostModel` per size. B = 1 is `single`
+    (measured by `measure_cost` when not given). In a batch a goodput row drafts a chain
+    (`control.batch_chains`), so the rows here draft chains: one node per level, D nodes at depth D."""
     tree = engine.drafter.tree or TreeConfig()
     depths = tuple(sorted({0, *(depths or (1, 2, tree.depth))} & set(range(tree.depth + 1))))
     by_size = [(1, single or measure_cost(engine, inputs))]
     for size in sorted({b for b in sizes if b > 1}):
-        best = dict.fromkeys(depths, float("inf"))
+        seconds: dict[int, list[float]] = {}  # [depth the step really drafted]: its seconds, every round
+        asked: dict[int, list[float]] = {}  # [depth asked for]: the same (a drafter that proposed nothing here)
         for _ in range(repeats):
             for depth in depths:
                 batch = engine.batch(size)
-                config = GenerationConfig(max_new_tokens=max(tokens, depth + 2), ignore_eos=True, policy=FixedPolicy(depth))
+                chain = dataclasses.replace(tree, top_k=1, total_tokens=max(depth, 1))
+                config = GenerationConfig(max_new_tokens=max(tokens, depth + 2), ignore_eos=True, policy=FixedPolicy(depth), tree=chain)
                 for _ in range(size):
                     batch.add(inputs, config)
+                batch.step()  # the prefills' tokens and the first round (it drafts over the whole prompt)
                 while batch.requests:
-                    batch.step()
-                best[depth] = min(best[depth], sum(v for k, v in batch.timings.items() if k != "prefill") / max(batch.rounds, 1))
-        by_size.append((size, CostModel.fit(best)))
+                    t0 = time.perf_counter()
+                    events = batch.step()
+                    drafted = max((e.num_drafted for _, e in events), default=0)  # a chain's nodes are its levels
+                    if len(events) == size:  # every row stepped (none had left)
+                        took = time.perf_counter() - t0
+                        asked.setdefault(depth, []).append(took)
+                        if drafted > 0 or depth == 0:
+                            seconds.setdefault(drafted, []).append(took)
+        samples = seconds if len(seconds) > 1 else asked  # an n-gram drafter on a fresh prompt proposes nothing
+        by_size.append((size, CostModel.fit({d: _low(ts) for d, ts in samples.items()})))
     return BatchCost(tuple(by_size))
+
+
+def _low(seconds: list[float]) -> float:
+    """A robust fast time of a step: the lower quartile of its samples (the fastest alone is a lucky one)."""
+    xs = sorted(seconds)
+    return xs[len(xs) // 4]
 
 
 def cost_cache_dir() -> Path:

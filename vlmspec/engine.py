@@ -3,7 +3,7 @@
     batch.add(request)   -> prefill into a free slot of the batch's KV cache, first token (root)
     batch.step():                                            # one round over every live request
         depth_b  = control_b.choose(max_depth_b)            # how deep each row drafts (vlmspec.control)
-        trees    = propose_all(drafter, sessions, roots, depths)   # per-row trees (EAGLE: rows together)
+        trees    = propose_all(drafter, sessions, roots, depths, chains)   # per-row trees (EAGLE: rows together)
         out      = target.forward_batch(states, trees)      # ONE target forward over every row's nodes
         verdicts = verify_rows(trees, out.logits, ...)      # each row: accepted path + recovered/bonus token
         target.commit_batch(states, paths); session_b.commit(...)  # keep each row's accepted KV entries
@@ -25,7 +25,7 @@ from typing import Any, Iterator
 
 import torch
 
-from vlmspec.control import BatchTiming, Controller, Policy, Speculation, SpeculationOptions, choose_depths
+from vlmspec.control import BatchTiming, Controller, Policy, Speculation, SpeculationOptions, batch_chains, choose_depths
 from vlmspec.draft.base import Drafter, NoDrafter, PromptContext, TreeConfig, feature_layers, propose_all
 from vlmspec.sampling import SamplingParams, next_token
 from vlmspec.stats import SpecStats
@@ -296,8 +296,10 @@ class Batch:
         clock = Clock(target.device, any(r.config.sync_timings for r in reqs))
         t_step = time.perf_counter()
         batch_cost = self.engine.speculation.batch_cost
-        depths = choose_depths([r.control for r in reqs], [r.max_depth(target.max_positions) for r in reqs], batch_cost, self.cost_timing)
-        trees = [t.truncate_depth(d) for t, d in zip(propose_all(self.engine.drafter, [r.session for r in reqs], [r.root for r in reqs], depths), depths)]
+        controls = [r.control for r in reqs]
+        depths = choose_depths(controls, [r.max_depth(target.max_positions) for r in reqs], batch_cost, self.cost_timing)
+        chains = batch_chains(controls, batch_cost)  # goodput rows of a batch draft a chain
+        trees = [t.truncate_depth(d) for t, d in zip(propose_all(self.engine.drafter, [r.session for r in reqs], [r.root for r in reqs], depths, chains), depths)]
         clock.lap("draft")
         out = target.forward_batch([r.state for r in reqs], trees, feature_layers(self.engine.drafter))  # logits [B, N, V]
         verdicts = verify_rows(trees, out.logits, [r.config.sampling for r in reqs], [r.rng for r in reqs])
@@ -312,10 +314,11 @@ class Batch:
         if batch_cost is not None and len(reqs) > 1:
             self.cost_timing.observe(batch_cost, len(reqs), max(int(t.depth.max()) for t in trees), seconds)
         events = []
-        for r, t, v, path, depth in zip(reqs, trees, verdicts, paths, depths):
+        for r, t, v, path, depth, chain in zip(reqs, trees, verdicts, paths, depths, chains):
             drafted_depth = int(t.depth.max())
             r.stats.observe(t.size - 1, v.num_accepted, drafted_depth)
-            r.control.observe(drafted_depth, v.num_accepted, seconds if len(reqs) == 1 else None)  # a batch's time is not the row's own
+            r.control.observe(drafted_depth, v.num_accepted, seconds if len(reqs) == 1 else None,  # a batch's time is not the row's own
+                              t.first_chain_run(v.path), chain)
             if r.policy != "none":  # plain decoding chooses no depth
                 r.depths.append(depth)
             r.root = v.next_token

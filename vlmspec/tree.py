@@ -79,6 +79,27 @@ class DraftTree:
             return self
         return self.select(keep)
 
+    def first_chain(self, max_depth: int) -> "DraftTree":
+        """The path of first children from the root, at most max_depth nodes: each node's child that
+        is tried first (an EAGLE-2 tree's likeliest kept child, an n-gram's first match). A sub-tree
+        whose every node keeps a prefix of its children in order, so verification stays lossless."""
+        children, keep, node = self.children(), [0], 0
+        while len(keep) <= max_depth and children[node]:
+            node = children[node][0]
+            keep.append(node)
+        return self if len(keep) == self.size else self.select(torch.tensor(keep, dtype=torch.long))
+
+    def first_chain_run(self, path: list[int]) -> int:
+        """How many accepted nodes of `path` (root first) lead it along first children: what the
+        `first_chain` of this tree would have had accepted at T=0 (the target's token at a node is
+        the same whichever children it has)."""
+        children, run = self.children(), 0
+        for parent, node in zip(path, path[1:]):
+            if children[parent][0] != node:
+                break
+            run += 1
+        return run
+
     def select(self, keep: torch.Tensor) -> "DraftTree":
         """Keep the nodes `keep` ([M] ascending, 0 included, closed under parents)."""
         remap = torch.full((self.size,), -1, dtype=torch.long)

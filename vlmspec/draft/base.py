@@ -13,9 +13,10 @@ A drafter may name `feature_layers` (a tuple of target layer ids, EAGLE-3): its 
 those layers' hidden states, concatenated, [k, m x H], from the same target forwards
 (`vlmspec.target.model.layer_features`); without it (or None) they are the last hidden state.
 
-A batch step drafts for all its rows with `propose_all(drafter, sessions, roots, max_depths)`:
+A batch step drafts for all its rows with `propose_all(drafter, sessions, roots, max_depths, chains)`:
 the drafter's own `propose_batch` where it has one (the EAGLE head runs every row's level in one
-forward), else each session's `propose`. Rows may ask for different depths, 0 included.
+forward), else each session's `propose`. Rows may ask for different depths, 0 included, and for
+a chain (one node per level) instead of their tree.
 """
 
 from __future__ import annotations
@@ -96,12 +97,19 @@ def feature_layers(drafter: Drafter) -> tuple[int, ...] | None:
     return getattr(drafter, "feature_layers", None)
 
 
-def propose_all(drafter: Drafter, sessions: list[DraftSession], roots: list[int], max_depths: list[int]) -> list[DraftTree]:
-    """One tree per row (session), each after its root and within its own max depth."""
+def propose_all(drafter: Drafter, sessions: list[DraftSession], roots: list[int], max_depths: list[int],
+                chains: list[bool] | None = None) -> list[DraftTree]:
+    """One tree per row (session), each after its root and within its own max depth; a row with
+    `chains[b]` gets its first-child chain (`DraftTree.first_chain`: one node per level), which a
+    drafter with `propose_batch` grows alone (EAGLE: top-1 per level, a row-sized slice of each
+    level's forward instead of top_k)."""
+    chains = chains or [False] * len(sessions)
     batched = getattr(drafter, "propose_batch", None)
     if batched is not None:
-        return batched(sessions, roots, max_depths)
-    return [s.propose(root, depth) for s, root, depth in zip(sessions, roots, max_depths)]
+        trees = batched(sessions, roots, max_depths, chains)
+    else:
+        trees = [s.propose(root, depth) for s, root, depth in zip(sessions, roots, max_depths)]
+    return [t.first_chain(d) if c else t for t, d, c in zip(trees, max_depths, chains)]
 
 
 class NoDrafter:

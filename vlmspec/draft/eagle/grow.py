@@ -113,29 +113,30 @@ def decode_rows(rows: list[Any], toks: torch.Tensor, feats: torch.Tensor, pos: t
     return rows[0].head.decode(toks, feats, pos, mask, cache, direct, fuse, rows[0].global_feat)  # type: ignore[arg-type]
 
 
-def grow_trees(rows: list[Any], root_hidden: list[torch.Tensor], committed: list[int], depths: list[int]) -> list[Level]:
+def grow_trees(rows: list[Any], root_hidden: list[torch.Tensor], committed: list[int], depths: list[int], widths: list[int]) -> list[Level]:
     """EAGLE-2 growth of every row's tree, all on the device: each level gives every frontier node
     its top_k children, scored by cumulative log-prob; the top_k best children are the next frontier
     and run through the head (their KV entries go after the row's committed prefix, in frontier
     order), every row's frontier in one forward. Nothing is read back but the SpecDec++ stop rule's
     one number per row and level (one read per level for all rows).
 
-    root_hidden: per row [1, H], the head's output at the root's pair; depths: each >= 1. Returns
-    the levels of every group of rows sharing top_k (`read_trees` reads them)."""
+    root_hidden: per row [1, H], the head's output at the root's pair; depths: each >= 1; widths:
+    each row's top_k this step. Returns the levels of every group of rows sharing top_k (`read_trees`
+    reads them)."""
     groups: dict[int, list[int]] = {}
-    for b, s in enumerate(rows):
-        groups.setdefault(s.tree.top_k, []).append(b)
+    for b, k in enumerate(widths):
+        groups.setdefault(k, []).append(b)
     levels: list[Level] = []
-    for group in groups.values():
+    for k, group in groups.items():
         levels += _grow_group([rows[b] for b in group], group, cat_rows([root_hidden[b] for b in group]),
-                              [committed[b] for b in group], [depths[b] for b in group])
+                              [committed[b] for b in group], [depths[b] for b in group], k)
     return levels
 
 
-def _grow_group(rows: list[Any], ids_of: list[int], root_hidden: torch.Tensor, committed: list[int], depths: list[int]) -> list[Level]:
-    """`grow_trees` for rows of one top_k, stacked (G rows; ids_of: their indices in the caller's list)."""
+def _grow_group(rows: list[Any], ids_of: list[int], root_hidden: torch.Tensor, committed: list[int], depths: list[int], k: int) -> list[Level]:
+    """`grow_trees` for rows of one top_k `k`, stacked (G rows; ids_of: their indices in the caller's list)."""
     s0 = rows[0]
-    head, k, dev = s0.head, s0.tree.top_k, s0.device
+    head, dev = s0.head, s0.device
     live = list(range(len(rows)))  # the rows still growing, in the tensors' order
     h = root_hidden[:, None]  # [G, F, H]: head outputs at the frontier nodes' pairs (their children's features)
     logp = log_probs(head, h)  # [G, F, V']: the frontier's children's draft log-probs

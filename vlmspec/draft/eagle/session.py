@@ -5,6 +5,7 @@ device->host transfer)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -112,9 +113,10 @@ class EagleDrafter:
     def start(self, prompt: PromptContext, tree: TreeConfig | None = None) -> DraftSession:
         return _EagleSession(self.head, tree or self.tree, prompt, self.stop_threshold)
 
-    def propose_batch(self, sessions: list["_EagleSession"], roots: list[int], max_depths: list[int]) -> list[DraftTree]:
+    def propose_batch(self, sessions: list["_EagleSession"], roots: list[int], max_depths: list[int],
+                      chains: list[bool] | None = None) -> list[DraftTree]:
         """Every row's tree, the rows' head forwards and LM-head products run together (`propose_rows`)."""
-        return propose_rows(sessions, roots, max_depths)
+        return propose_rows(sessions, roots, max_depths, chains)
 
 
 def _speculators_raw(folder: Path) -> dict[str, Any] | None:
@@ -194,8 +196,9 @@ class _EagleSession:
 
 
 @torch.no_grad()
-def propose_rows(sessions: list[_EagleSession], roots: list[int], max_depths: list[int]) -> list[DraftTree]:
-    """One tree per session (row), each after its root and within its own depth and tree shape.
+def propose_rows(sessions: list[_EagleSession], roots: list[int], max_depths: list[int], chains: list[bool] | None = None) -> list[DraftTree]:
+    """One tree per session (row), each after its root and within its own depth and tree shape (a
+    chain, top-1 per level, for a row with `chains[b]`).
 
     Rows of one head run together: their pending committed pairs go through the head as one
     forward, then each level of growth is one head forward and one LM-head product over every
@@ -205,6 +208,7 @@ def propose_rows(sessions: list[_EagleSession], roots: list[int], max_depths: li
     A row with depth 0 drafts nothing and runs nothing: its pairs wait for its next draft.
     """
     trees: list[DraftTree | None] = [None] * len(sessions)
+    shapes = [_chain(s.tree) if c else s.tree for s, c in zip(sessions, chains or [False] * len(sessions))]
     run = []
     for i, (s, root, max_depth) in enumerate(zip(sessions, roots, max_depths)):
         if min(s.tree.depth, max_depth) <= 0 and s.prompt is None:
@@ -219,7 +223,8 @@ def propose_rows(sessions: list[_EagleSession], roots: list[int], max_depths: li
         committed = [s.cache.seq_len for s in rows]
         depths = [min(s.tree.depth, max_depths[i]) for s, i in zip(rows, group)]
         grow = [b for b, d in enumerate(depths) if d > 0]
-        levels = grow_trees([rows[b] for b in grow], [hiddens[b][-1:] for b in grow], [committed[b] for b in grow], [depths[b] for b in grow])
+        levels = grow_trees([rows[b] for b in grow], [hiddens[b][-1:] for b in grow], [committed[b] for b in grow], [depths[b] for b in grow],
+                            [shapes[group[b]].top_k for b in grow])
         for b in (b for b, d in enumerate(depths) if d <= 0):
             trees[group[b]] = DraftTree.root_only(roots[group[b]])
         grown = read_trees([roots[group[b]] for b in grow], levels)  # every row's tree: one device->host transfer
@@ -228,12 +233,17 @@ def propose_rows(sessions: list[_EagleSession], roots: list[int], max_depths: li
             s.cache.crop(committed[b])
             # rerank: keep the best total_tokens drafted nodes (a child never outscores its parent,
             # ties go to the earlier node, so the selection is closed under parents)
-            order = sorted(range(1, len(tokens)), key=lambda j: (-scores[j], j))[: s.tree.total_tokens]
+            order = sorted(range(1, len(tokens)), key=lambda j: (-scores[j], j))[: shapes[i].total_tokens]
             keep = [0, *sorted(order)]
             new_id = {node: n for n, node in enumerate(keep)}  # on the host: the kept nodes renumbered
             trees[i] = DraftTree(torch.tensor([tokens[j] for j in keep], dtype=torch.long),
                                  torch.tensor([-1, *(new_id[parents[j]] for j in keep[1:])], dtype=torch.long))
     return trees  # type: ignore[return-value]
+
+
+def _chain(tree: TreeConfig) -> TreeConfig:
+    """`tree` grown one node per level: its top-1 chain."""
+    return dataclasses.replace(tree, top_k=1, total_tokens=tree.depth)
 
 
 def _run_committed(rows: list[_EagleSession], roots: list[int]) -> list[torch.Tensor]:
