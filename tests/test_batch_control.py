@@ -132,17 +132,24 @@ def test_the_batchs_own_step_times_correct_its_cost():
     assert choose_depths(rows(), [5] * 4, COST, exact)[0] > 0
 
 
-def test_a_batch_under_a_cost_that_says_drafting_never_pays_decodes_plainly_and_losslessly():
+def _alone_and_together(batch_seconds_at_depth_3: float) -> tuple[list, list]:
+    """Two greedy requests under the goodput policy, each alone and both in one batch of 2 whose
+    step drafting 3 levels costs `batch_seconds_at_depth_3` plain steps (alone: 1.1)."""
     target = tiny_target("llava")
     drafter = EagleDrafter.random_init(target, TreeConfig(depth=3, top_k=2, total_tokens=6), seed=1)
-    never = BatchCost(((1, CostModel.fit({0: 1.0, 3: 1.1})), (2, CostModel.fit({0: 1.0, 3: 50.0}))))
-    engine = SpecEngine(target, drafter, Speculation("goodput", never.by_size[0][1], never))
+    cost = BatchCost(((1, CostModel.fit({0: 1.0, 3: 1.1})), (2, CostModel.fit({0: 1.0, 3: batch_seconds_at_depth_3}))))
+    engine = SpecEngine(target, drafter, Speculation("goodput", cost.by_size[0][1], cost))
     texts = ["once upon a time", "the quick brown fox jumps over"]
     requests = [(encode_prompt(target, t), GenerationConfig(max_new_tokens=10, ignore_eos=True)) for t in texts]
     alone = [engine.generate(i, c) for i, c in requests]
     together = engine.generate_many(requests, slots=2)
     assert [r.token_ids for r in together] == [r.token_ids for r in alone]
     assert all(max(r.depths) > 0 for r in alone)  # alone, drafting looks cheap: it drafts
+    return alone, together
+
+
+def test_a_batch_under_a_cost_that_says_drafting_never_pays_decodes_plainly_and_losslessly():
+    _, together = _alone_and_together(50.0)
     assert all(set(r.depths) == {0} for r in together)  # two rows at 50x the price: never
 
 
@@ -150,15 +157,7 @@ def test_goodput_rows_of_a_batch_draft_chains_and_answer_as_alone():
     """Under a batch cost where drafting pays, two goodput rows draft in the batch, one node per
     level (drafted nodes = levels reached), and answer what each answers alone, where its tree
     branches (negative control)."""
-    target = tiny_target("llava")
-    drafter = EagleDrafter.random_init(target, TreeConfig(depth=3, top_k=2, total_tokens=6), seed=1)
-    cheap = BatchCost(((1, CostModel.fit({0: 1.0, 3: 1.1})), (2, CostModel.fit({0: 1.0, 3: 1.05}))))
-    engine = SpecEngine(target, drafter, Speculation("goodput", cheap.by_size[0][1], cheap))
-    texts = ["once upon a time", "the quick brown fox jumps over"]
-    requests = [(encode_prompt(target, t), GenerationConfig(max_new_tokens=10, ignore_eos=True)) for t in texts]
-    alone = [engine.generate(i, c) for i, c in requests]
-    together = engine.generate_many(requests, slots=2)
-    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    alone, together = _alone_and_together(1.05)
     for r in together:
         assert 0 < r.stats.num_draft_tokens == sum(r.stats.reached_per_pos)
     assert all(r.stats.num_draft_tokens > sum(r.stats.reached_per_pos) for r in alone)
