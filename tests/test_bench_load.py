@@ -28,6 +28,10 @@ def test_a_short_load_sweep_on_the_toy_runs_every_way_and_changes_no_answer(tmp_
         assert lv["changed"] == 0 and lv["tokens_per_s"] > 0 and 0 < lv["ttft_p50_s"] <= lv["latency_p99_s"]
         assert lv["mean_batch"] >= 1.0 and (lv["way"] != "baseline" or lv["mean_batch"] == 1.0)  # the baseline serves one at a time
         assert lv["latency_p50_s"] <= lv["latency_p99_s"]
+        # while every client was busy: a part of the level, by the server's own token counter
+        assert 0 < lv["busy_s"] <= lv["seconds"] and lv["busy_mean_batch"] >= 1.0 and 0 < lv["busy_tokens_per_s"] * lv["busy_s"] <= lv["tokens"] + 1e-6
+        if lv["clients"] == 1:  # one client runs out only after its last answer: every token is counted
+            assert lv["busy_tokens_per_s"] * lv["busy_s"] == pytest.approx(lv["tokens"])
     assert report["env"]["max_batch"] == [16] and report["env"]["command"].startswith("vlmspec bench load")
     table = (out / "load.md").read_text()
     assert table.startswith("`vlmspec bench load --model toy") and "| goodput | 16 | 2 |" in table and "| baseline | 1 | 1 |" in table
@@ -43,12 +47,15 @@ def test_answers_are_checked_against_the_lowest_concurrency_and_percentiles():
     assert _pct([3.0, 1.0, 2.0], 50) == 2.0 and _pct([1.0, 2.0], 99) == pytest.approx(1.99) and _pct([5.0], 99) == 5.0
     report = {"options": {"max_tokens": 8, "requests": 2}, "levels": [
         {"way": w, "max_batch": b, "series": w, "clients": c, "requests": 2, "tokens_per_s": t, "latency_p50_s": 1.0, "latency_p99_s": 2.0,
-         "ttft_p50_s": 0.1, "ttft_p99_s": 0.2, "mean_batch": 1.0, "changed": 0}
+         "ttft_p50_s": 0.1, "ttft_p99_s": 0.2, "mean_batch": 1.0, "changed": 0, "busy_tokens_per_s": 2 * t, "busy_mean_batch": 1.5}
         for w, b, c, t in (("plain", 8, 1, 10.0), ("plain", 8, 8, 30.0), ("goodput", 8, 8, 45.0), ("goodput", 16, 8, 90.0))]}
     assert ratios(report) == {"plain: tokens/s at 8 clients / at 1": 3.0, "plain: p99 latency at 8 clients / p50 at 1": 2.0,
-                              "goodput / plain at 8 clients": 1.5}
+                              "goodput / plain at 8 clients": 1.5, "plain: tokens/s at 8 clients / at 1, while all clients were busy": 3.0,
+                              "goodput / plain at 8 clients, while all clients were busy": 1.5}
     assert "goodput / plain at 8 clients: 1.50x" in markdown(report)  # on the first max_batch only (not 16's 90 tokens/s)
-    assert "| goodput | 16 | 8 | 2 | 90.0 |" in markdown(report)
+    assert "| goodput | 16 | 8 | 2 | 90.0 |" in markdown(report) and "| 1.0 | 180.0, 1.5 | 0/2 |" in markdown(report)
+    del report["levels"][0]["busy_tokens_per_s"]  # a report written before the busy part was measured: no such figures
+    assert "plain: tokens/s at 8 clients / at 1, while all clients were busy" not in ratios(report) and "| 1.0 | - | 0/2 |" in markdown(report)
 
 
 def test_the_tail_is_read_per_request_against_the_same_request_alone():

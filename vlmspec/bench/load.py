@@ -14,8 +14,10 @@ and the baseline is the one-at-a-time service (a server with max_batch 1), with 
 default policy. Measured per level: total tokens/s (completion tokens of the level over its wall
 time), latency (send -> last byte) and time to first token (send -> the first chunk with text),
 p50 and p99 over the level's requests, and the mean batch size per engine step (the server's
-`vlmspec_batch_size` histogram over the level). Every answer is compared with the same request's
-answer at concurrency 1 in the same way: in fp32 they must be identical.
+`vlmspec_batch_size` histogram over the level); tokens/s and mean batch also while every client
+was busy (`run_level`: the server's token counter, up to when the first client ran out of
+requests). Every answer is compared with the same request's answer at concurrency 1 in the same
+way: in fp32 they must be identical.
 
 The bench talks HTTP only (the service is above the benches in the layer rule): the CLI starts the
 servers (`vlmspec.app.serve.serving`) over one engine and passes their URLs, or, with `--url`, sends
@@ -110,17 +112,23 @@ def _one(client: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
     return {"ttft_s": end if first is None else first, "latency_s": end, "text": "".join(parts), "tokens": tokens, "replica": replica}
 
 
-def _batch_steps(client: Any, url: str) -> tuple[float, float]:
-    """(sum, count) of the batch-size histogram at `url` (a metrics URL): requests per step, steps;
-    summed over label sets (one per replica in an aggregated view)."""
-    total = count = 0.0
+COUNTS = ("vlmspec_batch_size_sum", "vlmspec_batch_size_count", "vlmspec_generated_tokens_total")
+
+
+def _server_counts(client: Any, url: str) -> dict[str, float]:
+    """The server's `COUNTS` at `url` (a metrics URL): requests over all steps, steps, tokens emitted;
+    each summed over its label sets (modes; one per replica in an aggregated view)."""
+    out = dict.fromkeys(COUNTS, 0.0)
     for line in client.get(url).text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name == "vlmspec_batch_size_sum":
-            total += float(line.rsplit(" ", 1)[1])
-        elif name == "vlmspec_batch_size_count":
-            count += float(line.rsplit(" ", 1)[1])
-    return total, count
+        if name in out:
+            out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _mean_batch(before: dict[str, float], after: dict[str, float]) -> float:
+    steps = after["vlmspec_batch_size_count"] - before["vlmspec_batch_size_count"]
+    return (after["vlmspec_batch_size_sum"] - before["vlmspec_batch_size_sum"]) / steps if steps else 0.0
 
 
 def remote(url: str, ways: list[str]) -> tuple[list[Endpoint], dict[str, Any]]:
@@ -141,10 +149,25 @@ def remote(url: str, ways: list[str]) -> tuple[list[Endpoint], dict[str, Any]]:
 
 
 def run_level(target: Endpoint, requests: list[dict[str, Any]], clients: int, n: int) -> dict[str, Any]:
-    """`clients` closed-loop clients share `n` requests (request i is `requests[i % len(requests)]`)."""
+    """`clients` closed-loop clients share `n` requests (request i is `requests[i % len(requests)]`).
+
+    Besides the whole level it measures the part while every client was busy: from the start to the
+    moment the first client found no request left (the server's counts read then). After it the
+    level winds down with fewer clients than `clients`, for as long as the slowest requests take;
+    ways whose requests finish on the same step (plain decoding, every answer `max_tokens` long)
+    have almost no wind-down, ways whose requests finish apart (speculation) a long one."""
     import httpx
 
     lock, nxt, done, errors = threading.Lock(), [0], [], []
+    metrics_url = target.url + target.metrics_path
+    busy: dict[str, Any] = {}  # "end": when the first client ran out of requests, "counts": the server's counts then
+
+    def ran_out(c: Any) -> None:
+        with lock:
+            if "end" in busy:
+                return
+            busy["end"] = time.perf_counter()
+        busy["counts"] = _server_counts(c, metrics_url)
 
     def client_loop() -> None:
         with httpx.Client(timeout=3600) as c:
@@ -153,6 +176,8 @@ def run_level(target: Endpoint, requests: list[dict[str, Any]], clients: int, n:
                     i = nxt[0]
                     nxt[0] += 1
                 if i >= n or errors:
+                    if not errors:
+                        ran_out(c)
                     return
                 try:
                     got = _one(c, target.url, requests[i % len(requests)])
@@ -163,7 +188,7 @@ def run_level(target: Endpoint, requests: list[dict[str, Any]], clients: int, n:
                     done.append({"index": i % len(requests), **got})
 
     with httpx.Client(timeout=60) as c:
-        before = _batch_steps(c, target.url + target.metrics_path)
+        before = _server_counts(c, metrics_url)
         t0 = time.perf_counter()
         threads = [threading.Thread(target=client_loop) for _ in range(clients)]
         for t in threads:
@@ -171,14 +196,16 @@ def run_level(target: Endpoint, requests: list[dict[str, Any]], clients: int, n:
         for t in threads:
             t.join()
         wall = time.perf_counter() - t0
-        after = _batch_steps(c, target.url + target.metrics_path)
+        after = _server_counts(c, metrics_url)
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed at {clients} clients: {errors[0]}")
     lat, ttft = [d["latency_s"] for d in done], [d["ttft_s"] for d in done]
-    steps = after[1] - before[1]
+    busy_s = busy["end"] - t0
+    busy_tokens = busy["counts"]["vlmspec_generated_tokens_total"] - before["vlmspec_generated_tokens_total"]
     return {"clients": clients, "requests": len(done), "seconds": wall, "tokens": sum(d["tokens"] for d in done),
             "tokens_per_s": sum(d["tokens"] for d in done) / wall, "latency_p50_s": _pct(lat, 50), "latency_p99_s": _pct(lat, 99),
-            "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99), "mean_batch": (after[0] - before[0]) / steps if steps else 0.0,
+            "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99), "mean_batch": _mean_batch(before, after),
+            "busy_s": busy_s, "busy_tokens_per_s": busy_tokens / busy_s, "busy_mean_batch": _mean_batch(before, busy["counts"]),
             "replicas": len({d["replica"] for d in done if d["replica"] is not None}),  # replicas that served the level (0: one process)
             "answers": {d["index"]: d["text"] for d in sorted(done, key=lambda d: d["index"])},
             "latencies": {i: [d["latency_s"] for d in done if d["index"] == i] for i in sorted({d["index"] for d in done})}}
@@ -213,7 +240,8 @@ def sweep(endpoints: list[Endpoint], opts: LoadOptions, progress: bool = True,
             levels.append({"way": e.way, "max_batch": e.max_batch, "series": e.label, **level})
             if progress:
                 print(f"  {e.label:>18} x{clients:<3} {level['tokens_per_s']:7.1f} tokens/s  p50 {level['latency_p50_s']:.2f} s  "
-                      f"p99 {level['latency_p99_s']:.2f} s  TTFT p50 {level['ttft_p50_s']:.2f} s  batch {level['mean_batch']:.1f}", flush=True)
+                      f"p99 {level['latency_p99_s']:.2f} s  TTFT p50 {level['ttft_p50_s']:.2f} s  batch {level['mean_batch']:.1f}  "
+                      f"(all busy: {level['busy_tokens_per_s']:.1f} tokens/s, batch {level['busy_mean_batch']:.1f})", flush=True)
             _check_answers(levels)
             if on_level is not None:
                 on_level(report)
@@ -246,6 +274,14 @@ def ratios(report: dict[str, Any]) -> dict[str, float]:
     for c in (4, 8, 16):
         if ("goodput", c) in cell and ("plain", c) in cell:
             out[f"goodput / plain at {c} clients"] = cell[("goodput", c)]["tokens_per_s"] / cell[("plain", c)]["tokens_per_s"]
+    for way in sorted(ways - {"baseline"}):
+        if (way, 8) in cell and (way, 1) in cell and all("busy_tokens_per_s" in cell[(way, c)] for c in (1, 8)):
+            out[f"{way}: tokens/s at 8 clients / at 1, while all clients were busy"] = (cell[(way, 8)]["busy_tokens_per_s"]
+                                                                                      / cell[(way, 1)]["busy_tokens_per_s"])
+    for c in (4, 8, 16):
+        if ("goodput", c) in cell and ("plain", c) in cell and all("busy_tokens_per_s" in cell[(w, c)] for w in ("goodput", "plain")):
+            out[f"goodput / plain at {c} clients, while all clients were busy"] = (cell[("goodput", c)]["busy_tokens_per_s"]
+                                                                                  / cell[("plain", c)]["busy_tokens_per_s"])
     if ("goodput", 1) in cell and ("baseline", 1) in cell:
         out["goodput at 1 client / the one-at-a-time service"] = cell[("goodput", 1)]["tokens_per_s"] / cell[("baseline", 1)]["tokens_per_s"]
     return out
@@ -273,11 +309,12 @@ def markdown(report: dict[str, Any]) -> str:
     if len(report["levels"]) < report.get("planned", 0):
         head += f"\n\n**Stopped part way: {len(report['levels'])} of {report['planned']} levels measured.**"
     lines = [head, "", "| way | max batch | clients | requests | tokens/s | latency p50 / p99 (s) | TTFT p50 / p99 (s) | mean batch | "
-                       "answers changed |" + (" replicas serving |" if replicas else ""),
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if replicas else "")]
+                       "all clients busy: tokens/s, mean batch | answers changed |" + (" replicas serving |" if replicas else ""),
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if replicas else "")]
     for lv in sorted(report["levels"], key=lambda lv: (list(WAYS).index(lv["way"]), lv["max_batch"], lv["clients"])):
+        busy = f"{lv['busy_tokens_per_s']:.1f}, {lv['busy_mean_batch']:.1f}" if "busy_tokens_per_s" in lv else "-"  # older reports: none
         lines.append(f"| {lv['way']} | {lv['max_batch']} | {lv['clients']} | {lv['requests']} | {lv['tokens_per_s']:.1f} | {lv['latency_p50_s']:.2f} / "
-                     f"{lv['latency_p99_s']:.2f} | {lv['ttft_p50_s']:.2f} / {lv['ttft_p99_s']:.2f} | {lv['mean_batch']:.1f} | "
+                     f"{lv['latency_p99_s']:.2f} | {lv['ttft_p50_s']:.2f} / {lv['ttft_p99_s']:.2f} | {lv['mean_batch']:.1f} | {busy} | "
                      f"{lv['changed']}/{lv['requests']} |" + (f" {lv.get('replicas', 0)} |" if replicas else ""))
     lines += ["", *(f"- {k}: {v:.2f}x" for k, v in ratios(report).items())]
     return "\n".join(lines)
