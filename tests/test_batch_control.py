@@ -163,6 +163,24 @@ def test_goodput_rows_of_a_batch_draft_chains_and_answer_as_alone():
     assert all(r.stats.num_draft_tokens > sum(r.stats.reached_per_pos) for r in alone)
 
 
+@pytest.mark.parametrize("stop_threshold", [0.0, 0.999])
+def test_the_batch_cost_files_each_step_under_the_depth_it_really_drafted(stop_threshold):
+    """A stop rule that ends every chain after its first level: the batch cost's table stops at
+    depth 1 though depths up to 3 were asked for (and a line extends it); without the rule
+    (negative control) the chains reach depth 3 and so does the table."""
+    from vlmspec.cost import measure_batch_cost
+    from vlmspec.draft.eagle import EagleConfig, build_head
+
+    target = tiny_target("llava")
+    cfg = EagleConfig.from_target(target, "eagle1")
+    cfg.acceptance_head = True
+    torch.manual_seed(0)
+    head = build_head(cfg, target.input_embeddings(), target.output_embeddings()).to(target.device, target.dtype)
+    engine = SpecEngine(target, EagleDrafter(head, TreeConfig(depth=3, top_k=2, total_tokens=6), stop_threshold=stop_threshold))
+    cost = measure_batch_cost(engine, encode_prompt(target, "once upon a time"), (2,), tokens=8, repeats=1, single=B1)
+    assert len(cost.by_size[1][1].by_depth) == (1 if stop_threshold else 3)
+
+
 def test_the_cost_model_is_measured_once_and_measured_again_when_the_model_drafter_or_dtype_changes(tmp_path, monkeypatch):
     from vlmspec import cost as cost_module
 
