@@ -10,7 +10,8 @@ pytest.importorskip("httpx")
 pytest.importorskip("matplotlib")
 
 from vlmspec import assets
-from vlmspec.bench.load import _check_answers, _pct, markdown, ratios, same_request_p99
+from vlmspec.bench.load import _check_answers, markdown, ratios, same_request_p99
+from vlmspec.stats import percentile as _pct
 from vlmspec.cli import main
 
 

@@ -28,10 +28,11 @@ from vlmspec.control import BatchCost, CostModel, FixedPolicy
 from vlmspec.draft.base import TreeConfig
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.inputs import encode_prompt
+from vlmspec.stats import percentile
 from vlmspec.target.timing import time_tree_extras
 
 COST_PROMPT = "Write a short story about a lighthouse keeper."
-CACHE_VERSION = 2  # bump when what is measured, or how, changes: older files are then not read
+CACHE_VERSION = 3  # bump when what is measured, or how, changes: older files are then not read
 
 
 def tree_nodes(tree: TreeConfig, depth: int) -> int:
@@ -109,14 +110,8 @@ def measure_batch_cost(engine: SpecEngine, inputs: dict, sizes: tuple[int, ...],
                         if drafted > 0 or depth == 0:
                             seconds.setdefault(drafted, []).append(took)
         samples = seconds if len(seconds) > 1 else asked  # an n-gram drafter on a fresh prompt proposes nothing
-        by_size.append((size, CostModel.fit({d: _low(ts) for d, ts in samples.items()})))
+        by_size.append((size, CostModel.fit({d: percentile(ts, 25) for d, ts in samples.items()})))  # a fast step, not a lucky one
     return BatchCost(tuple(by_size))
-
-
-def _low(seconds: list[float]) -> float:
-    """A robust fast time of a step: the lower quartile of its samples (the fastest alone is a lucky one)."""
-    xs = sorted(seconds)
-    return xs[len(xs) // 4]
 
 
 def cost_cache_dir() -> Path:

@@ -88,6 +88,17 @@ def posterior_acceptance(accepted: float, reached: float, prior_mean: float, pri
     return (accepted + prior_mean * prior_weight) / (reached + prior_weight)
 
 
+def percentile(xs: list[float], q: float) -> float:
+    """The q-th percentile (linear between order statistics; with few samples p99 is about the largest)."""
+    xs = sorted(xs)
+    if len(xs) == 1:
+        return xs[0]
+    k = (len(xs) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
 def geomean(xs: list[float]) -> float:
     """Geometric mean of positive numbers (speed ratios); nan for none."""
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")

@@ -41,7 +41,7 @@ from typing import Any
 
 from vlmspec.bench.batch import mixed_conversations
 from vlmspec.bench.server import chat_body, delta_text, sse_events
-from vlmspec.stats import rotated
+from vlmspec.stats import percentile, rotated
 
 WAYS: dict[str, dict[str, Any]] = {  # a way's request fields (the OpenAI body's extensions)
     "plain": {"speculative": False},
@@ -203,23 +203,12 @@ def run_level(target: Endpoint, requests: list[dict[str, Any]], clients: int, n:
     busy_s = busy["end"] - t0
     busy_tokens = busy["counts"]["vlmspec_generated_tokens_total"] - before["vlmspec_generated_tokens_total"]
     return {"clients": clients, "requests": len(done), "seconds": wall, "tokens": sum(d["tokens"] for d in done),
-            "tokens_per_s": sum(d["tokens"] for d in done) / wall, "latency_p50_s": _pct(lat, 50), "latency_p99_s": _pct(lat, 99),
-            "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99), "mean_batch": _mean_batch(before, after),
+            "tokens_per_s": sum(d["tokens"] for d in done) / wall, "latency_p50_s": percentile(lat, 50), "latency_p99_s": percentile(lat, 99),
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99), "mean_batch": _mean_batch(before, after),
             "busy_s": busy_s, "busy_tokens_per_s": busy_tokens / busy_s, "busy_mean_batch": _mean_batch(before, busy["counts"]),
             "replicas": len({d["replica"] for d in done if d["replica"] is not None}),  # replicas that served the level (0: one process)
             "answers": {d["index"]: d["text"] for d in sorted(done, key=lambda d: d["index"])},
             "latencies": {i: [d["latency_s"] for d in done if d["index"] == i] for i in sorted({d["index"] for d in done})}}
-
-
-def _pct(xs: list[float], q: float) -> float:
-    """The q-th percentile (linear between order statistics; with few requests p99 is about the slowest)."""
-    xs = sorted(xs)
-    if len(xs) == 1:
-        return xs[0]
-    k = (len(xs) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 def sweep(endpoints: list[Endpoint], opts: LoadOptions, progress: bool = True,
@@ -292,7 +281,7 @@ def same_request_p99(alone: dict[str, Any], loaded: dict[str, Any]) -> float:
     its latency in `alone` (each the median of that request's runs in the level)."""
     mine = {str(i): v for i, v in alone["latencies"].items()}
     per_request = [statistics.median(v) / statistics.median(mine[str(i)]) for i, v in loaded["latencies"].items() if str(i) in mine]
-    return _pct(per_request, 99)
+    return percentile(per_request, 99)
 
 
 def markdown(report: dict[str, Any]) -> str:

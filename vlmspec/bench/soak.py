@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from vlmspec.bench.batch import mixed_conversations
-from vlmspec.bench.load import _pct
 from vlmspec.bench.server import chat_body, delta_text, sse_events
 from vlmspec.memory import heap_bytes, rss_bytes
+from vlmspec.stats import percentile
 
 KINDS = ("complete", "cancel", "client-timeout", "server-timeout")
 
@@ -268,7 +268,7 @@ def summarise(results: list[dict[str, Any]], samples: list[tuple[float, int]], s
               "every kind was sent": all(c["sent"] > 0 for c in counts.values())}
     return {"options": {**vars(opts), "shares": list(opts.shares), "server_timeout_s": server_timeout_s},
             "wall_s": wall, "requests": len(results), "counts": counts, "hung": hung,
-            "complete_latency_p50_s": _pct(lat, 50) if lat else None, "complete_latency_p99_s": _pct(lat, 99) if lat else None,
+            "complete_latency_p50_s": percentile(lat, 50) if lat else None, "complete_latency_p99_s": percentile(lat, 99) if lat else None,
             "rss": {"samples": samples, "after_warmup_mib": rss_start / 2**20, "end_mib": rss_end / 2**20, "growth": growth},
             "heap": {"samples": heap or [], "in_use_after_warmup_mib": used[0] / 2**20, "in_use_end_mib": used[1] / 2**20,
                      "free_after_warmup_mib": free[0] / 2**20, "free_end_mib": free[1] / 2**20} if heap_after else None,

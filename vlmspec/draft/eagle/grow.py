@@ -8,7 +8,8 @@ committed prefix, which only the attention mask sees. A row leaves its group whe
 depth or SpecDec++'s stop rule ends it; the rows still growing are selected once per such level.
 
 `read_trees` brings every row's tree back with ONE device->host transfer. The sessions are
-duck-typed (`vlmspec.draft.eagle.session._EagleSession`: head, tree, cache, next_pos, ...).
+duck-typed (`vlmspec.draft.eagle.session._EagleSession`: head, cache, next_pos, stop_threshold, ...);
+the caller gives each row's top_k for the step.
 """
 
 from __future__ import annotations
