@@ -1,6 +1,8 @@
 """vlmspec bench: the harness runs end to end on a tiny random model and its JSON has the documented keys."""
 import json
 
+import pytest
+
 from vlmspec.cli import main
 from vlmspec.target import load_target
 
@@ -188,3 +190,15 @@ def test_bench_batch_runs_every_size_and_way_and_finds_batched_answers_equal(tmp
     assert "B=3 best tree (eagle 4 nodes) / B=1 speculative" in table and "| 3 | plain |" in table
     bench_batch.plot(report, tmp_path / "batch.png")
     assert (tmp_path / "batch.png").stat().st_size > 0
+
+
+def test_bench_batch_report_of_a_sweep_without_batch_1():
+    """`--sizes 8,16` measures no B = 1 cell: the table keeps the ratio over batched plain decoding
+    and leaves out the one over the batch-1 engine (it raised KeyError at the end of the run)."""
+    from vlmspec.bench import batch as bench_batch
+
+    cell = lambda b, way, tps: {"batch": b, "way": way, "tokens_per_s": tps}  # noqa: E731
+    report = {"cells": [cell(8, "plain", 100.0), cell(8, "eagle 2 nodes", 110.0), cell(16, "plain", 150.0), cell(16, "eagle 2 nodes", 140.0)]}
+    assert bench_batch.ratios(report) == {"B=8 best tree / B=8 plain": pytest.approx(1.1)}
+    report["cells"] += [cell(1, "plain", 20.0), cell(1, "eagle 2 nodes", 30.0)]  # with B = 1 (control): both ratios
+    assert bench_batch.ratios(report)["B=8 best tree (eagle 2 nodes) / B=1 speculative"] == pytest.approx(110.0 / 30.0)
