@@ -11,7 +11,7 @@ pytest.importorskip("matplotlib")
 
 from vlmspec import assets
 from vlmspec.bench.load import _check_answers, markdown, ratios, same_request_p99
-from vlmspec.stats import percentile as _pct
+from vlmspec.stats import percentile
 from vlmspec.cli import main
 
 
@@ -45,7 +45,7 @@ def test_answers_are_checked_against_the_lowest_concurrency_and_percentiles():
               {"series": "fixed", "clients": 4, "answers": {0: "x"}}]
     _check_answers(levels)
     assert [lv["changed"] for lv in levels] == [0, 1, 0]  # negative control: the changed answer is counted
-    assert _pct([3.0, 1.0, 2.0], 50) == 2.0 and _pct([1.0, 2.0], 99) == pytest.approx(1.99) and _pct([5.0], 99) == 5.0
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile([1.0, 2.0], 99) == pytest.approx(1.99) and percentile([5.0], 99) == 5.0
     report = {"options": {"max_tokens": 8, "requests": 2}, "levels": [
         {"way": w, "max_batch": b, "series": w, "clients": c, "requests": 2, "tokens_per_s": t, "latency_p50_s": 1.0, "latency_p99_s": 2.0,
          "ttft_p50_s": 0.1, "ttft_p99_s": 0.2, "mean_batch": 1.0, "changed": 0, "busy_tokens_per_s": 2 * t, "busy_mean_batch": 1.5}

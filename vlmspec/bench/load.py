@@ -252,28 +252,28 @@ def ratios(report: dict[str, Any]) -> dict[str, float]:
     batched ways on the first max_batch of the run)."""
     first = next((lv["max_batch"] for lv in report["levels"] if lv["way"] != "baseline"), None)
     cell = {(lv["way"], lv["clients"]): lv for lv in report["levels"] if lv["way"] == "baseline" or lv["max_batch"] == first}
-    out: dict[str, float] = {}
-    ways = {w for w, _ in cell}
-    for way in sorted(ways - {"baseline"}):
+    out: dict[str, float | None] = {}
+    ways = sorted({w for w, _ in cell} - {"baseline"})
+
+    def over(a: tuple[str, int], b: tuple[str, int], key: str = "tokens_per_s") -> float | None:
+        """Cell a's `key` over cell b's; None without either cell, or without the key (older reports)."""
+        return cell[a][key] / cell[b][key] if a in cell and b in cell and key in cell[a] and key in cell[b] else None
+
+    busy = ", while all clients were busy"
+    for way in ways:
         if (way, 8) in cell and (way, 1) in cell:
-            out[f"{way}: tokens/s at 8 clients / at 1"] = cell[(way, 8)]["tokens_per_s"] / cell[(way, 1)]["tokens_per_s"]
+            out[f"{way}: tokens/s at 8 clients / at 1"] = over((way, 8), (way, 1))
             out[f"{way}: p99 latency at 8 clients / p50 at 1"] = cell[(way, 8)]["latency_p99_s"] / cell[(way, 1)]["latency_p50_s"]
             if "latencies" in cell[(way, 1)]:  # reports written before per-request latencies were kept have none
                 out[f"{way}: p99 over requests of latency at 8 clients / the same request's at 1"] = same_request_p99(cell[(way, 1)], cell[(way, 8)])
     for c in (4, 8, 16):
-        if ("goodput", c) in cell and ("plain", c) in cell:
-            out[f"goodput / plain at {c} clients"] = cell[("goodput", c)]["tokens_per_s"] / cell[("plain", c)]["tokens_per_s"]
-    for way in sorted(ways - {"baseline"}):
-        if (way, 8) in cell and (way, 1) in cell and all("busy_tokens_per_s" in cell[(way, c)] for c in (1, 8)):
-            out[f"{way}: tokens/s at 8 clients / at 1, while all clients were busy"] = (cell[(way, 8)]["busy_tokens_per_s"]
-                                                                                      / cell[(way, 1)]["busy_tokens_per_s"])
+        out[f"goodput / plain at {c} clients"] = over(("goodput", c), ("plain", c))
+    for way in ways:
+        out[f"{way}: tokens/s at 8 clients / at 1{busy}"] = over((way, 8), (way, 1), "busy_tokens_per_s")
     for c in (4, 8, 16):
-        if ("goodput", c) in cell and ("plain", c) in cell and all("busy_tokens_per_s" in cell[(w, c)] for w in ("goodput", "plain")):
-            out[f"goodput / plain at {c} clients, while all clients were busy"] = (cell[("goodput", c)]["busy_tokens_per_s"]
-                                                                                  / cell[("plain", c)]["busy_tokens_per_s"])
-    if ("goodput", 1) in cell and ("baseline", 1) in cell:
-        out["goodput at 1 client / the one-at-a-time service"] = cell[("goodput", 1)]["tokens_per_s"] / cell[("baseline", 1)]["tokens_per_s"]
-    return out
+        out[f"goodput / plain at {c} clients{busy}"] = over(("goodput", c), ("plain", c), "busy_tokens_per_s")
+    out["goodput at 1 client / the one-at-a-time service"] = over(("goodput", 1), ("baseline", 1))
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def same_request_p99(alone: dict[str, Any], loaded: dict[str, Any]) -> float:
