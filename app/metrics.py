@@ -44,6 +44,7 @@ METRICS = {
     "vlmspec_spec_decode_num_accepted_tokens_per_pos_total": "counter",  # {position}: accepted at each depth (0: the first drafted token)
     "vlmspec_spec_decode_num_drafts_reaching_pos_total": "counter",  # {position}: drafts whose tree reached that depth
     "vlmspec_speculation_depth": "histogram",  # {policy, batch_size}: the depth chosen per verify forward (0: no draft)
+    "vlmspec_batch_draft_waits_total": "counter",  # steps whose goodput rows would have drafted, held back: that batch size's drafted steps delivered less than plain ones
 }
 METRIC_NAMES = tuple(METRICS)
 
@@ -93,6 +94,9 @@ class Metrics:
         self.depth = Histogram("vlmspec_speculation_depth", "depth chosen by the speculation controller per verify forward "
                                "(0: no draft), by the number of requests in that step", ["policy", "batch_size"],
                                buckets=_DEPTH_BUCKETS, registry=r)
+        self.draft_waits = Counter("vlmspec_batch_draft_waits", "engine steps whose goodput rows would have drafted but did not: at "
+                                   "that batch size the batch's drafted steps had emitted fewer tokens per second than plain steps "
+                                   "(vlmspec.batch_control.BatchTiming)", registry=r)
         for mode in MODES:  # the series exist from the start
             self.generated_tokens.labels(mode)
         self.queue_depth.set(0)

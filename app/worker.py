@@ -391,12 +391,14 @@ class Service:
         assert self._batch is not None
         size = len(self._rows)
         self.metrics.batch_size.observe(size)
+        waits = self._batch.draft_waits
         try:
             events = self._batch.step()
         except Exception:
             logger.exception("worker: batch step failed")
             self._reset_batch()
             return
+        self.metrics.draft_waits.inc(self._batch.draft_waits - waits)
         rows = {id(r.req): r for r in self._rows}
         now = time.monotonic()
         for req, event in events:

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from conftest import tiny_target
-from vlmspec.control import (AcceptanceTracker, BatchCost, BatchTiming, CostModel, FixedPolicy, GoodputPolicy, Speculation, batch_chains,
-                             choose_depths)
+from vlmspec.batch_control import BatchTiming, batch_chains, choose_depths
+from vlmspec.control import AcceptanceTracker, BatchCost, CostModel, FixedPolicy, GoodputPolicy, Speculation
 from vlmspec.cost import measured_costs
 from vlmspec.draft.base import TreeConfig
 from vlmspec.draft.eagle import EagleDrafter
@@ -130,6 +130,59 @@ def test_the_batchs_own_step_times_correct_its_cost():
     assert slow.scale(2) == pytest.approx(2.0) and slow.scale(0) == pytest.approx(1.0)
     assert choose_depths(rows(), [5] * 4, COST, slow) == [0] * 4
     assert choose_depths(rows(), [5] * 4, COST, exact)[0] > 0
+
+
+def _drafted_steps(timing: BatchTiming, rows: int, gain: float, steps: int) -> None:
+    """`steps` drafted steps of `rows` rows that each took what the model says and emitted `gain`
+    times the tokens a plain step of those rows emits in its modelled seconds."""
+    seconds = COST.seconds(rows, 2)
+    for _ in range(steps):
+        timing.observe(COST, rows, 2, seconds, emitted=round(gain * rows * seconds / COST.seconds(rows, 0)))
+
+
+def test_drafting_waits_where_the_batchs_drafted_steps_delivered_less_than_plain_steps():
+    """At B = 8 four drafted steps each emitted 0.6x what plain steps give in their time: drafting
+    there waits, plain steps count towards a retry (8 of them), a losing retry doubles the wait, a
+    paying one ends it. The same at B = 4 with steps that paid (1.5x) never waits, nor does a
+    bucket seen fewer than `min_steps` times (negative controls)."""
+    timing = BatchTiming()
+    _drafted_steps(timing, 8, 0.6, 3)
+    assert timing.allows_draft(8)  # 3 steps: too few to judge
+    _drafted_steps(timing, 8, 0.6, 1)
+    assert not timing.allows_draft(8) and not timing.allows_draft(7) and timing.allows_draft(4)  # 5-8 rows share a bucket
+    for _ in range(7):
+        timing.observe(COST, 8, 0, COST.seconds(8, 0))
+    assert not timing.allows_draft(8)
+    timing.observe(COST, 8, 0, COST.seconds(8, 0))
+    assert timing.allows_draft(8)  # the 8th plain step: one retry
+    _drafted_steps(timing, 8, 0.6, 1)  # it lost too: the wait doubles
+    for _ in range(15):
+        timing.observe(COST, 8, 0, COST.seconds(8, 0))
+    assert not timing.allows_draft(8)
+    timing.observe(COST, 8, 0, COST.seconds(8, 0))
+    assert timing.allows_draft(8)
+    _drafted_steps(timing, 8, 3.0, 2)  # retries that paid well: the mean is over 1 again
+    assert timing.allows_draft(8)
+    paying = BatchTiming()
+    _drafted_steps(paying, 4, 1.5, 10)
+    assert paying.allows_draft(4)
+
+
+def test_a_batch_whose_drafted_steps_lost_decodes_plainly_where_goodput_would_draft():
+    """Rows that would draft at B = 4 by their histories and the cost model, in a batch whose own
+    drafted steps at B = 4 delivered 0.5x plain steps: no row drafts until a retry is due, and then
+    as deep as they choose; with drafted steps that paid (the negative control) they draft as before."""
+    rows = lambda: [_tracker(2) for _ in range(4)]  # noqa: E731
+    losing, paying = BatchTiming(), BatchTiming()
+    _drafted_steps(losing, 4, 0.5, 4)
+    _drafted_steps(paying, 4, 1.5, 4)
+    assert choose_depths(rows(), [5] * 4, COST, losing) == [0] * 4
+    assert choose_depths(rows(), [5] * 4, COST, paying)[0] > 1
+    assert choose_depths([_tracker(0) for _ in range(4)], [5] * 4, COST, losing) == [0] * 4  # rows that would not draft anyway
+    assert (losing.waits, paying.waits) == (1, 0)  # the counter counts the steps the check held back, only those
+    for _ in range(losing.retry):  # the wait is over: a retry, as deep as the rows choose
+        losing.observe(COST, 4, 0, COST.seconds(4, 0))
+    assert choose_depths(rows(), [5] * 4, COST, losing) == choose_depths(rows(), [5] * 4, COST, paying)
 
 
 def _alone_and_together(batch_seconds_at_depth_3: float) -> tuple[list, list]:

@@ -16,7 +16,7 @@ LAYERS = [
               "vlmspec.inputs", "vlmspec.transfer", "vlmspec.openmp", "vlmspec.onednn", "vlmspec.memory", "vlmspec.kernels", "vlmspec.vision_compress", "vlmspec.data")),
     ("target", ("vlmspec.target", "vlmspec.verify")),
     ("draft", ("vlmspec.draft",)),
-    ("engine", ("vlmspec.engine", "vlmspec.control", "vlmspec.cost")),
+    ("engine", ("vlmspec.engine", "vlmspec.control", "vlmspec.batch_control", "vlmspec.cost")),
     ("text", ("vlmspec.text",)),
     ("factory", ("vlmspec.factory",)),
     ("tools", ("vlmspec.train", "vlmspec.bench")),

@@ -38,29 +38,8 @@ measured seconds to the model's (decayed mean), a plain step's by the plain step
 Until a plain step has been timed it keeps the model's seconds, so a drafted step found dearer
 than modelled (a long image prompt makes a tree's attention dearer) counts wholly against drafting.
 
-Over a batch (SmartSpec's goodput is defined over the batch) the rows' depths are chosen together,
-`choose_depths`: one step verifies every row's tree in one forward padded to the largest tree and
-drafts every level for all rows at once, so its cost follows the batch size and its deepest row
-(`BatchCost`, measured at start-up per batch size). There a drafted node costs a row-sized slice of
-a batched forward, not the nearly free extra query it is alone, so a goodput row of a batch drafts
-its first-child chain, one node per level (`batch_chains`; the EAGLE head grows it top-1), and
-its E_b is the chain's: the tracker keeps the chain's acceptance apart from the tree's, learnt
-from every drafted step (alone, from how far the accepted path ran along first children,
-`DraftTree.first_chain_run`). The goodput rows of a step share one depth D,
-
-    D* = argmax_D  sum_b E_b[min(D, cap_b)] / T_B[max(min(D, cap_b) over b, deepest fixed row)]
-
-each row's E_b from its own acceptance history, with the same margin over D = 0; a row's cap is its
-max depth, or `probe_depth` while it is probing (as alone: a fresh row or a retry drafts shallow, so
-a batch of fresh rows prices a depth-1 step, not its full tree at the prior's optimistic acceptance;
-a probing row next to deeper rows drafts as deep as the step is, which costs nothing more); rows of
-the fixed policy keep their own choice. As the batch grows a drafted step costs more plain steps and
-D* falls, to 0 (plain decoding) where drafting no longer pays for the batch. With one row, or
-without a batch cost, each row's controller chooses alone as above. Inside a batch a row's step
-times are not its own, so they do not correct its cost model; the batch's own step times correct the
-batch cost instead (`BatchTiming`: measured / modelled seconds, decayed, drafted and plain steps
-apart), as a request's do alone: the batch's prompts (long image prompts) are not the short one it
-was measured on.
+Over a batch (SmartSpec's goodput is defined over the batch) the rows' depths are chosen together:
+`vlmspec.batch_control`, over a `BatchCost` measured per batch size.
 """
 
 from __future__ import annotations
@@ -163,26 +142,6 @@ class BatchCost:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "BatchCost":
         return cls(tuple((int(b), CostModel.from_dict(m)) for b, m in sorted(data.items(), key=lambda kv: int(kv[0]))))
-
-
-@dataclass
-class BatchTiming:
-    """A batch's correction of its `BatchCost`: the decayed mean of measured / modelled seconds of
-    its own steps, drafted and plain steps apart (weight: what each new step counts)."""
-
-    weight: float = 0.3
-    plain: float = 1.0
-    draft: float = 1.0
-
-    def observe(self, cost: BatchCost, rows: int, depth: int, seconds: float) -> None:
-        ratio = seconds / cost.seconds(rows, depth)
-        if depth > 0:
-            self.draft += self.weight * (ratio - self.draft)
-        else:
-            self.plain += self.weight * (ratio - self.plain)
-
-    def scale(self, depth: int) -> float:
-        return self.draft if depth > 0 else self.plain
 
 
 class Controller(Protocol):
@@ -407,61 +366,10 @@ class Speculation:
         return FixedPolicy()
 
 
-def choose_depths(controls: list[Controller], max_depths: list[int], cost: BatchCost | None,
-                  timing: BatchTiming | None = None) -> list[int]:
-    """Every row's depth for one step (see the module docstring: goodput over the batch), the batch
-    cost corrected by the batch's own `timing` when given. Rows whose max depth is negative (a full
-    context) get 0 and are not asked."""
-    chains = batch_chains(controls, cost)
-    tracked = [i for i, c in enumerate(controls) if chains[i] and max_depths[i] > 0]
-    if not tracked:
-        return [c.choose(m) if m >= 0 else 0 for c, m in zip(controls, max_depths)]
-    depths = [0 if (i in tracked or m < 0) else c.choose(m) for i, (c, m) in enumerate(zip(controls, max_depths))]
-    floor, rows = max(depths), len(controls)
-    policy: GoodputPolicy = controls[tracked[0]].policy  # type: ignore[attr-defined]
-    caps = {i: _batch_row_cap(controls[i], max_depths[i]) for i in tracked}  # type: ignore[arg-type]
-
-    def row_depths(depth: int) -> tuple[int, dict[int, int]]:
-        """(the step's depth, each goodput row's): the rows share `depth` within their caps, and a
-        probing row drafts as deep as the step already is (its deeper levels cost nothing more)."""
-        step = max([floor] + [min(depth, caps[i]) for i in tracked])
-        return step, {i: min(depth, max_depths[i], max(caps[i], step)) for i in tracked}
-
-    def goodput(depth: int) -> float:
-        step, rows_at = row_depths(depth)
-        tokens = sum(controls[i].expected_tokens(d, chain=True) for i, d in rows_at.items())  # type: ignore[attr-defined]
-        return tokens / (cost.seconds(rows, step) * (timing.scale(step) if timing is not None else 1.0))
-
-    best = max(range(max(caps.values()) + 1), key=lambda d: (goodput(d), -d))
-    if best > 0 and goodput(best) < (1.0 + policy.min_gain) * goodput(0):
-        best = 0
-    for i, d in row_depths(best)[1].items():
-        depths[i] = d
-        controls[i].chosen.append(d)  # type: ignore[attr-defined]
-    return depths
-
-
-def batch_chains(controls: list[Controller], cost: BatchCost | None) -> list[bool]:
-    """Which rows of a step draft their tree's first-child chain (`DraftTree.first_chain`) instead of
-    the tree: the goodput rows of a batch of more than one row with a batch cost. One forward
-    verifies every row padded to the largest tree, so there a node costs a row-sized slice of a
-    batched forward, not the near-free extra query it is alone: a chain of D tokens is the
-    narrowest D-level draft and what the batch cost is measured on (`vlmspec.cost`)."""
-    batched = len(controls) > 1 and cost is not None
-    return [batched and isinstance(c, AcceptanceTracker) for c in controls]
-
-
-def _batch_row_cap(control: AcceptanceTracker, max_depth: int) -> int:
-    """The deepest a goodput row may draft this step in a batch: its max depth, or the probe depth
-    while it is probing (as alone: a request's first draft and every retry are shallow)."""
-    probe = control.policy.probe_depth
-    return min(max_depth, probe) if probe is not None and control.probing() else max_depth
-
-
 def depth_summary(depths: list[int]) -> str:
     """[0, 0, 5, 5, 5] -> '0x2 5x3': how often a request's controller chose each depth."""
     return " ".join(f"{d}x{depths.count(d)}" for d in sorted(set(depths)))
 
 
-__all__ = ["AcceptanceTracker", "BatchCost", "BatchTiming", "Controller", "CostModel", "batch_chains", "choose_depths", "FixedPolicy", "GoodputPolicy", "POLICIES", "Policy",
-           "Speculation", "SpeculationOptions", "depth_summary"]
+__all__ = ["AcceptanceTracker", "BatchCost", "Controller", "CostModel", "FixedPolicy", "GoodputPolicy", "POLICIES", "Policy", "Speculation",
+           "SpeculationOptions", "depth_summary"]

@@ -25,7 +25,8 @@ from typing import Any, Iterator
 
 import torch
 
-from vlmspec.control import BatchTiming, Controller, Policy, Speculation, SpeculationOptions, batch_chains, choose_depths
+from vlmspec.batch_control import BatchTiming, batch_chains, choose_depths
+from vlmspec.control import Controller, Policy, Speculation, SpeculationOptions
 from vlmspec.draft.base import Drafter, NoDrafter, PromptContext, TreeConfig, feature_layers, propose_all
 from vlmspec.sampling import SamplingParams, next_token
 from vlmspec.stats import SpecStats
@@ -259,6 +260,11 @@ class Batch:
         self.requests.sort(key=lambda r: r.state.slot)  # consecutive slots read as views
         return req
 
+    @property
+    def draft_waits(self) -> int:
+        """Steps whose goodput rows would have drafted but waited (`BatchTiming.waits`): a counter."""
+        return self.cost_timing.waits
+
     def step(self) -> list[tuple["_Request", StepEvent]]:
         """One round: the prefill tokens of requests that joined, then one draft -> verify -> commit
         over every live request. Requests that finished have left when it returns (their `result` set)."""
@@ -312,7 +318,8 @@ class Batch:
         clock.lap("draft")
         seconds = time.perf_counter() - t_step
         if batch_cost is not None and len(reqs) > 1:
-            self.cost_timing.observe(batch_cost, len(reqs), max(int(t.depth.max()) for t in trees), seconds)
+            self.cost_timing.observe(batch_cost, len(reqs), max(int(t.depth.max()) for t in trees), seconds,
+                                  sum(v.num_accepted for v in verdicts) + len(reqs))
         events = []
         for r, t, v, path, depth, chain in zip(reqs, trees, verdicts, paths, depths, chains):
             drafted_depth = int(t.depth.max())

@@ -1,0 +1,142 @@
+"""Goodput over a batch (SmartSpec): every row's depth for one step of a batch, chosen together.
+
+SmartSpec's goodput is defined over the batch, and so is `choose_depths`: one step verifies every
+row's tree in one forward padded to the largest tree and drafts every level for all rows at once, so its cost follows the batch size and its deepest row
+(`BatchCost`, measured at start-up per batch size). There a drafted node costs a row-sized slice of
+a batched forward, not the nearly free extra query it is alone, so a goodput row of a batch drafts
+its first-child chain, one node per level (`batch_chains`; the EAGLE head grows it top-1), and
+its E_b is the chain's: the tracker keeps the chain's acceptance apart from the tree's, learnt
+from every drafted step (alone, from how far the accepted path ran along first children,
+`DraftTree.first_chain_run`). The goodput rows of a step share one depth D,
+
+    D* = argmax_D  sum_b E_b[min(D, cap_b)] / T_B[max(min(D, cap_b) over b, deepest fixed row)]
+
+each row's E_b from its own acceptance history, with the same margin over D = 0; a row's cap is its
+max depth, or `probe_depth` while it is probing (as alone: a fresh row or a retry drafts shallow, so
+a batch of fresh rows prices a depth-1 step, not its full tree at the prior's optimistic acceptance;
+a probing row next to deeper rows drafts as deep as the step is, which costs nothing more); rows of
+the fixed policy keep their own choice. As the batch grows a drafted step costs more plain steps and
+D* falls, to 0 (plain decoding) where drafting no longer pays for the batch. With one row, or
+without a batch cost, each row's controller chooses alone (`vlmspec.control`). Inside a batch a row's step
+times are not its own, so they do not correct its cost model; the batch's own step times correct the
+batch cost instead (`BatchTiming`: measured / modelled seconds, decayed, drafted and plain steps
+apart), as a request's do alone: the batch's prompts (long image prompts) are not the short one it
+was measured on.
+
+Estimates can still be wrong together: the rows' expected tokens lean optimistic, and a drafted
+step's cost can be off by more than that correction follows (the cost model is measured on one
+short prompt copied to every row). So the batch also checks what its drafted steps
+delivered, per batch-size bucket (`BatchTiming.allows_draft`): where they emitted fewer tokens per
+second than plain steps of the same rows would, drafting there waits, and is retried now and then
+(a retry drafts what the rows choose: the check is of the steps the batch would take).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vlmspec.control import AcceptanceTracker, BatchCost, Controller, GoodputPolicy
+
+
+@dataclass
+class BatchTiming:
+    """A batch's correction of its `BatchCost`: the decayed mean of measured / modelled seconds of
+    its own steps, drafted and plain steps apart (weight: what each new step counts); and its check
+    of what drafted steps deliver, per batch-size bucket (2, 3-4, 5-8, 9-16, ... rows):
+    the decayed mean of each drafted step's gain, its emitted tokens per second over what a plain
+    step of its rows would give (B tokens in the corrected plain seconds). Once `min_steps` drafted
+    steps of a bucket have been measured and that mean is under 1, drafting there waits: a drafted
+    step is allowed again after `retry` plain steps of the bucket, a wait that doubles (up to
+    `max_retry`) with each retry that leaves the mean under 1 and returns to `retry` once it is not."""
+
+    weight: float = 0.3
+    plain: float = 1.0
+    draft: float = 1.0
+    gain_weight: float = 0.2
+    min_steps: int = 4
+    retry: int = 8
+    max_retry: int = 128
+    gains: dict[int, list[float]] = field(default_factory=dict)  # bucket -> [mean gain, drafted steps, plain steps since, wait]
+    waits: int = 0  # steps whose rows would have drafted but drafting waited (a counter: the service's metrics read it)
+
+    def observe(self, cost: BatchCost, rows: int, depth: int, seconds: float, emitted: int | None = None) -> None:
+        ratio = seconds / cost.seconds(rows, depth)
+        if depth > 0:
+            self.draft += self.weight * (ratio - self.draft)
+        else:
+            self.plain += self.weight * (ratio - self.plain)
+        g = self.gains.setdefault((rows - 1).bit_length(), [1.0, 0, 0, self.retry])
+        if depth == 0:
+            g[2] += 1
+            return
+        if emitted is None:
+            return
+        retried = not self.allows_draft(rows, waited=False)  # drafted while drafting waited: a retry
+        gain = (emitted / seconds) / (rows / (cost.seconds(rows, 0) * self.plain))
+        g[0] = gain if g[1] == 0 else g[0] + self.gain_weight * (gain - g[0])
+        g[1], g[2] = g[1] + 1, 0
+        g[3] = self.retry if g[0] >= 1.0 else min(2 * g[3], self.max_retry) if retried else g[3]
+
+    def allows_draft(self, rows: int, waited: bool = True) -> bool:
+        """Whether a step of `rows` rows may draft (waited=False: as if no retry were due)."""
+        g = self.gains.get((rows - 1).bit_length())
+        return g is None or g[1] < self.min_steps or g[0] >= 1.0 or (waited and g[2] >= g[3])
+
+    def scale(self, depth: int) -> float:
+        return self.draft if depth > 0 else self.plain
+
+
+def choose_depths(controls: list[Controller], max_depths: list[int], cost: BatchCost | None,
+                  timing: BatchTiming | None = None) -> list[int]:
+    """Every row's depth for one step (see the module docstring: goodput over the batch), the batch
+    cost corrected by the batch's own `timing` when given. Rows whose max depth is negative (a full
+    context) get 0 and are not asked."""
+    chains = batch_chains(controls, cost)
+    tracked = [i for i, c in enumerate(controls) if chains[i] and max_depths[i] > 0]
+    if not tracked:
+        return [c.choose(m) if m >= 0 else 0 for c, m in zip(controls, max_depths)]
+    depths = [0 if (i in tracked or m < 0) else c.choose(m) for i, (c, m) in enumerate(zip(controls, max_depths))]
+    floor, rows = max(depths), len(controls)
+    policy: GoodputPolicy = controls[tracked[0]].policy  # type: ignore[attr-defined]
+    caps = {i: _batch_row_cap(controls[i], max_depths[i]) for i in tracked}  # type: ignore[arg-type]
+
+    def row_depths(depth: int) -> tuple[int, dict[int, int]]:
+        """(the step's depth, each goodput row's): the rows share `depth` within their caps, and a
+        probing row drafts as deep as the step already is (its deeper levels cost nothing more)."""
+        step = max([floor] + [min(depth, caps[i]) for i in tracked])
+        return step, {i: min(depth, max_depths[i], max(caps[i], step)) for i in tracked}
+
+    def goodput(depth: int) -> float:
+        step, rows_at = row_depths(depth)
+        tokens = sum(controls[i].expected_tokens(d, chain=True) for i, d in rows_at.items())  # type: ignore[attr-defined]
+        return tokens / (cost.seconds(rows, step) * (timing.scale(step) if timing is not None else 1.0))
+
+    best = max(range(max(caps.values()) + 1), key=lambda d: (goodput(d), -d))
+    if best > 0 and goodput(best) < (1.0 + policy.min_gain) * goodput(0):
+        best = 0
+    elif best > 0 and timing is not None and not timing.allows_draft(rows):
+        best, timing.waits = 0, timing.waits + 1
+    for i, d in row_depths(best)[1].items():
+        depths[i] = d
+        controls[i].chosen.append(d)  # type: ignore[attr-defined]
+    return depths
+
+
+def batch_chains(controls: list[Controller], cost: BatchCost | None) -> list[bool]:
+    """Which rows of a step draft their tree's first-child chain (`DraftTree.first_chain`) instead of
+    the tree: the goodput rows of a batch of more than one row with a batch cost. One forward
+    verifies every row padded to the largest tree, so there a node costs a row-sized slice of a
+    batched forward, not the near-free extra query it is alone: a chain of D tokens is the
+    narrowest D-level draft and what the batch cost is measured on (`vlmspec.cost`)."""
+    batched = len(controls) > 1 and cost is not None
+    return [batched and isinstance(c, AcceptanceTracker) for c in controls]
+
+
+def _batch_row_cap(control: AcceptanceTracker, max_depth: int) -> int:
+    """The deepest a goodput row may draft this step in a batch: its max depth, or the probe depth
+    while it is probing (as alone: a request's first draft and every retry are shallow)."""
+    probe = control.policy.probe_depth
+    return min(max_depth, probe) if probe is not None and control.probing() else max_depth
+
+
+__all__ = ["BatchTiming", "batch_chains", "choose_depths"]
