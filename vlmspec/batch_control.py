@@ -1,8 +1,9 @@
 """Goodput over a batch (SmartSpec): every row's depth for one step of a batch, chosen together.
 
 SmartSpec's goodput is defined over the batch, and so is `choose_depths`: one step verifies every
-row's tree in one forward padded to the largest tree and drafts every level for all rows at once, so its cost follows the batch size and its deepest row
-(`BatchCost`, measured at start-up per batch size). There a drafted node costs a row-sized slice of
+row's tree in one forward padded to the largest tree and drafts every level for all rows at once,
+so its cost follows the batch size and its deepest row (`BatchCost`, measured at start-up per
+batch size). There a drafted node costs a row-sized slice of
 a batched forward, not the nearly free extra query it is alone, so a goodput row of a batch drafts
 its first-child chain, one node per level (`batch_chains`; the EAGLE head grows it top-1), and
 its E_b is the chain's: the tracker keeps the chain's acceptance apart from the tree's, learnt
@@ -17,16 +18,16 @@ a batch of fresh rows prices a depth-1 step, not its full tree at the prior's op
 a probing row next to deeper rows drafts as deep as the step is, which costs nothing more); rows of
 the fixed policy keep their own choice. As the batch grows a drafted step costs more plain steps and
 D* falls, to 0 (plain decoding) where drafting no longer pays for the batch. With one row, or
-without a batch cost, each row's controller chooses alone (`vlmspec.control`). Inside a batch a row's step
-times are not its own, so they do not correct its cost model; the batch's own step times correct the
+without a batch cost, each row's controller chooses alone (`vlmspec.control`). Inside a batch a
+row's step times are not its own, so they do not correct its cost model; the batch's own step times correct the
 batch cost instead (`BatchTiming`: measured / modelled seconds, decayed, drafted and plain steps
 apart), as a request's do alone: the batch's prompts (long image prompts) are not the short one it
 was measured on.
 
 Estimates can still be wrong together: the rows' expected tokens lean optimistic, and a drafted
 step's cost can be off by more than that correction follows (the cost model is measured on one
-short prompt copied to every row). So the batch also checks what its drafted steps
-delivered, per batch-size bucket (`BatchTiming.allows_draft`): where they emitted fewer tokens per
+short prompt copied to every row). So the batch also checks what its drafted steps delivered, per
+batch-size bucket (`BatchTiming.allows_draft`): where they emitted fewer tokens per
 second than plain steps of the same rows would, drafting there waits, and is retried now and then
 (a retry drafts what the rows choose: the check is of the steps the batch would take).
 """
