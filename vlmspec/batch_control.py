@@ -40,6 +40,16 @@ from vlmspec.control import AcceptanceTracker, BatchCost, Controller, GoodputPol
 
 
 @dataclass
+class _Bucket:
+    """What one batch-size bucket's drafted steps delivered (`BatchTiming`)."""
+
+    gain: float = 1.0  # decayed mean of the drafted steps' gain over plain steps
+    drafted: int = 0  # drafted steps measured
+    since: int = 0  # plain steps since the last drafted one
+    wait: int = 0  # plain steps before a retry, while the mean is under 1
+
+
+@dataclass
 class BatchTiming:
     """A batch's correction of its `BatchCost`: the decayed mean of measured / modelled seconds of
     its own steps, drafted and plain steps apart (weight: what each new step counts); and its check
@@ -57,7 +67,7 @@ class BatchTiming:
     min_steps: int = 4
     retry: int = 8
     max_retry: int = 128
-    gains: dict[int, list[float]] = field(default_factory=dict)  # bucket -> [mean gain, drafted steps, plain steps since, wait]
+    buckets: dict[int, _Bucket] = field(default_factory=dict)  # (rows - 1).bit_length() -> its drafted steps' record
     waits: int = 0  # steps whose rows would have drafted but drafting waited (a counter: the service's metrics read it)
 
     def observe(self, cost: BatchCost, rows: int, depth: int, seconds: float, emitted: int | None = None) -> None:
@@ -66,22 +76,29 @@ class BatchTiming:
             self.draft += self.weight * (ratio - self.draft)
         else:
             self.plain += self.weight * (ratio - self.plain)
-        g = self.gains.setdefault((rows - 1).bit_length(), [1.0, 0, 0, self.retry])
+        b = self.buckets.setdefault((rows - 1).bit_length(), _Bucket(wait=self.retry))
         if depth == 0:
-            g[2] += 1
+            b.since += 1
             return
         if emitted is None:
             return
-        retried = not self.allows_draft(rows, waited=False)  # drafted while drafting waited: a retry
+        retried = self._losing(b)  # drafted while drafting waited: a retry
         gain = (emitted / seconds) / (rows / (cost.seconds(rows, 0) * self.plain))
-        g[0] = gain if g[1] == 0 else g[0] + self.gain_weight * (gain - g[0])
-        g[1], g[2] = g[1] + 1, 0
-        g[3] = self.retry if g[0] >= 1.0 else min(2 * g[3], self.max_retry) if retried else g[3]
+        b.gain = gain if b.drafted == 0 else b.gain + self.gain_weight * (gain - b.gain)
+        b.drafted, b.since = b.drafted + 1, 0
+        if b.gain >= 1.0:
+            b.wait = self.retry
+        elif retried:
+            b.wait = min(2 * b.wait, self.max_retry)
 
-    def allows_draft(self, rows: int, waited: bool = True) -> bool:
-        """Whether a step of `rows` rows may draft (waited=False: as if no retry were due)."""
-        g = self.gains.get((rows - 1).bit_length())
-        return g is None or g[1] < self.min_steps or g[0] >= 1.0 or (waited and g[2] >= g[3])
+    def _losing(self, b: _Bucket) -> bool:
+        """Enough drafted steps measured, and they delivered less than plain steps."""
+        return b.drafted >= self.min_steps and b.gain < 1.0
+
+    def allows_draft(self, rows: int) -> bool:
+        """Whether a step of `rows` rows may draft: its bucket is not losing, or a retry is due."""
+        b = self.buckets.get((rows - 1).bit_length())
+        return b is None or not self._losing(b) or b.since >= b.wait
 
     def scale(self, depth: int) -> float:
         return self.draft if depth > 0 else self.plain
