@@ -23,12 +23,16 @@ def _cost_cache_in_a_temp_dir(tmp_path_factory):
 @functools.lru_cache(maxsize=None)
 def tiny_target(arch: str, seed: int = 0):
     """A Target over a tiny random HF VLM of `arch` (built once per test session)."""
-    from vlmspec.target import Target
+    from vlmspec.target import Target, set_attention
     from vlmspec.testing.tiny import build_tiny
 
     model, processor = build_tiny(arch, seed=seed)
     # VLMSPEC_TEST_DEVICE=cuda runs the tiny-model tests on a GPU (scripts/gpu-check.sh does, for the batch tests)
-    return Target(model.to(os.environ.get("VLMSPEC_TEST_DEVICE", "cpu")), processor, name=f"tiny-{arch}")
+    device = os.environ.get("VLMSPEC_TEST_DEVICE", "cpu")
+    model = model.to(device)
+    if device == "cpu":
+        set_attention(model, "auto")  # the attention `load_target` gives a model on CPU (on CUDA the tests keep SDPA)
+    return Target(model, processor, name=f"tiny-{arch}")
 
 
 @pytest.fixture(params=["llava", "qwen2_5_vl", "idefics3"])

@@ -223,7 +223,7 @@ def test_captured_attention_equals_eager_attention(arch):
         kw = {**inputs, **({"position_ids": pos} if pos is not None else {})}
         ref = target.model(**kw, output_attentions=True, return_dict=True).attentions[-1][0, :, -1].float().mean(0)
     finally:
-        set_attention(target.model, saved if saved in ("sdpa", "eager") else "sdpa")
+        set_attention(target.model, saved if saved in ("sdpa", "eager") else "auto")
     assert torch.allclose(out.attention, ref, atol=1e-6)
 
 

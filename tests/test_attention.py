@@ -1,0 +1,104 @@
+"""The target's CPU attention (`vlmspec.target.attention`): SDPA reading grouped key / value heads in
+place gives transformers' SDPA numbers bit for bit, and a batched one-token step the numbers of a
+step alone."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers.integrations import sdpa_attention
+
+from conftest import tiny_target
+from vlmspec.inputs import encode_prompt
+from vlmspec.target import set_attention
+from vlmspec.target.attention import GQA_SDPA, gqa_sdpa_forward
+from vlmspec.tree import DraftTree
+
+MODULE = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)  # 9 query heads over 3 key / value heads
+
+
+def _case(rows, n, cached, dtype, seed=0, hide_past=True):
+    """q [rows, 9, n, 16], k / v [rows, 3, cached + n, 16], an additive mask [rows, 1, n, cached + n]:
+    row b sees its last cached - 3 b entries (hide_past) and its own queries causally."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(rows, 9, n, 16, generator=g).to(dtype)
+    k, v = (torch.randn(rows, 3, cached + n, 16, generator=g).to(dtype) for _ in range(2))
+    lo = torch.finfo(dtype).min
+    mask = torch.zeros(rows, 1, n, cached + n, dtype=dtype)
+    mask[..., cached:] = lo * torch.ones(n, n, dtype=dtype).triu(1)
+    for b in range(rows):
+        if hide_past:
+            mask[b, :, :, : 3 * b] = lo
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,n", [(1, 7), (4, 2), (3, 5)])
+def test_grouped_heads_in_place_are_transformers_sdpa_to_the_bit(dtype, rows, n):
+    q, k, v, mask = _case(rows, n, 40, dtype)
+    with torch.no_grad():
+        ours, _ = gqa_sdpa_forward(MODULE, q, k, v, mask, scaling=0.25)
+        ref, _ = sdpa_attention.sdpa_attention_forward(MODULE, q, k, v, mask, scaling=0.25)
+    assert ours.shape == ref.shape == (rows, n, 9, 16)
+    assert torch.equal(ours, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_masked_lone_query_gets_the_unmasked_steps_numbers(dtype):
+    """A batched plain step (one query per row, a mask for the rows' lengths) against a step alone
+    (no mask: what a batch of one runs). Reading the grouped heads in place, they agree to the bit;
+    transformers' own path, which packs a lone query's heads under a mask, does not (the negative
+    control: in fp32 it differs on most of these cases)."""
+    same_ours = same_theirs = 0
+    for seed in range(12):
+        q, k, v, _ = _case(2, 1, 60 + seed, dtype, seed)
+        mask = torch.zeros(2, 1, 1, k.shape[2], dtype=dtype)  # nothing hidden: the row's whole length
+        with torch.no_grad():
+            alone, _ = sdpa_attention.sdpa_attention_forward(MODULE, q, k, v, None)
+            same_ours += torch.equal(gqa_sdpa_forward(MODULE, q, k, v, mask)[0], alone)
+            same_theirs += torch.equal(sdpa_attention.sdpa_attention_forward(MODULE, q, k, v, mask)[0], alone)
+    assert same_ours == 12
+    if dtype == torch.float32:
+        assert same_theirs < 12
+
+
+def test_calls_it_does_not_change_go_to_transformers(monkeypatch):
+    """No mask, no grouping, a gradient or a position bias: transformers' function, unchanged."""
+    calls = []
+    real = sdpa_attention.sdpa_attention_forward
+    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v, mask = _case(2, 3, 10, torch.float32)
+    with torch.no_grad():
+        gqa_sdpa_forward(MODULE, q, k, v, mask)
+        assert calls == []  # the negative control: the one kind of call it serves itself
+        gqa_sdpa_forward(MODULE, q, k, v, None)
+        gqa_sdpa_forward(SimpleNamespace(num_key_value_groups=1), q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), mask)
+        gqa_sdpa_forward(MODULE, q, k, v, mask, position_bias=torch.zeros_like(mask))
+    assert len(calls) == 3
+    q.requires_grad_(True)
+    out, _ = gqa_sdpa_forward(MODULE, q, k, v, mask)
+    out.sum().backward()
+    assert len(calls) == 4 and q.grad is not None
+
+
+def test_auto_on_cpu_runs_it_and_a_batched_tree_forward_keeps_sdpas_logits():
+    """A tiny Llama-based VLM (grouped heads): 'auto' on CPU picks it, and two rows' trees verified
+    together give the logits transformers' SDPA gives, bit for bit."""
+    target = tiny_target("llava")
+    assert target.attention == GQA_SDPA
+    texts = ["once upon a time", "the quick brown fox jumps over the lazy dog"]
+    trees = [DraftTree(torch.tensor([5, 6, 7, 9]), torch.tensor([-1, 0, 0, 1])), DraftTree.chain(8, [9, 4])]
+
+    def logits():
+        cache = target.new_cache(2)
+        states = [target.prefill(encode_prompt(target, t, []), cache=cache, slot=i)[0] for i, t in enumerate(texts)]
+        return target.forward_batch(states, trees).logits
+
+    ours = logits()
+    set_attention(target.model, "sdpa")
+    try:
+        assert target.attention == "sdpa"
+        ref = logits()
+    finally:
+        set_attention(target.model, "auto")
+    assert torch.equal(ours, ref)
