@@ -11,7 +11,6 @@ on the default model a batched step of 8 rows drafting 3 levels spends about 6 m
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -81,23 +80,14 @@ def register_gqa_sdpa() -> str:
     return GQA_SDPA
 
 
-def _median_us(run, repeats: int = 200) -> float:
-    for _ in range(10):
-        run()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        run()
-        times.append((time.perf_counter() - t) * 1e6)
-    return sorted(times)[len(times) // 2]
-
-
 def main() -> None:
     """Times one layer's attention, transformers' SDPA path against `gqa_sdpa_forward`, at the
     default model's heads (9 query, 3 key / value, 64 wide) and a batched step's shapes."""
     from types import SimpleNamespace
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from vlmspec.target.timing import median_ms
 
     module = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
     for dtype in (torch.bfloat16, torch.float32):
@@ -109,8 +99,8 @@ def main() -> None:
             mask[..., cached:] = torch.finfo(dtype).min * (1 - torch.eye(n, dtype=dtype))
             with torch.no_grad():
                 same = torch.equal(sdpa_attention_forward(module, q, k, v, mask)[0], gqa_sdpa_forward(module, q, k, v, mask)[0])
-                old = _median_us(lambda: sdpa_attention_forward(module, q, k, v, mask))
-                new = _median_us(lambda: gqa_sdpa_forward(module, q, k, v, mask))
+                old = 1e3 * median_ms(q.device, lambda: sdpa_attention_forward(module, q, k, v, mask), repeats=200, warmup=10)
+                new = 1e3 * median_ms(q.device, lambda: gqa_sdpa_forward(module, q, k, v, mask), repeats=200, warmup=10)
             print(f"  {rows:2d} rows x {n:2d} queries over {cached + n} entries: {old:7.1f} vs {new:7.1f}  (equal: {same})")
 
 

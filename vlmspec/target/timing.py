@@ -19,7 +19,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _median_ms(device: torch.device, run: Callable[[], object], repeats: int, warmup: int,
+def median_ms(device: torch.device, run: Callable[[], object], repeats: int, warmup: int,
                after: Callable[[], object] = lambda: None) -> float:
     """Median ms of `run()` over `repeats` timed calls after `warmup` untimed ones; `after()` runs
     untimed after each call (to undo what it changed)."""
@@ -44,7 +44,7 @@ def time_tree_forward(target: Target, prefix: int, n: int, repeats: int, warmup:
     state, _ = target.prefill({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
     tree = DraftTree.chain(1, [2] * (n - 1))
     # a tree forward leaves the row's committed length as it was: the next one overwrites its entries
-    return _median_ms(target.device, lambda: target.forward_tree(state, tree), repeats, warmup)
+    return median_ms(target.device, lambda: target.forward_tree(state, tree), repeats, warmup)
 
 
 @torch.no_grad()
@@ -58,7 +58,7 @@ def time_tree_extras(target: Target, prefix: int, sizes: list[int], rounds: int,
     trees = {n: DraftTree.chain(1, [2] * (n - 1)) for n in sorted({1, *sizes})}
     diffs: dict[int, list[float]] = {n: [] for n in sizes}
     for i in range(warmup + rounds):
-        ms = {n: _median_ms(target.device, lambda t=tree: target.forward_tree(state, t), 1, 0) for n, tree in trees.items()}
+        ms = {n: median_ms(target.device, lambda t=tree: target.forward_tree(state, t), 1, 0) for n, tree in trees.items()}
         if i >= warmup:
             for n in sizes:
                 diffs[n].append(ms[n] - ms[1])
@@ -71,7 +71,7 @@ def time_lm_head_rows(target: Target, k: int, rows: int, repeats: int, warmup: i
     tokens, as a trimmed EAGLE head applies it) over `rows` hidden states."""
     weight = target.output_embeddings().weight.detach()[:k].contiguous()  # [k, H]
     hidden = torch.randn(rows, weight.shape[1], device=weight.device, dtype=weight.dtype)  # [rows, H]
-    return _median_ms(target.device, lambda: torch.nn.functional.linear(hidden, weight), repeats, warmup)
+    return median_ms(target.device, lambda: torch.nn.functional.linear(hidden, weight), repeats, warmup)
 
 
 __all__ = ["time_lm_head_rows", "time_tree_extras", "time_tree_forward"]
