@@ -234,7 +234,7 @@ def test_the_batch_cost_files_each_step_under_the_depth_it_really_drafted(stop_t
     assert len(cost.by_size[1][1].by_depth) == (1 if stop_threshold else 3)
 
 
-def test_the_cost_model_is_measured_once_and_measured_again_when_the_model_drafter_or_dtype_changes(tmp_path, monkeypatch):
+def test_the_cost_model_is_measured_once_and_measured_again_when_the_model_drafter_dtype_or_attention_changes(tmp_path, monkeypatch):
     from vlmspec import cost as cost_module
 
     calls, logs = [], []
@@ -264,4 +264,12 @@ def test_the_cost_model_is_measured_once_and_measured_again_when_the_model_draft
     assert len(calls) == 3
     measured_costs(engine, (2, 4), cache_dir=tmp_path, log=logs.append)  # other batch sizes: measured for them
     assert len(calls) == 4
-    assert len(list(tmp_path.glob("cost-*.json"))) == 4
+    from vlmspec.target import set_attention
+
+    set_attention(target.model, "sdpa")  # transformers' own attention: other costs, measured for it
+    try:
+        measured_costs(engine, (2,), cache_dir=tmp_path, log=logs.append)
+    finally:
+        set_attention(target.model, "auto")
+    assert len(calls) == 5
+    assert len(list(tmp_path.glob("cost-*.json"))) == 5

@@ -7,7 +7,7 @@ own tree timing it falls back on (`vlmspec.target.timing`).
     cost, batch_cost = measured_costs(engine, batch_sizes=(2, 4, 8))          # both, through the cache
 
 Measuring takes tens of seconds on a CPU, so `measured_costs` keeps what it measured in a cache file
-per model, drafter, device, dtype, thread count and versions (`cost_cache_dir()`), and measures
+per model, drafter, device, dtype, attention, thread count and versions (`cost_cache_dir()`), and measures
 again when any of them changes.
 """
 
@@ -137,7 +137,7 @@ def fingerprint(module: torch.nn.Module | None) -> str:
 
 def cost_key(engine: SpecEngine, batch_sizes: tuple[int, ...]) -> dict[str, Any]:
     """What a measured cost depends on: the model and its weights, the drafter and its weights and
-    tree, the device, dtype and thread count, torch's and transformers' versions, the sizes measured."""
+    tree, the device, dtype, attention and thread count, torch's and transformers' versions, the sizes measured."""
     import transformers
 
     target, drafter = engine.target, engine.drafter
@@ -147,7 +147,7 @@ def cost_key(engine: SpecEngine, batch_sizes: tuple[int, ...]) -> dict[str, Any]
             "drafter": drafter.name, "drafter_weights": fingerprint(head if isinstance(head, torch.nn.Module) else None),
             "drafter_options": repr(getattr(drafter, "stop_threshold", None)),
             "tree": None if tree is None else [tree.depth, tree.top_k, tree.total_tokens],
-            "device": str(target.device), "dtype": str(target.dtype), "threads": torch.get_num_threads(),
+            "device": str(target.device), "dtype": str(target.dtype), "attention": target.attention, "threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__, "batch_sizes": sorted(set(batch_sizes) | {1})}
 
 
