@@ -17,9 +17,10 @@ from vlmspec.tree import DraftTree
 MODULE = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)  # 9 query heads over 3 key / value heads
 
 
-def _case(rows, n, cached, dtype, seed=0, hide_past=True):
+def _case(rows, n, cached, dtype, seed=0):
     """q [rows, 9, n, 16], k / v [rows, 3, cached + n, 16], an additive mask [rows, 1, n, cached + n]:
-    row b sees its last cached - 3 b entries (hide_past) and its own queries causally."""
+    row b sees its cached entries from the (3 b)-th on (rows of different lengths) and its own
+    queries causally."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(rows, 9, n, 16, generator=g).to(dtype)
     k, v = (torch.randn(rows, 3, cached + n, 16, generator=g).to(dtype) for _ in range(2))
@@ -27,8 +28,7 @@ def _case(rows, n, cached, dtype, seed=0, hide_past=True):
     mask = torch.zeros(rows, 1, n, cached + n, dtype=dtype)
     mask[..., cached:] = lo * torch.ones(n, n, dtype=dtype).triu(1)
     for b in range(rows):
-        if hide_past:
-            mask[b, :, :, : 3 * b] = lo
+        mask[b, :, :, : 3 * b] = lo
     return q, k, v, mask
 
 
