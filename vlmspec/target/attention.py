@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch.nn import functional as F
+from transformers.integrations import sdpa_attention
 
 from vlmspec.errors import TargetLoadError
 
@@ -60,12 +61,10 @@ def gqa_sdpa_forward(
     key / value heads in place instead of copying them per query head. Calls that differ in more
     than that (no mask: transformers passes `is_causal` or packs a lone query itself; no grouping;
     a gradient; position biases, soft caps, sinks) go to transformers' own function unchanged."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     grouped = key.shape[1] != query.shape[1]
     extras = any(kwargs.get(name) is not None for name in _UNSUPPORTED) or kwargs.get("output_attentions", False)
     if attention_mask is None or not grouped or extras or query.device.type != "cpu" or (torch.is_grad_enabled() and query.requires_grad):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention.sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
 
@@ -85,9 +84,9 @@ def main() -> None:
     default model's heads (9 query, 3 key / value, 64 wide) and a batched step's shapes."""
     from types import SimpleNamespace
 
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     from vlmspec.target.timing import median_ms
+
+    sdpa_attention_forward = sdpa_attention.sdpa_attention_forward
 
     module = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
     for dtype in (torch.bfloat16, torch.float32):

@@ -20,7 +20,7 @@ def _sync(device: torch.device) -> None:
 
 
 def median_ms(device: torch.device, run: Callable[[], object], repeats: int, warmup: int,
-               after: Callable[[], object] = lambda: None) -> float:
+              after: Callable[[], object] = lambda: None) -> float:
     """Median ms of `run()` over `repeats` timed calls after `warmup` untimed ones; `after()` runs
     untimed after each call (to undo what it changed)."""
     times = []
