@@ -30,7 +30,7 @@ def drafter_prefill_ms(target: Target, drafter: Any, prompts: list[Conversation]
         ctx = PromptContext(inputs["input_ids"][0], out.features, inputs, out.image_mask, out.image_embeds, out.attention)
         root = int(out.logits.argmax())
         t0 = time.perf_counter()
-        drafter.start(ctx).propose(root, 0)
+        drafter.start(ctx).read(root)
         times.append(time.perf_counter() - t0)
     return 1000 * sum(times) / max(1, len(times))
 
@@ -72,7 +72,7 @@ def scale_prompt(target: Target, n_image: int = 576, n_text: int = 48) -> tuple[
 def _read_s(drafter: Any, ctx: PromptContext, root: int) -> float:
     """Seconds of one read of the prompt rows by the drafter (no tree)."""
     t0 = time.perf_counter()
-    drafter.start(ctx).propose(root, 0)
+    drafter.start(ctx).read(root)
     return time.perf_counter() - t0
 
 
@@ -94,7 +94,7 @@ def read_flops(drafter: Any, ctx: PromptContext, root: int) -> int:
     if torch.backends.mkldnn.is_available():
         mapping[torch.ops.mkldnn._linear_pointwise] = packed_linear
     with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=mapping) as counter:
-        drafter.start(ctx).propose(root, 0)
+        drafter.start(ctx).read(root)
     return int(counter.get_total_flops())
 
 

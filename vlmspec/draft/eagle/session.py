@@ -145,12 +145,16 @@ class _EagleSession:
         self.cache = KVCache()
         p = next(self.head.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.prompt: PromptContext | None = prompt  # turned into rows at the first propose (needs the root)
         self.global_feat: torch.Tensor | None = None  # [H] ViSpec global image feature
         self.next_pos = 0  # position of the next row (rows of a compressed image span are gone)
-        # features not yet paired with the token that follows them
-        self.pending_feats = prompt.features[:0].to(self.device, self.dtype)  # [0, H]
-        self.pending_next = prompt.token_ids[:0].to(self.device)  # [0]
+        # features not yet paired with the token that follows them: a plain head's prompt pairs wait
+        # with them, for the first step that drafts (a row of a batch that drafts nothing at first
+        # runs no head forward over its prompt); a VLM-aware head's prompt becomes rows at its first
+        # propose (`_prompt_rows`: compressed image spans, the global feature)
+        self.prompt: PromptContext | None = prompt if head.visual is not None else None
+        pairs = 0 if self.prompt is not None else prompt.features.shape[0]  # prompt pairs pending from the start
+        self.pending_feats = prompt.features[:pairs].to(self.device, self.dtype)  # [pairs, H]
+        self.pending_next = to_device(prompt.token_ids.cpu()[1:pairs], self.device)  # [pairs - 1]: the root pairs with the last
 
     def commit(self, token_ids: torch.Tensor, features: torch.Tensor) -> None:
         """token_ids [k] (root + accepted, any device), features [k, H] (the target's, on its device).
@@ -160,14 +164,13 @@ class _EagleSession:
         self.pending_next = torch.cat([self.pending_next, to_device(token_ids[1:], self.device)])
 
     def _prompt_rows(self, root: int) -> tuple[torch.Tensor, ...]:
-        """(tokens [n], feats [n, H], positions [n], direct [n] | None, fuse [n] | None); sets next_pos."""
+        """A VLM-aware head's prompt rows: (tokens [n], feats [n, H], positions [n], direct [n] | None,
+        fuse [n] | None); sets next_pos."""
         prompt, self.prompt = self.prompt, None
+        adaptor = self.head.visual
+        assert prompt is not None and adaptor is not None, "a plain head's prompt pairs are pending from the start"
         ids = to_device(torch.cat([prompt.token_ids.cpu(), torch.tensor([root])]), self.device)  # [L + 1]
         feats = prompt.features.to(self.device, self.dtype)
-        adaptor = self.head.visual
-        if adaptor is None:
-            self.next_pos = feats.shape[0]
-            return ids[1:], feats, torch.arange(feats.shape[0], device=self.device), None, None
         rows = adaptor.prompt_rows(
             ids, feats, _image_mask(prompt, ids.shape[0] - 1, self.device), _to(prompt.image_embeds, self.device, self.dtype),
             _to(prompt.attention, self.device, torch.float32), question_embedding(self.head, ids[:-1], prompt.image_mask),
@@ -186,6 +189,12 @@ class _EagleSession:
         self.next_pos += toks.shape[0]
         fuse = None if self.global_feat is None else torch.ones_like(toks, dtype=torch.bool)
         return toks, self.pending_feats, pos, None, fuse
+
+    def read(self, root: int) -> None:
+        """Run the head over every pair it has not run yet (the prompt's too), the last pairing with
+        `root`, and draft nothing: the first forward of a drafted step, on its own (what the prefill
+        ablation times). A depth-0 `propose` runs nothing: its pairs wait."""
+        _run_committed([self], [root])
 
     def propose(self, root: int, max_depth: int) -> DraftTree:
         """The EAGLE-2 tree after `root` (depth <= max_depth, at most total_tokens drafted nodes): a
