@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from vlmspec.engine import GenerationResult
+from vlmspec.engine import TIMING_KEYS, GenerationResult
 from vlmspec.stats import SpecStats
 
 # every metric as exposed (counters with their `_total` suffix) -> its Prometheus type
@@ -45,6 +45,7 @@ METRICS = {
     "vlmspec_spec_decode_num_drafts_reaching_pos_total": "counter",  # {position}: drafts whose tree reached that depth
     "vlmspec_speculation_depth": "histogram",  # {policy, batch_size}: the depth chosen per verify forward (0: no draft)
     "vlmspec_batch_draft_waits_total": "counter",  # steps whose goodput rows would have drafted, held back: that batch size's drafted steps delivered less than plain ones
+    "vlmspec_engine_seconds_total": "counter",  # {phase}: the worker's seconds in the engine: prefill, draft, verify, commit, other
 }
 METRIC_NAMES = tuple(METRICS)
 
@@ -97,8 +98,13 @@ class Metrics:
         self.draft_waits = Counter("vlmspec_batch_draft_waits", "engine steps whose goodput rows would have drafted but did not: at "
                                    "that batch size the batch's drafted steps had emitted fewer tokens per second than plain steps "
                                    "(vlmspec.batch_control.BatchTiming)", registry=r)
+        self.engine_seconds = Counter("vlmspec_engine_seconds", "seconds the worker spent in the engine, by phase: prefill (a joining "
+                                      "request's prompt, alone), draft, verify (the target's forward and the acceptance), commit, "
+                                      "other; the rest of the wall time it waited or served HTTP", ["phase"], registry=r)
         for mode in MODES:  # the series exist from the start
             self.generated_tokens.labels(mode)
+        for phase in TIMING_KEYS:
+            self.engine_seconds.labels(phase)
         self.queue_depth.set(0)
 
     def record_result(self, mode: str, finish_reason: str, result: GenerationResult) -> None:
@@ -120,6 +126,12 @@ class Metrics:
         for pos, (reached, accepted) in enumerate(zip(stats.reached_per_pos, stats.accepted_per_pos)):
             self.reaching_pos.labels(str(pos)).inc(reached)
             self.accepted_per_pos.labels(str(pos)).inc(accepted)
+
+    def record_engine_time(self, before: dict[str, float], after: dict[str, float]) -> None:
+        """The engine's seconds between two readings of a batch's `timings` (by phase)."""
+        for phase, seconds in after.items():
+            if seconds > before[phase]:
+                self.engine_seconds.labels(phase).inc(seconds - before[phase])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

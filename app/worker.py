@@ -383,7 +383,9 @@ class Service:
         config = fitted(job.config, int(inputs["input_ids"].shape[1]), target.max_positions, job.max_tokens_given)
         if not job.speculative:  # a row that never drafts: plain decoding's tokens, in the same batch
             config = dataclasses.replace(config, speculation=PLAIN, policy=None, tree=None)
+        before = dict(self._batch.timings)
         req = self._batch.add(inputs, config)
+        self.metrics.record_engine_time(before, self._batch.timings)
         return _Row(job, req, TextStream(target.tokenizer, job.stop), time.monotonic())
 
     def _step(self) -> None:
@@ -391,7 +393,7 @@ class Service:
         assert self._batch is not None
         size = len(self._rows)
         self.metrics.batch_size.observe(size)
-        waits = self._batch.draft_waits
+        waits, before = self._batch.draft_waits, dict(self._batch.timings)
         try:
             events = self._batch.step()
         except Exception:
@@ -399,6 +401,7 @@ class Service:
             self._reset_batch()
             return
         self.metrics.draft_waits.inc(self._batch.draft_waits - waits)
+        self.metrics.record_engine_time(before, self._batch.timings)
         rows = {id(r.req): r for r in self._rows}
         now = time.monotonic()
         for req, event in events:

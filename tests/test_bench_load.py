@@ -33,6 +33,8 @@ def test_a_short_load_sweep_on_the_toy_runs_every_way_and_changes_no_answer(tmp_
         assert 0 < lv["busy_s"] <= lv["seconds"] and lv["busy_mean_batch"] >= 1.0 and 0 < lv["busy_tokens_per_s"] * lv["busy_s"] <= lv["tokens"] + 1e-6
         if lv["clients"] == 1:  # one client runs out only after its last answer: every token is counted
             assert lv["busy_tokens_per_s"] * lv["busy_s"] == pytest.approx(lv["tokens"])
+        # where the engine's time went: prefills and decode steps, within the level's wall time (one engine per server)
+        assert 0 < lv["prefill_share"] < 1 and 0 < lv["engine_s"] <= lv["seconds"] and lv["decode_tokens_per_s"] > 0
     assert report["env"]["max_batch"] == [16] and report["env"]["command"].startswith("vlmspec bench load")
     table = (out / "load.md").read_text()
     assert table.startswith("`vlmspec bench load --model toy") and "| goodput | 16 | 2 |" in table and "| baseline | 1 | 1 |" in table
@@ -50,13 +52,40 @@ def test_answers_are_checked_against_the_lowest_concurrency_and_percentiles():
         {"way": w, "max_batch": b, "series": w, "clients": c, "requests": 2, "tokens_per_s": t, "latency_p50_s": 1.0, "latency_p99_s": 2.0,
          "ttft_p50_s": 0.1, "ttft_p99_s": 0.2, "mean_batch": 1.0, "changed": 0, "busy_tokens_per_s": 2 * t, "busy_mean_batch": 1.5}
         for w, b, c, t in (("plain", 8, 1, 10.0), ("plain", 8, 8, 30.0), ("goodput", 8, 8, 45.0), ("goodput", 16, 8, 90.0))]}
+    for lv, decode in zip(report["levels"][1:3], (40.0, 70.0)):  # the 8-client levels say where their engine's time went
+        lv.update(prefill_share=0.25, decode_tokens_per_s=decode)
+    decode_alone = "goodput / plain at 8 clients, decode steps alone (the engine's seconds without prefills)"
     assert ratios(report) == {"plain: tokens/s at 8 clients / at 1": 3.0, "plain: p99 latency at 8 clients / p50 at 1": 2.0,
                               "goodput / plain at 8 clients": 1.5, "plain: tokens/s at 8 clients / at 1, while all clients were busy": 3.0,
-                              "goodput / plain at 8 clients, while all clients were busy": 1.5}
+                              "goodput / plain at 8 clients, while all clients were busy": 1.5, decode_alone: 1.75}
     assert "goodput / plain at 8 clients: 1.50x" in markdown(report)  # on the first max_batch only (not 16's 90 tokens/s)
-    assert "| goodput | 16 | 8 | 2 | 90.0 |" in markdown(report) and "| 1.0 | 180.0, 1.5 | 0/2 |" in markdown(report)
+    assert "| goodput | 16 | 8 | 2 | 90.0 |" in markdown(report) and "| 1.0 | 180.0, 1.5 | - | 0/2 |" in markdown(report)
+    assert "| 1.0 | 90.0, 1.5 | 25%, 70.0 | 0/2 |" in markdown(report)
     del report["levels"][0]["busy_tokens_per_s"]  # a report written before the busy part was measured: no such figures
-    assert "plain: tokens/s at 8 clients / at 1, while all clients were busy" not in ratios(report) and "| 1.0 | - | 0/2 |" in markdown(report)
+    assert "plain: tokens/s at 8 clients / at 1, while all clients were busy" not in ratios(report) and "| 1.0 | - | - | 0/2 |" in markdown(report)
+
+
+def test_the_engine_s_time_by_phase_is_read_from_the_server_s_counters():
+    """Prefill share and decode-step tokens/s from the server's `vlmspec_engine_seconds_total{phase}`,
+    summed over label sets (replicas); a server that does not count them gives none (negative control)."""
+    from types import SimpleNamespace
+
+    from vlmspec.bench.load import _engine_time, _server_counts
+
+    def server(text):
+        return SimpleNamespace(get=lambda url: SimpleNamespace(text=text))
+
+    before = _server_counts(server('vlmspec_engine_seconds_total{phase="prefill"} 1.0\nvlmspec_engine_seconds_total{phase="verify"} 2.0\n'
+                                   'vlmspec_generated_tokens_total{mode="plain"} 5.0\n'), "/metrics")
+    after = _server_counts(server('vlmspec_engine_seconds_total{phase="prefill",replica="a"} 2.0\n'
+                                  'vlmspec_engine_seconds_total{phase="prefill",replica="b"} 1.5\n'
+                                  'vlmspec_engine_seconds_total{phase="verify"} 6.0\nvlmspec_engine_seconds_total{phase="draft"} 1.0\n'
+                                  '# HELP vlmspec_engine_seconds_total seconds\nvlmspec_generated_tokens_total{mode="plain"} 25.0\n'), "/metrics")
+    assert after["engine:prefill"] == 3.5 and after["vlmspec_generated_tokens_total"] == 25.0
+    got = _engine_time(before, after, tokens=22, requests=2)  # 2.5 s of prefills, 5 s of steps for 20 tokens
+    assert got == {"engine_s": 7.5, "prefill_share": pytest.approx(2.5 / 7.5), "decode_tokens_per_s": 4.0}
+    plain_server = _server_counts(server('vlmspec_generated_tokens_total{mode="plain"} 25.0\n'), "/metrics")
+    assert _engine_time(plain_server, plain_server, tokens=22, requests=2) == {}
 
 
 def test_the_tail_is_read_per_request_against_the_same_request_alone():

@@ -471,6 +471,9 @@ def test_metrics_names(client):
     assert metric_value(text, "vlmspec_generated_tokens_total", {"mode": "speculative"}) > 0
     assert metric_value(text, "vlmspec_request_latency_seconds_count") > 0
     assert "vlmspec_queue_depth 0.0" in text
+    # the engine's seconds by phase: two prefills and their steps (this server's engine drafts)
+    engine = {phase: metric_value(text, "vlmspec_engine_seconds_total", {"phase": phase}) for phase in ("prefill", "draft", "verify", "other")}
+    assert engine["prefill"] > 0 and engine["verify"] > 0 and engine["draft"] > 0 and engine["other"] >= 0, engine
 
 
 # ------------------------------------------------------------------------------------------ (c) load

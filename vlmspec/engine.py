@@ -416,4 +416,4 @@ class SpecEngine:
         return req
 
 
-__all__ = ["SpecEngine", "Batch", "GenerationConfig", "GenerationResult", "StepEvent", "Generation", "Clock"]
+__all__ = ["SpecEngine", "Batch", "GenerationConfig", "GenerationResult", "StepEvent", "Generation", "Clock", "TIMING_KEYS"]

@@ -16,8 +16,11 @@ time), latency (send -> last byte) and time to first token (send -> the first ch
 p50 and p99 over the level's requests, and the mean batch size per engine step (the server's
 `vlmspec_batch_size` histogram over the level); tokens/s and mean batch also while every client
 was busy (`run_level`: the server's token counter, up to when the first client ran out of
-requests). Every answer is compared with the same request's answer at concurrency 1 in the same
-way: in fp32 they must be identical.
+requests). Where the engine's time went (the server's `vlmspec_engine_seconds_total{phase}`): the
+share of it spent prefilling joining requests, and the tokens per second of the decode steps alone,
+which is what speculation speeds up (every request's prefill costs the same in every way, so a
+large prefill share pulls the ways' ratios towards 1). Every answer is compared with the same
+request's answer at concurrency 1 in the same way: in fp32 they must be identical.
 
 The bench talks HTTP only (the service is above the benches in the layer rule): the CLI starts the
 servers (`vlmspec.app.serve.serving`) over one engine and passes their URLs, or, with `--url`, sends
@@ -113,17 +116,34 @@ def _one(client: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 COUNTS = ("vlmspec_batch_size_sum", "vlmspec_batch_size_count", "vlmspec_generated_tokens_total")
+ENGINE_SECONDS = "vlmspec_engine_seconds_total"  # {phase}: the worker's seconds in the engine
 
 
 def _server_counts(client: Any, url: str) -> dict[str, float]:
     """The server's `COUNTS` at `url` (a metrics URL): requests over all steps, steps, tokens emitted;
-    each summed over its label sets (modes; one per replica in an aggregated view)."""
+    each summed over its label sets (modes; one per replica in an aggregated view); and the engine's
+    seconds by phase (`ENGINE_SECONDS`), as "engine:<phase>" (a server without them: none)."""
     out = dict.fromkeys(COUNTS, 0.0)
     for line in client.get(url).text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in out:
             out[name] += float(line.rsplit(" ", 1)[1])
+        elif name == ENGINE_SECONDS and 'phase="' in line:
+            key = "engine:" + line.split('phase="', 1)[1].split('"', 1)[0]
+            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
+
+
+def _engine_time(before: dict[str, float], after: dict[str, float], tokens: int, requests: int) -> dict[str, float]:
+    """Where a level's engine time went: its seconds in the engine (summed over replicas), the share
+    of them spent prefilling joining requests, and the tokens per second of the decode steps alone
+    (every token but each request's first, which its prefill gives, over the engine's seconds
+    without prefills). Empty for a server that does not count its engine's seconds."""
+    phases = {k: after[k] - before.get(k, 0.0) for k in after if k.startswith("engine:")}
+    engine_s, prefill_s = sum(phases.values()), phases.get("engine:prefill", 0.0)
+    if engine_s <= 0 or engine_s <= prefill_s:
+        return {}
+    return {"engine_s": engine_s, "prefill_share": prefill_s / engine_s, "decode_tokens_per_s": (tokens - requests) / (engine_s - prefill_s)}
 
 
 def _mean_batch(before: dict[str, float], after: dict[str, float]) -> float:
@@ -202,8 +222,9 @@ def run_level(target: Endpoint, requests: list[dict[str, Any]], clients: int, n:
     lat, ttft = [d["latency_s"] for d in done], [d["ttft_s"] for d in done]
     busy_s = busy["end"] - t0
     busy_tokens = busy["counts"]["vlmspec_generated_tokens_total"] - before["vlmspec_generated_tokens_total"]
-    return {"clients": clients, "requests": len(done), "seconds": wall, "tokens": sum(d["tokens"] for d in done),
-            "tokens_per_s": sum(d["tokens"] for d in done) / wall, "latency_p50_s": percentile(lat, 50), "latency_p99_s": percentile(lat, 99),
+    tokens = sum(d["tokens"] for d in done)
+    return {"clients": clients, "requests": len(done), "seconds": wall, "tokens": tokens, **_engine_time(before, after, tokens, len(done)),
+            "tokens_per_s": tokens / wall, "latency_p50_s": percentile(lat, 50), "latency_p99_s": percentile(lat, 99),
             "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99), "mean_batch": _mean_batch(before, after),
             "busy_s": busy_s, "busy_tokens_per_s": busy_tokens / busy_s, "busy_mean_batch": _mean_batch(before, busy["counts"]),
             "replicas": len({d["replica"] for d in done if d["replica"] is not None}),  # replicas that served the level (0: one process)
@@ -230,7 +251,8 @@ def sweep(endpoints: list[Endpoint], opts: LoadOptions, progress: bool = True,
             if progress:
                 print(f"  {e.label:>18} x{clients:<3} {level['tokens_per_s']:7.1f} tokens/s  p50 {level['latency_p50_s']:.2f} s  "
                       f"p99 {level['latency_p99_s']:.2f} s  TTFT p50 {level['ttft_p50_s']:.2f} s  batch {level['mean_batch']:.1f}  "
-                      f"(all busy: {level['busy_tokens_per_s']:.1f} tokens/s, batch {level['busy_mean_batch']:.1f})", flush=True)
+                      f"(all busy: {level['busy_tokens_per_s']:.1f} tokens/s, batch {level['busy_mean_batch']:.1f})"
+                      + (f"  prefill {level['prefill_share']:.0%} of the engine's time" if "prefill_share" in level else ""), flush=True)
             _check_answers(levels)
             if on_level is not None:
                 on_level(report)
@@ -272,6 +294,9 @@ def ratios(report: dict[str, Any]) -> dict[str, float]:
         out[f"{way}: tokens/s at 8 clients / at 1{busy}"] = over((way, 8), (way, 1), "busy_tokens_per_s")
     for c in (4, 8, 16):
         out[f"goodput / plain at {c} clients{busy}"] = over(("goodput", c), ("plain", c), "busy_tokens_per_s")
+    for c in (4, 8, 16):
+        out[f"goodput / plain at {c} clients, decode steps alone (the engine's seconds without prefills)"] = over(
+            ("goodput", c), ("plain", c), "decode_tokens_per_s")
     out["goodput at 1 client / the one-at-a-time service"] = over(("goodput", 1), ("baseline", 1))
     return {k: v for k, v in out.items() if v is not None}
 
@@ -298,12 +323,14 @@ def markdown(report: dict[str, Any]) -> str:
     if len(report["levels"]) < report.get("planned", 0):
         head += f"\n\n**Stopped part way: {len(report['levels'])} of {report['planned']} levels measured.**"
     lines = [head, "", "| way | max batch | clients | requests | tokens/s | latency p50 / p99 (s) | TTFT p50 / p99 (s) | mean batch | "
-                       "all clients busy: tokens/s, mean batch | answers changed |" + (" replicas serving |" if replicas else ""),
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if replicas else "")]
+                       "all clients busy: tokens/s, mean batch | engine: prefill share, decode tokens/s | answers changed |"
+                       + (" replicas serving |" if replicas else ""),
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if replicas else "")]
     for lv in sorted(report["levels"], key=lambda lv: (list(WAYS).index(lv["way"]), lv["max_batch"], lv["clients"])):
         busy = f"{lv['busy_tokens_per_s']:.1f}, {lv['busy_mean_batch']:.1f}" if "busy_tokens_per_s" in lv else "-"  # older reports: none
+        engine = f"{100 * lv['prefill_share']:.0f}%, {lv['decode_tokens_per_s']:.1f}" if "prefill_share" in lv else "-"  # likewise
         lines.append(f"| {lv['way']} | {lv['max_batch']} | {lv['clients']} | {lv['requests']} | {lv['tokens_per_s']:.1f} | {lv['latency_p50_s']:.2f} / "
-                     f"{lv['latency_p99_s']:.2f} | {lv['ttft_p50_s']:.2f} / {lv['ttft_p99_s']:.2f} | {lv['mean_batch']:.1f} | {busy} | "
+                     f"{lv['latency_p99_s']:.2f} | {lv['ttft_p50_s']:.2f} / {lv['ttft_p99_s']:.2f} | {lv['mean_batch']:.1f} | {busy} | {engine} | "
                      f"{lv['changed']}/{lv['requests']} |" + (f" {lv.get('replicas', 0)} |" if replicas else ""))
     lines += ["", *(f"- {k}: {v:.2f}x" for k, v in ratios(report).items())]
     return "\n".join(lines)
