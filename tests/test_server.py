@@ -582,8 +582,12 @@ def test_timeout_remote_images_and_shutdown(engines):
                 assert wait_for(lambda: service.active == 2 and service.waiting == 1, timeout=20)
                 service.stop(grace_s=0.0)
                 answers = [f.result(timeout=30) for f in futures]
-            assert [a.status_code for a in answers] == [503, 503, 503]
-            assert all(a.json()["error"]["code"] == "shutting_down" for a in answers)
+            # each is answered: 503 shutting_down, or (a generation that ended between the check above and
+            # the stop, on a slow machine: 1000 n-gram-drafted tokens of the tiny model take under a second) 200, whole
+            codes = [a.status_code for a in answers]
+            assert set(codes) <= {200, 503} and codes.count(503) >= 2, codes
+            assert all(a.json()["error"]["code"] == "shutting_down" for a in answers if a.status_code == 503)
+            assert all(a.json()["choices"][0]["finish_reason"] == "length" for a in answers if a.status_code == 200)
             assert c.get("/healthz").status_code == 503
             r = c.post("/v1/chat/completions", json=chat([{"role": "user", "content": "hi"}]))
             assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
