@@ -324,14 +324,14 @@ def _reference_propose(s, root, max_depth):
     if s.prompt is not None:
         toks, feats, pos, direct, fuse = s._prompt_rows(root)
     else:
-        toks = torch.cat([s.pending_next, torch.tensor([root], device=s.device)])
-        feats = s.pending_feats
+        s.wait(root)
+        toks, feats = s.pending_next, s.pending_feats
         pos = torch.arange(s.next_pos, s.next_pos + toks.shape[0], device=s.device)
         direct, fuse = None, None if s.global_feat is None else torch.ones_like(toks, dtype=torch.bool)
     start, n = s.cache.seq_len, toks.shape[0]
     hidden = head(toks, feats, pos, tree_attention_mask(torch.ones(n, n, dtype=torch.bool).tril(), start, s.dtype),
                   s.cache.hf, direct, fuse, s.global_feat)
-    s.pending_feats, s.pending_next = s.pending_feats[:0], s.pending_next[:0]
+    s.clear_pending()
     s.next_pos = int(pos[-1]) + 1
     committed, depth = s.cache.seq_len, min(cfg.depth, max_depth)
     if depth <= 0:
@@ -435,15 +435,15 @@ def test_propose_drafts_the_same_tree_as_the_reference(tree, ties, arch):
 def test_a_first_step_that_drafts_nothing_runs_no_head_over_the_prompt(arch):
     """A plain head's prompt pairs wait with the pending pairs: a row whose first steps draft
     nothing (a batch's plain steps) runs no head forward; its first drafted step runs them all and
-    drafts the tree of a row that ran its prompt at once. Negative control: a row that dropped its
-    prompt pairs drafts another tree."""
+    drafts the tree of a row that ran its prompt at once. Negative control: a row whose earlier
+    prompt pairs differ drafts another tree (the waiting pairs are read, not just the last one)."""
     d = _standalone_drafter(TreeConfig(4, 3, 10), seed=4, arch=arch)
     g = torch.Generator().manual_seed(4)
     prompt = PromptContext(torch.randint(40, (9,), generator=g), torch.randn(9, d.head.config.feature_width, generator=g))
-    late, early, dropped = d.start(prompt), d.start(prompt), d.start(prompt)
-    dropped.pending_feats, dropped.pending_next = dropped.pending_feats[-1:], dropped.pending_next[:0]  # the last prompt pair only
+    other = PromptContext(prompt.token_ids, torch.cat([torch.randn(8, d.head.config.feature_width, generator=g), prompt.features[-1:]]))
+    late, early, elsewhere = d.start(prompt), d.start(prompt), d.start(other)
     feats = torch.randn(2, d.head.config.feature_width, generator=g)
-    for s, depth in ((late, 0), (early, 4), (dropped, 0)):
+    for s, depth in ((late, 0), (early, 4), (elsewhere, 0)):
         assert s.propose(3, depth).size == (1 if depth == 0 else 11)
         s.commit(torch.tensor([3, 7]), feats)
     assert late.cache.seq_len == 0 and early.cache.seq_len == 9  # the prompt's 9 pairs (its last with the root) ran early only
@@ -451,7 +451,7 @@ def test_a_first_step_that_drafts_nothing_runs_no_head_over_the_prompt(arch):
     got = late.propose(11, 4)
     assert late.cache.seq_len == early.cache.seq_len == late.next_pos == 11
     assert got.tokens.tolist() == want.tokens.tolist() and got.parents.tolist() == want.parents.tolist()
-    assert dropped.propose(11, 4).tokens.tolist() != want.tokens.tolist()
+    assert elsewhere.propose(11, 4).tokens.tolist() != want.tokens.tolist()
 
 
 @pytest.mark.parametrize("tree", [TreeConfig(4, 3, 10), TreeConfig(7, 4, 16)])

@@ -147,21 +147,44 @@ class _EagleSession:
         self.device, self.dtype = p.device, p.dtype
         self.global_feat: torch.Tensor | None = None  # [H] ViSpec global image feature
         self.next_pos = 0  # position of the next row (rows of a compressed image span are gone)
-        # features not yet paired with the token that follows them: a plain head's prompt pairs wait
-        # with them, for the first step that drafts (a row of a batch that drafts nothing at first
-        # runs no head forward over its prompt); a VLM-aware head's prompt becomes rows at its first
-        # propose (`_prompt_rows`: compressed image spans, the global feature)
+        # the pairs the head has not run yet: features, and the tokens that follow them, kept in
+        # chunks (one per step, joined when the head runs them: a row that drafts nothing for many
+        # steps copies nothing). A plain head's prompt pairs wait with them for the first step that
+        # drafts (a row of a batch that drafts nothing at first runs no head forward over its
+        # prompt); a VLM-aware head's prompt becomes rows at its first propose (`_prompt_rows`:
+        # compressed image spans, the global feature).
         self.prompt: PromptContext | None = prompt if head.visual is not None else None
         pairs = 0 if self.prompt is not None else prompt.features.shape[0]  # prompt pairs pending from the start
-        self.pending_feats = prompt.features[:pairs].to(self.device, self.dtype)  # [pairs, H]
-        self.pending_next = to_device(prompt.token_ids.cpu()[1:pairs], self.device)  # [pairs - 1]: the root pairs with the last
+        self._feats = [prompt.features[:pairs].to(self.device, self.dtype)]  # chunks [n_i, H]
+        self._next = [to_device(prompt.token_ids.cpu()[1:pairs], self.device)]  # chunks [m_i]: the root pairs with the last feature
+        self._n_feats, self._n_next = pairs, max(pairs - 1, 0)  # pending features, pending next tokens
+
+    @property
+    def pending_feats(self) -> torch.Tensor:  # [n, H]: the features of the pairs the head has not run
+        return _joined(self._feats)
+
+    @property
+    def pending_next(self) -> torch.Tensor:  # [n] after `wait` / [n - 1] after `commit`: the tokens that follow them
+        return _joined(self._next)
 
     def commit(self, token_ids: torch.Tensor, features: torch.Tensor) -> None:
         """token_ids [k] (root + accepted, any device), features [k, H] (the target's, on its device).
         They wait, with those of earlier steps that drafted nothing, until the next drafted step runs the head."""
-        assert self.prompt is None and self.pending_next.shape[0] == self.pending_feats.shape[0], "propose() must run between commits"
-        self.pending_feats = torch.cat([self.pending_feats, features.to(self.device, self.dtype)])
-        self.pending_next = torch.cat([self.pending_next, to_device(token_ids[1:], self.device)])
+        assert self.prompt is None and self._n_feats == self._n_next, "propose() must run between commits"
+        self._feats.append(features.to(self.device, self.dtype))
+        self._next.append(to_device(token_ids[1:], self.device))
+        self._n_feats += features.shape[0]
+        self._n_next += token_ids.shape[0] - 1
+
+    def wait(self, root: int) -> None:
+        """A step that drafts nothing: the root waits with the pending pairs (it pairs with the last feature)."""
+        self._next.append(to_device(torch.tensor([root]), self.device))
+        self._n_next += 1
+
+    def clear_pending(self) -> None:
+        """The head has run the pending pairs."""
+        self._feats, self._next = [self._feats[0][:0]], [self._next[0][:0]]
+        self._n_feats = self._n_next = 0
 
     def _prompt_rows(self, root: int) -> tuple[torch.Tensor, ...]:
         """A VLM-aware head's prompt rows: (tokens [n], feats [n, H], positions [n], direct [n] | None,
@@ -184,11 +207,13 @@ class _EagleSession:
         (tokens [n], feats [n, H], positions [n], direct [n] | None, fuse [n] | None)."""
         if self.prompt is not None:
             return self._prompt_rows(root)
-        toks = torch.cat([self.pending_next, to_device(torch.tensor([root]), self.device)])  # [n]
+        self.wait(root)
+        toks, feats = self.pending_next, self.pending_feats  # [n], [n, H]
+        self.clear_pending()
         pos = torch.arange(self.next_pos, self.next_pos + toks.shape[0], device=self.device)
         self.next_pos += toks.shape[0]
         fuse = None if self.global_feat is None else torch.ones_like(toks, dtype=torch.bool)
-        return toks, self.pending_feats, pos, None, fuse
+        return toks, feats, pos, None, fuse
 
     def read(self, root: int) -> None:
         """Run the head over every pair it has not run yet (the prompt's too), the last pairing with
@@ -221,7 +246,7 @@ def propose_rows(sessions: list[_EagleSession], roots: list[int], max_depths: li
     run = []
     for i, (s, root, max_depth) in enumerate(zip(sessions, roots, max_depths)):
         if min(s.tree.depth, max_depth) <= 0 and s.prompt is None:
-            s.pending_next = torch.cat([s.pending_next, to_device(torch.tensor([root]), s.device)])
+            s.wait(root)
             trees[i] = DraftTree.root_only(root)
         else:
             run.append(i)
@@ -265,10 +290,14 @@ def _run_committed(rows: list[_EagleSession], roots: list[int]) -> list[torch.Te
     mask = joint_causal_mask(counts, [s.cache.seq_len for s in rows], rows[0].dtype, rows[0].device)
     hidden = decode_rows(rows, cat_rows([p[0] for p in parts]), cat_rows([p[1] for p in parts]), cat_rows([p[2] for p in parts]),
                          mask, counts, direct, fuse)
-    hiddens = list(hidden.split(counts))
-    for s in rows:
-        s.pending_feats, s.pending_next = s.pending_feats[:0], s.pending_next[:0]
-    return hiddens
+    return list(hidden.split(counts))
+
+
+def _joined(chunks: list[torch.Tensor]) -> torch.Tensor:
+    """The chunks end to end, kept as one chunk from then on (one chunk: itself, not a copy)."""
+    if len(chunks) > 1:
+        chunks[:] = [torch.cat(chunks)]
+    return chunks[0]
 
 
 def _to(x: torch.Tensor | None, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
