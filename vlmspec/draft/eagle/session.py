@@ -147,17 +147,17 @@ class _EagleSession:
         self.device, self.dtype = p.device, p.dtype
         self.global_feat: torch.Tensor | None = None  # [H] ViSpec global image feature
         self.next_pos = 0  # position of the next row (rows of a compressed image span are gone)
-        # the pairs the head has not run yet: features, and the tokens that follow them, kept in
-        # chunks (one per step, joined when the head runs them: a row that drafts nothing for many
-        # steps copies nothing). A plain head's prompt pairs wait with them for the first step that
-        # drafts (a row of a batch that drafts nothing at first runs no head forward over its
-        # prompt); a VLM-aware head's prompt becomes rows at its first propose (`_prompt_rows`:
-        # compressed image spans, the global feature).
-        self.prompt: PromptContext | None = prompt if head.visual is not None else None
-        pairs = 0 if self.prompt is not None else prompt.features.shape[0]  # prompt pairs pending from the start
-        self._feats = [prompt.features[:pairs].to(self.device, self.dtype)]  # chunks [n_i, H]
-        self._next = [to_device(prompt.token_ids.cpu()[1:pairs], self.device)]  # chunks [m_i]: the root pairs with the last feature
-        self._n_feats, self._n_next = pairs, max(pairs - 1, 0)  # pending features, pending next tokens
+        # The prompt becomes the head's first rows at the first propose, drafting or not (it needs the
+        # root). Were it to wait for the row's first drafted step, the prompts of a batch stepping
+        # plain would pile up and run in one joint forward, whose block-diagonal mask and attention
+        # grow with the square of all the rows' pairs together (`grow.joint_causal_mask`).
+        self.prompt: PromptContext | None = prompt
+        # the committed pairs the head has not run yet: features, and the tokens that follow them,
+        # kept in chunks (one per step, joined when the head runs them: a row that drafts nothing
+        # for many steps copies nothing)
+        self._feats = [prompt.features[:0].to(self.device, self.dtype)]  # chunks [n_i, H]
+        self._next = [to_device(prompt.token_ids[:0].cpu(), self.device)]  # chunks [m_i]: the root pairs with the last feature
+        self._n_feats = self._n_next = 0  # pending features, pending next tokens
 
     @property
     def pending_feats(self) -> torch.Tensor:  # [n, H]: the features of the pairs the head has not run
@@ -187,13 +187,15 @@ class _EagleSession:
         self._n_feats = self._n_next = 0
 
     def _prompt_rows(self, root: int) -> tuple[torch.Tensor, ...]:
-        """A VLM-aware head's prompt rows: (tokens [n], feats [n, H], positions [n], direct [n] | None,
-        fuse [n] | None); sets next_pos."""
+        """(tokens [n], feats [n, H], positions [n], direct [n] | None, fuse [n] | None); sets next_pos."""
         prompt, self.prompt = self.prompt, None
-        adaptor = self.head.visual
-        assert prompt is not None and adaptor is not None, "a plain head's prompt pairs are pending from the start"
+        assert prompt is not None
         ids = to_device(torch.cat([prompt.token_ids.cpu(), torch.tensor([root])]), self.device)  # [L + 1]
         feats = prompt.features.to(self.device, self.dtype)
+        adaptor = self.head.visual
+        if adaptor is None:
+            self.next_pos = feats.shape[0]
+            return ids[1:], feats, torch.arange(feats.shape[0], device=self.device), None, None
         rows = adaptor.prompt_rows(
             ids, feats, _image_mask(prompt, ids.shape[0] - 1, self.device), _to(prompt.image_embeds, self.device, self.dtype),
             _to(prompt.attention, self.device, torch.float32), question_embedding(self.head, ids[:-1], prompt.image_mask),
@@ -216,9 +218,9 @@ class _EagleSession:
         return toks, feats, pos, None, fuse
 
     def read(self, root: int) -> None:
-        """Run the head over every pair it has not run yet (the prompt's too), the last pairing with
-        `root`, and draft nothing: the first forward of a drafted step, on its own (what the prefill
-        ablation times). A depth-0 `propose` runs nothing: its pairs wait."""
+        """Run the head over every pair it has not run yet (the prompt's rows at first), the last
+        pairing with `root`, and draft nothing: the first forward of a drafted step, on its own (what
+        the prefill ablation times)."""
         _run_committed([self], [root])
 
     def propose(self, root: int, max_depth: int) -> DraftTree:
