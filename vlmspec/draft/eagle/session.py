@@ -177,7 +177,8 @@ class _EagleSession:
         self._n_next += token_ids.shape[0] - 1
 
     def wait(self, root: int) -> None:
-        """A step that drafts nothing: the root waits with the pending pairs (it pairs with the last feature)."""
+        """The root joins the pending tokens (it pairs with the last pending feature): at a step that
+        drafts nothing, where it waits for the next drafted step, and before the head runs them."""
         self._next.append(to_device(torch.tensor([root]), self.device))
         self._n_next += 1
 
@@ -296,9 +297,8 @@ def _run_committed(rows: list[_EagleSession], roots: list[int]) -> list[torch.Te
 
 
 def _joined(chunks: list[torch.Tensor]) -> torch.Tensor:
-    """The chunks end to end, kept as one chunk from then on (one chunk: itself, not a copy)."""
-    if len(chunks) > 1:
-        chunks[:] = [torch.cat(chunks)]
+    """The chunks end to end (`cat_rows`), kept as one chunk from then on."""
+    chunks[:] = [cat_rows(chunks)]
     return chunks[0]
 
 
