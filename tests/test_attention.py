@@ -11,7 +11,7 @@ from transformers.integrations import sdpa_attention
 from conftest import tiny_target
 from vlmspec.inputs import encode_prompt
 from vlmspec.target import set_attention
-from vlmspec.target.attention import GQA_SDPA, gqa_sdpa_forward
+from vlmspec.target.attention import GQA_SDPA, PACKED_QUERIES, _packed_sdpa, gqa_sdpa_forward, packs
 from vlmspec.tree import DraftTree
 
 MODULE = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)  # 9 query heads over 3 key / value heads
@@ -101,4 +101,86 @@ def test_auto_on_cpu_runs_it_and_a_batched_tree_forward_keeps_sdpas_logits():
         ref = logits()
     finally:
         set_attention(target.model, "auto")
+    assert torch.equal(ours, ref)
+
+
+def _packable_case(rows, n, groups, cached, seed):
+    """bf16 q [rows, 3 * groups, n, 64] in the layout the models hand over (a transposed view), k / v
+    [rows, 3, cached + n, 64], and an additive mask: rows of different lengths, causal new entries."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(rows, n, 3 * groups, 64, generator=g).to(torch.bfloat16).transpose(1, 2)
+    k, v = (torch.randn(rows, 3, cached + n, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    allowed = torch.zeros(rows, 1, n, cached + n, dtype=torch.bool)
+    for b in range(rows):
+        allowed[b, :, :, : cached - 5 * b] = True
+        allowed[b, :, :, cached:] = torch.ones(n, n, dtype=torch.bool).tril()
+    return q, k, v, torch.zeros(allowed.shape, dtype=torch.bfloat16).masked_fill(~allowed, torch.finfo(torch.bfloat16).min)
+
+
+@pytest.mark.parametrize("rows", [4, 8, 16])
+def test_packed_query_heads_are_the_grouped_calls_numbers_in_bf16(rows):
+    """bf16, several rows of a few queries: the query heads of a group laid along the query axis
+    (`packs`) give what SDPA over grouped heads gives, to the bit, on a grid of the shapes it packs.
+    The negative control: past `PACKED_QUERIES` queries per key / value head the packed call is not
+    the same on every shape, which is why the function stops packing there."""
+    checked = 0
+    for n in (2, 3, 5, 10):
+        for groups in (2, 3, 4):
+            module = SimpleNamespace(num_key_value_groups=groups, is_causal=True, training=False)
+            for cached in (30, 200):
+                q, k, v, mask = _packable_case(rows, n, groups, cached, seed=rows + n + cached)
+                grouped = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+                with torch.no_grad():
+                    ours, _ = gqa_sdpa_forward(module, q, k, v, mask)
+                assert packs(q, k, mask) == (groups * n <= PACKED_QUERIES)
+                assert torch.equal(ours, grouped.transpose(1, 2))
+                checked += packs(q, k, mask)
+    assert checked >= 20
+    differ = 0
+    for n, cached in ((16, 200), (40, 30), (40, 200)):
+        q, k, v, mask = _packable_case(rows, n, 3, cached, seed=n + cached)
+        grouped = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        assert not packs(q, k, mask)
+        differ += not torch.equal(_packed_sdpa(q, k, v, mask, 0.0, None), grouped)
+    assert differ > 0
+
+
+def test_one_query_few_rows_and_fp32_keep_the_grouped_call():
+    q, k, v, mask = _packable_case(8, 1, 3, 40, seed=0)
+    assert not packs(q, k, mask)  # one query: a plain step
+    q, k, v, mask = _packable_case(2, 3, 3, 40, seed=0)
+    assert not packs(q, k, mask)  # two rows
+    q, k, v, mask = _packable_case(8, 3, 3, 40, seed=0)
+    assert packs(q, k, mask) and not packs(q.float(), k.float(), mask.float())
+
+
+def test_a_bf16_batched_tree_forward_packs_and_keeps_the_grouped_logits(monkeypatch):
+    """A tiny Llama-based VLM in bf16, four rows' chains and trees in one forward: the packed attention
+    runs (negative control: with packing off it does not) and the logits are the grouped call's, bit for bit."""
+    from vlmspec.target import Target
+    from vlmspec.target import attention
+    from vlmspec.testing.tiny import build_tiny
+
+    model, processor = build_tiny("llava", seed=0)
+    model = model.to(torch.bfloat16)
+    set_attention(model, "auto")
+    target = Target(model, processor, name="tiny-llava-bf16")
+    texts = ["once upon a time", "the quick brown fox jumps over the lazy dog", "a cat", "what is in this picture, and why"]
+    trees = [DraftTree(torch.tensor([5, 6, 7, 9]), torch.tensor([-1, 0, 0, 1])), DraftTree.chain(8, [9, 4]),
+             DraftTree.chain(3, [2]), DraftTree.root_only(11)]
+    packed_calls = []
+    real = attention._packed_sdpa
+    monkeypatch.setattr(attention, "_packed_sdpa", lambda *a: packed_calls.append(1) or real(*a))
+
+    def logits():
+        cache = target.new_cache(len(texts))
+        states = [target.prefill(encode_prompt(target, t, []), cache=cache, slot=i)[0] for i, t in enumerate(texts)]
+        return target.forward_batch(states, trees).logits
+
+    ours = logits()
+    assert packed_calls, "four rows of up to four bf16 queries are packed"
+    monkeypatch.setattr(attention, "PACKED_QUERIES", 0)
+    calls = len(packed_calls)
+    ref = logits()
+    assert len(packed_calls) == calls
     assert torch.equal(ours, ref)

@@ -65,11 +65,13 @@ class _Step:
         self.rows_t: torch.Tensor | None = None  # [B] long on the buffers' device
         self.starts_t: torch.Tensor | None = None  # [B] long
         self.block: slice | None = slice(0, 1)  # rows as a slice when they are consecutive (reads are views)
+        self._flat: dict[tuple[int, int, int, torch.device], torch.Tensor] = {}  # `flat_index` of this step, by shape
 
     def set(self, rows: list[int], starts: list[int]) -> None:
         assert len(rows) == len(starts) and rows, (rows, starts)
         self.rows, self.starts = list(rows), list(starts)
         self.rows_t = self.starts_t = None
+        self._flat.clear()
         lo = rows[0]
         self.block = slice(lo, lo + len(rows)) if rows == list(range(lo, lo + len(rows))) else None
 
@@ -79,6 +81,18 @@ class _Step:
             self.rows_t, self.starts_t = both[0], both[1]
         assert self.starts_t is not None
         return self.rows_t, self.starts_t
+
+    def flat_index(self, heads: int, capacity: int, q: int, device: torch.device) -> torch.Tensor:
+        """Where the step's new entries go in a buffer [slots, heads, capacity, D] seen as [-1, D]:
+        [B * heads * q] long, in the order of the entries [B, heads, q, D]. Built once per step and
+        shape, shared by every layer."""
+        key = (heads, capacity, q, device)
+        if key not in self._flat:
+            rows, starts = self.tensors(device)
+            head = torch.arange(heads, device=device)[None, :, None]
+            pos = starts[:, None, None] + torch.arange(q, device=device)[None, None, :]
+            self._flat[key] = ((rows[:, None, None] * heads + head) * capacity + pos).reshape(-1)
+        return self._flat[key]
 
 
 class SlotLayer(CacheLayerMixin):
@@ -152,11 +166,10 @@ class SlotLayer(CacheLayerMixin):
             r, s = step.rows[0], step.starts[0]
             self.buf_k[r, :, s : s + q] = key_states[0]
             self.buf_v[r, :, s : s + q] = value_states[0]
-        else:  # every row at its own offset, one indexed write per tensor
-            rows, starts = step.tensors(key_states.device)
-            idx = starts[:, None] + torch.arange(q, device=key_states.device)  # [B, q]
-            self.buf_k[rows[:, None], :, idx] = key_states.transpose(1, 2)  # [B, q, H, D]
-            self.buf_v[rows[:, None], :, idx] = value_states.transpose(1, 2)
+        else:  # every row at its own offset: one copy of whole D-wide entries per tensor
+            for buf, new in ((self.buf_k, key_states), (self.buf_v, value_states)):
+                index = step.flat_index(buf.shape[1], buf.shape[2], q, buf.device)
+                buf.view(-1, buf.shape[3]).index_copy_(0, index, new.reshape(-1, buf.shape[3]))
         return self._read(end)
 
     def _read(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,14 @@ batched step, over the whole cache, in every layer. torch's SDPA takes the group
 they are (`enable_gqa=True`) with the same numbers bit for bit on CPU (tests/test_attention.py);
 on the default model a batched step of 8 rows drafting 3 levels spends about 6 ms of its
 100 ms on those copies (`python -m vlmspec.target.attention` times the kernels).
+
+In bf16, a masked call of a few queries per row goes one step further: the query heads that share a
+key / value head are laid along the query axis ([B, Hkv, G * Lq, D]) and SDPA runs without grouping.
+torch's CPU kernel takes a block of up to `PACKED_QUERIES` queries at once, and within one block it
+gives each query the numbers it gives it alone; so the output is the same to the bit
+(tests/test_attention.py holds that on a grid of shapes), and a verify step of 8 rows of 2 to 4
+tokens spends about half the time in attention. One query (a plain step) and fp32 keep the grouped call,
+which is faster there.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ from vlmspec.errors import TargetLoadError
 ATTENTION_MODES = ("auto", "triton", "sdpa", "eager")
 GQA_SDPA = "vlmspec_sdpa_gqa"  # the registered name of `gqa_sdpa_forward`
 _UNSUPPORTED = ("position_bias", "softcap", "s_aux", "sinks")  # extras only transformers' own functions apply
+PACKED_QUERIES = 32  # bf16: pack a group's query heads along the query axis up to this many queries per key / value head
+PACKED_MIN_ROWS = 4  # ... from this many rows on (`python -m vlmspec.target.attention` times both)
 
 
 def set_attention(model: torch.nn.Module, mode: str = "auto") -> str:
@@ -65,8 +75,31 @@ def gqa_sdpa_forward(
     extras = any(kwargs.get(name) is not None for name in _UNSUPPORTED) or kwargs.get("output_attentions", False)
     if attention_mask is None or not grouped or extras or query.device.type != "cpu" or (torch.is_grad_enabled() and query.requires_grad):
         return sdpa_attention.sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True)
+    if packs(query, key, attention_mask):
+        out = _packed_sdpa(query, key, value, attention_mask, dropout, scaling)
+    else:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
+
+
+def packs(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor) -> bool:
+    """Whether `gqa_sdpa_forward` lays a group's query heads along the query axis (see the module docstring)."""
+    lq, groups = query.shape[2], query.shape[1] // key.shape[1]
+    rows_ok = query.shape[0] >= PACKED_MIN_ROWS  # fewer rows (a request alone): the grouped call is as fast or faster
+    return query.dtype == torch.bfloat16 and rows_ok and lq > 1 and groups * lq <= PACKED_QUERIES and attention_mask.shape[1] == 1
+
+
+def _packed_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, dropout: float,
+                 scaling: float | None) -> torch.Tensor:
+    """SDPA over grouped heads with each group's G query heads along the query axis: query [B, Hkv * G, Lq, D]
+    -> [B, Hkv, G * Lq, D] (query head h = kv * G + g, as `repeat_kv` pairs them), mask [B or 1, 1, Lq, Lk]
+    repeated for each of the G heads. Returns [B, Hq, Lq, Dv]."""
+    b, hq, lq, _ = query.shape
+    hkv, groups = key.shape[1], hq // key.shape[1]
+    packed = query.reshape(b, hkv, groups * lq, query.shape[3])
+    mask = mask[:, :, None].expand(mask.shape[0], 1, groups, lq, mask.shape[3]).reshape(mask.shape[0], 1, groups * lq, mask.shape[3])
+    out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
+    return out.view(b, hq, lq, value.shape[3])
 
 
 def register_gqa_sdpa() -> str:
@@ -80,27 +113,33 @@ def register_gqa_sdpa() -> str:
 
 
 def main() -> None:
-    """Times one layer's attention, transformers' SDPA path against `gqa_sdpa_forward`, at the
-    default model's heads (9 query, 3 key / value, 64 wide) and a batched step's shapes."""
+    """Times one layer's attention at the default model's heads (9 query, 3 key / value, 64 wide) and
+    batched steps' shapes: transformers' SDPA path, SDPA over the grouped heads read in place, and
+    `gqa_sdpa_forward` (which packs the query heads where `packs` says), with whether the last two agree."""
     from types import SimpleNamespace
 
     from vlmspec.target.timing import median_ms
 
     sdpa_attention_forward = sdpa_attention.sdpa_attention_forward
 
+    def grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2).contiguous()
+
     module = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
     for dtype in (torch.bfloat16, torch.float32):
-        print(f"{dtype}, {torch.get_num_threads()} threads: median us per layer, transformers' SDPA vs grouped heads read in place")
-        for rows, n, cached in ((1, 16, 200), (8, 2, 210), (8, 4, 210), (16, 3, 220)):
-            q = torch.randn(rows, 9, n, 64).to(dtype)
+        print(f"{dtype}, {torch.get_num_threads()} threads: median us per layer: transformers' SDPA, grouped heads in place, gqa_sdpa_forward")
+        for rows, n, cached in ((1, 16, 200), (1, 4, 200), (2, 3, 210), (4, 2, 210), (8, 1, 210), (8, 2, 210), (8, 4, 210), (16, 3, 220)):
+            q = torch.randn(rows, n, 9, 64).to(dtype).transpose(1, 2)  # the layout the models hand over
             k, v = torch.randn(rows, 3, cached + n, 64).to(dtype), torch.randn(rows, 3, cached + n, 64).to(dtype)
             mask = torch.zeros(rows, 1, n, cached + n, dtype=dtype)
             mask[..., cached:] = torch.finfo(dtype).min * (1 - torch.eye(n, dtype=dtype))
+            calls = (lambda: sdpa_attention_forward(module, q, k, v, mask), lambda: grouped(q, k, v, mask),
+                     lambda: gqa_sdpa_forward(module, q, k, v, mask))
             with torch.no_grad():
-                same = torch.equal(sdpa_attention_forward(module, q, k, v, mask)[0], gqa_sdpa_forward(module, q, k, v, mask)[0])
-                old = 1e3 * median_ms(q.device, lambda: sdpa_attention_forward(module, q, k, v, mask), repeats=200, warmup=10)
-                new = 1e3 * median_ms(q.device, lambda: gqa_sdpa_forward(module, q, k, v, mask), repeats=200, warmup=10)
-            print(f"  {rows:2d} rows x {n:2d} queries over {cached + n} entries: {old:7.1f} vs {new:7.1f}  (equal: {same})")
+                same = torch.equal(grouped(q, k, v, mask), gqa_sdpa_forward(module, q, k, v, mask)[0])
+                us = [1e3 * median_ms(q.device, call, repeats=200, warmup=10) for call in calls]
+            how = "packed" if packs(q, k, mask) else "grouped"
+            print(f"  {rows:2d} rows x {n:2d} queries over {cached + n:3d} entries: {us[0]:7.1f} {us[1]:7.1f} {us[2]:7.1f}  {how:7s} (equal: {same})")
 
 
 if __name__ == "__main__":
