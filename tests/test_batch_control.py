@@ -234,6 +234,42 @@ def test_the_batch_cost_files_each_step_under_the_depth_it_really_drafted(stop_t
     assert len(cost.by_size[1][1].by_depth) == (1 if stop_threshold else 3)
 
 
+def test_the_batch_cost_takes_its_depths_in_turn_step_by_step(monkeypatch):
+    """The depths of a batch size are measured alternating, one step each, in one batch: a slow
+    stretch of the machine falls on every depth alike. Every step of the measurement drafts the
+    depth its turn says, and a slow-down of the last third of the steps (another process, say)
+    leaves every depth's lower-quartile seconds where they were; the negative control is the same
+    slow-down on one depth's steps only, which moves that depth (and the deeper ones: a table
+    never falls with depth)."""
+    from vlmspec import cost as cost_module
+    from vlmspec.engine import Batch
+
+    target = tiny_target("llava")
+    engine = SpecEngine(target, EagleDrafter.random_init(target, TreeConfig(depth=3, top_k=2, total_tokens=6), seed=1))
+    real_step, clock = Batch.step, [0.0]
+    seen: list[int] = []
+
+    def timed(slow):
+        def step(self):
+            events = real_step(self)
+            depth = max(e.depth for _, e in events)
+            seen.append(depth)
+            clock[0] += (1.0 + depth) * (3.0 if slow(len(seen), depth) else 1.0)  # seconds a step "takes"
+            return events
+        return step
+
+    monkeypatch.setattr(cost_module.time, "perf_counter", lambda: clock[0])
+    tables = []
+    for slow in (lambda n, d: n > 9, lambda n, d: d == 2):
+        seen.clear()
+        monkeypatch.setattr(Batch, "step", timed(slow))
+        cost = cost_module.measure_batch_cost(engine, encode_prompt(target, "once upon a time"), (2,), tokens=3, repeats=1, single=B1)
+        assert seen == [0] + [1, 2, 3, 0] * 3  # the prefills' step (its round a plain one), then each depth in turn
+        tables.append(cost.by_size[1][1])
+    assert [tables[0].seconds(d) for d in range(4)] == [1.0, 2.0, 3.0, 4.0]
+    assert [tables[1].seconds(d) for d in range(4)] == [1.0, 2.0, 9.0, 9.0]  # (a table never falls with depth)
+
+
 def test_the_cost_model_is_measured_once_and_measured_again_when_the_model_drafter_dtype_or_attention_changes(tmp_path, monkeypatch):
     from vlmspec import cost as cost_module
 

@@ -32,7 +32,7 @@ from vlmspec.stats import percentile
 from vlmspec.target.timing import time_tree_extras
 
 COST_PROMPT = "Write a short story about a lighthouse keeper."
-CACHE_VERSION = 4  # bump when what is measured, or how, changes, or what a step costs (older files are then not read)
+CACHE_VERSION = 5  # bump when what is measured, or how, changes, or what a step costs (older files are then not read)
 
 
 def tree_nodes(tree: TreeConfig, depth: int) -> int:
@@ -81,37 +81,68 @@ def measure_cost(engine: SpecEngine, inputs: dict, depths: tuple[int, ...] | Non
 def measure_batch_cost(engine: SpecEngine, inputs: dict, sizes: tuple[int, ...], depths: tuple[int, ...] | None = None,
                        tokens: int = 12, repeats: int = 2, single: CostModel | None = None) -> BatchCost:
     """Seconds per batched step by batch size: for each B in `sizes`, B copies of `inputs` decoded
-    together at each fixed depth (default 0, 1, 2 and the tree's full depth, `repeats` rounds), each
-    step timed and filed under the depth it really drafted (a drafter's stop rule ends a chain early),
-    the lower quartile of each depth's steps fitted into one `CostModel` per size. B = 1 is `single`
-    (measured by `measure_cost` when not given). In a batch a goodput row drafts a chain
-    (`control.batch_chains`), so the rows here draft chains: one node per level, D nodes at depth D."""
+    together, the step's depth taking each of `depths` in turn (default 0, 1, 2 and the tree's full
+    depth; `tokens * repeats` steps at each), each step timed and filed under the depth it really
+    drafted (a drafter's stop rule ends a chain early), the lower quartile of each depth's steps
+    fitted into one `CostModel` per size. The depths alternate step by step in one batch, so a machine
+    that slows down for a while (another process, a clock change) slows them alike and the table's
+    ratios between depths, which the controller reads, hold. B = 1 is `single` (measured by
+    `measure_cost` when not given). In a batch a goodput row drafts a chain (`control.batch_chains`),
+    so the rows here draft chains: one node per level, D nodes at depth D."""
     tree = engine.drafter.tree or TreeConfig()
     depths = tuple(sorted({0, *(depths or (1, 2, tree.depth))} & set(range(tree.depth + 1))))
     by_size = [(1, single or measure_cost(engine, inputs))]
+    steps = tokens * repeats * len(depths)
+    chain = dataclasses.replace(tree, top_k=1, total_tokens=max(max(depths), 1))
+    config = GenerationConfig(max_new_tokens=steps * (max(depths) + 1) + 2, ignore_eos=True, policy=_TakingTurns(depths), tree=chain)
     for size in sorted({b for b in sizes if b > 1}):
-        seconds: dict[int, list[float]] = {}  # [depth the step really drafted]: its seconds, every round
+        seconds: dict[int, list[float]] = {}  # [depth the step really drafted]: its seconds
         asked: dict[int, list[float]] = {}  # [depth asked for]: the same (a drafter that proposed nothing here)
-        for _ in range(repeats):
-            for depth in depths:
-                batch = engine.batch(size)
-                chain = dataclasses.replace(tree, top_k=1, total_tokens=max(depth, 1))
-                config = GenerationConfig(max_new_tokens=max(tokens, depth + 2), ignore_eos=True, policy=FixedPolicy(depth), tree=chain)
-                for _ in range(size):
-                    batch.add(inputs, config)
-                batch.step()  # the prefills' tokens and the first round (it drafts over the whole prompt)
-                while batch.requests:
-                    t0 = time.perf_counter()
-                    events = batch.step()
-                    drafted = max((e.num_drafted for _, e in events), default=0)  # a chain's nodes are its levels
-                    if len(events) == size:  # every row stepped (none had left)
-                        took = time.perf_counter() - t0
-                        asked.setdefault(depth, []).append(took)
-                        if drafted > 0 or depth == 0:
-                            seconds.setdefault(drafted, []).append(took)
+        batch = engine.batch(size)
+        for _ in range(size):
+            batch.add(inputs, config)
+        batch.step()  # the prefills' tokens and the first round (it drafts over the whole prompt)
+        for step in range(steps):
+            t0 = time.perf_counter()
+            events = batch.step()
+            took = time.perf_counter() - t0
+            if len(events) < size:  # a row had left (its context was full): no longer a step of B rows
+                break
+            drafted = max((e.num_drafted for _, e in events), default=0)  # a chain's nodes are its levels
+            asked.setdefault(depths[(step + 1) % len(depths)], []).append(took)
+            if drafted > 0 or all(e.depth == 0 for _, e in events):
+                seconds.setdefault(drafted, []).append(took)
+        for req in list(batch.requests):
+            batch.cancel(req)
         samples = seconds if len(seconds) > 1 else asked  # an n-gram drafter on a fresh prompt proposes nothing
         by_size.append((size, CostModel.fit({d: percentile(ts, 25) for d, ts in samples.items()})))  # a fast step, not a lucky one
     return BatchCost(tuple(by_size))
+
+
+@dataclasses.dataclass(frozen=True)
+class _TakingTurns:
+    """A policy whose controller drafts `depths` in turn, one per step (`measure_batch_cost`): every
+    row of a batch started together takes the same depth at each step."""
+
+    depths: tuple[int, ...]
+    name: str = "fixed"
+
+    def start(self) -> "_Turns":
+        return _Turns(self.depths)
+
+
+class _Turns:
+    def __init__(self, depths: tuple[int, ...]) -> None:
+        self.depths, self.steps = depths, 0
+
+    def choose(self, max_depth: int) -> int:
+        depth = self.depths[self.steps % len(self.depths)]
+        self.steps += 1
+        return min(depth, max_depth)
+
+    def observe(self, depth: int, num_accepted: int, seconds: float | None = None, chain_accepted: int | None = None,
+                chain: bool = False) -> None:
+        return None
 
 
 def cost_cache_dir() -> Path:
