@@ -235,6 +235,54 @@ def test_eagle_drafts_every_row_together_as_it_drafts_each_alone(stop_threshold,
     assert len(set(sizes)) > 2  # rows did grow different trees
 
 
+def test_rows_with_long_waiting_runs_read_them_alone_and_draft_their_own_trees(monkeypatch):
+    """A batch's first drafted step after plain steps: each row's prompt pairs are still waiting. A
+    row with more than `ALONE_PAIRS` of them runs them in a forward of its own, the rest in one joint
+    forward, and every row drafts the tree it drafts alone. Negative control: with the bound past
+    every row's count the rows share one forward (whose mask covers all their pairs at once)."""
+    from vlmspec.draft.base import PromptContext
+    from vlmspec.draft.eagle import session as session_module
+
+    target = tiny_target("llava")
+    drafter = EagleDrafter.random_init(target, TreeConfig(depth=3, top_k=2, total_tokens=5), seed=2)
+    prompts = []
+    for text in ("a cat", "the quick brown fox jumps over the lazy dog and then the dog sleeps in the sun all day long", "hi"):
+        inputs = encode_prompt(target, text, [])
+        _, out = target.prefill(inputs, layers=drafter.feature_layers)
+        prompts.append(PromptContext(inputs["input_ids"][0].cpu(), out.features, inputs))
+    lengths = [int(p.token_ids.shape[0]) for p in prompts]
+    bound = sorted(lengths)[1] + 1  # pairs waiting: the longest prompt's are over it, the other two's are not
+    queries = []
+    real = drafter.head.decode
+    monkeypatch.setattr(drafter.head, "decode", lambda *a, **k: queries.append(a[0].shape[0]) or real(*a, **k))
+
+    feats = torch.randn(3, 1, drafter.head.config.feature_width, generator=torch.Generator().manual_seed(0))
+
+    def plain_step(rows, roots):
+        session_module.propose_rows(rows, roots, [0] * len(rows))  # drafts nothing: the prompts wait
+        for row, root, f in zip(rows, roots, feats):
+            row.commit(torch.tensor([root]), f)
+
+    def first_drafted_step(alone_bound):
+        monkeypatch.setattr(session_module, "ALONE_PAIRS", alone_bound)
+        rows = [drafter.start(p) for p in prompts]
+        plain_step(rows, [5, 6, 7])
+        queries.clear()
+        return session_module.propose_rows(rows, [8, 9, 10], [3, 3, 3])
+
+    trees = first_drafted_step(bound)
+    long = max(lengths) + 1  # its prompt pairs and the plain step's pair
+    assert queries[:2] == [long, sum(lengths) + 3 - long]  # the long row alone, then the two others together
+    for i, (p, t) in enumerate(zip(prompts, trees)):
+        row = drafter.start(p)
+        session_module.propose_rows([row], [5 + i], [0])
+        row.commit(torch.tensor([5 + i]), feats[i])
+        oracle = session_module.propose_rows([row], [8 + i], [3])[0]
+        assert t.tokens.tolist() == oracle.tokens.tolist() and t.parents.tolist() == oracle.parents.tolist()
+    first_drafted_step(10**6)
+    assert queries[0] == sum(lengths) + 3  # negative control: one joint forward over every row's pairs
+
+
 def test_eagle_rows_asked_for_a_chain_grow_their_top1_chain_beside_tree_rows():
     """A row asked for a chain (a goodput row of a batch) grows one node per level: the tree of a
     session whose own shape is top-1, whether it drafts alone or beside rows growing their trees

@@ -431,6 +431,29 @@ def test_propose_drafts_the_same_tree_as_the_reference(tree, ties, arch):
         _same_proposals(d, prompt, 32)
 
 
+@pytest.mark.parametrize("arch", ["eagle1", "eagle3"])
+def test_a_first_step_that_drafts_nothing_runs_no_head_over_the_prompt(arch):
+    """A plain head's prompt pairs wait with the pending pairs: a row whose first steps draft
+    nothing (a batch's plain steps) runs no head forward; its first drafted step runs them all and
+    drafts the tree of a row that ran its prompt at once. Negative control: a row whose earlier
+    prompt pairs differ drafts another tree (the waiting pairs are read, not just the last one)."""
+    d = _standalone_drafter(TreeConfig(4, 3, 10), seed=4, arch=arch)
+    g = torch.Generator().manual_seed(4)
+    prompt = PromptContext(torch.randint(40, (9,), generator=g), torch.randn(9, d.head.config.feature_width, generator=g))
+    other = PromptContext(prompt.token_ids, torch.cat([torch.randn(8, d.head.config.feature_width, generator=g), prompt.features[-1:]]))
+    late, early, elsewhere = d.start(prompt), d.start(prompt), d.start(other)
+    feats = torch.randn(2, d.head.config.feature_width, generator=g)
+    for s, depth in ((late, 0), (early, 4), (elsewhere, 0)):
+        assert s.propose(3, depth).size == (1 if depth == 0 else 11)
+        s.commit(torch.tensor([3, 7]), feats)
+    assert late.cache.seq_len == 0 and early.cache.seq_len == 9  # the prompt's 9 pairs (its last with the root) ran early only
+    want = early.propose(11, 4)
+    got = late.propose(11, 4)
+    assert late.cache.seq_len == early.cache.seq_len == late.next_pos == 11
+    assert got.tokens.tolist() == want.tokens.tolist() and got.parents.tolist() == want.parents.tolist()
+    assert elsewhere.propose(11, 4).tokens.tolist() != want.tokens.tolist()
+
+
 @pytest.mark.parametrize("tree", [TreeConfig(4, 3, 10), TreeConfig(7, 4, 16)])
 @pytest.mark.parametrize("arch", ["eagle1", "eagle3"])
 def test_propose_in_bf16_drafts_the_same_tree_as_the_reference(tree, arch):

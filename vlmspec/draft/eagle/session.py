@@ -147,17 +147,19 @@ class _EagleSession:
         self.device, self.dtype = p.device, p.dtype
         self.global_feat: torch.Tensor | None = None  # [H] ViSpec global image feature
         self.next_pos = 0  # position of the next row (rows of a compressed image span are gone)
-        # The prompt becomes the head's first rows at the first propose, drafting or not (it needs the
-        # root). Were it to wait for the row's first drafted step, the prompts of a batch stepping
-        # plain would pile up and run in one joint forward, whose block-diagonal mask and attention
-        # grow with the square of all the rows' pairs together (`grow.joint_causal_mask`).
-        self.prompt: PromptContext | None = prompt
-        # the committed pairs the head has not run yet: features, and the tokens that follow them,
-        # kept in chunks (one per step, joined when the head runs them: a row that drafts nothing
-        # for many steps copies nothing)
-        self._feats = [prompt.features[:0].to(self.device, self.dtype)]  # chunks [n_i, H]
-        self._next = [to_device(prompt.token_ids[:0].cpu(), self.device)]  # chunks [m_i]: the root pairs with the last feature
-        self._n_feats = self._n_next = 0  # pending features, pending next tokens
+        # A plain head's prompt pairs wait with the committed pairs the head has not run yet, for the
+        # row's first drafted step: a row of a batch that steps plain runs no head forward over its
+        # prompt. A row with that many pairs waiting runs them in a forward of its own, not the
+        # batch's joint one, whose block-diagonal mask and attention would grow with the square of
+        # all the rows' pairs together (`propose_rows`). A VLM-aware head's prompt becomes rows at
+        # its first propose (`_prompt_rows`: compressed image spans, the global feature).
+        self.prompt: PromptContext | None = prompt if head.visual is not None else None
+        pairs = 0 if self.prompt is not None else prompt.features.shape[0]  # prompt pairs pending from the start
+        # the pending pairs: features, and the tokens that follow them, kept in chunks (one per step,
+        # joined when the head runs them: a row that drafts nothing for many steps copies nothing)
+        self._feats = [prompt.features[:pairs].to(self.device, self.dtype)]  # chunks [n_i, H]
+        self._next = [to_device(prompt.token_ids.cpu()[1:pairs], self.device)]  # chunks [m_i]: the root pairs with the last feature
+        self._n_feats, self._n_next = pairs, max(pairs - 1, 0)  # pending features, pending next tokens
 
     @property
     def pending_feats(self) -> torch.Tensor:  # [n, H]: the features of the pairs the head has not run
@@ -188,15 +190,13 @@ class _EagleSession:
         self._n_feats = self._n_next = 0
 
     def _prompt_rows(self, root: int) -> tuple[torch.Tensor, ...]:
-        """(tokens [n], feats [n, H], positions [n], direct [n] | None, fuse [n] | None); sets next_pos."""
+        """A VLM-aware head's prompt rows: (tokens [n], feats [n, H], positions [n], direct [n] | None,
+        fuse [n] | None); sets next_pos."""
         prompt, self.prompt = self.prompt, None
-        assert prompt is not None
+        adaptor = self.head.visual
+        assert prompt is not None and adaptor is not None, "a plain head's prompt pairs are pending from the start"
         ids = to_device(torch.cat([prompt.token_ids.cpu(), torch.tensor([root])]), self.device)  # [L + 1]
         feats = prompt.features.to(self.device, self.dtype)
-        adaptor = self.head.visual
-        if adaptor is None:
-            self.next_pos = feats.shape[0]
-            return ids[1:], feats, torch.arange(feats.shape[0], device=self.device), None, None
         rows = adaptor.prompt_rows(
             ids, feats, _image_mask(prompt, ids.shape[0] - 1, self.device), _to(prompt.image_embeds, self.device, self.dtype),
             _to(prompt.attention, self.device, torch.float32), question_embedding(self.head, ids[:-1], prompt.image_mask),
@@ -283,10 +283,28 @@ def _chain(tree: TreeConfig) -> TreeConfig:
     return dataclasses.replace(tree, top_k=1, total_tokens=tree.depth)
 
 
+ALONE_PAIRS = 32  # a row with more pending pairs than this (a prompt, a long plain stretch) runs them in a forward of its own
+
+
 def _run_committed(rows: list[_EagleSession], roots: list[int]) -> list[torch.Tensor]:
     """Run the head over each row's committed pairs (feature_i, token_{i+1}), the last one pairing
-    with its root; their entries stay in the row's cache. Returns each row's outputs [n_b, H]."""
+    with its root; their entries stay in the row's cache. Returns each row's outputs [n_b, H].
+    Rows with few pairs waiting run in one joint forward; a row with more than `ALONE_PAIRS` runs
+    alone, so no forward's mask and attention grow with the square of several rows' long runs."""
     parts = [s._pending_rows(root) for s, root in zip(rows, roots)]
+    counts = [p[0].shape[0] for p in parts]
+    long = [b for b, n in enumerate(counts) if n > ALONE_PAIRS] if len(rows) > 1 else []
+    groups = [[b] for b in long] + [[b for b in range(len(rows)) if b not in long]]
+    out: list[torch.Tensor | None] = [None] * len(rows)
+    for group in (g for g in groups if g):
+        hidden = _run_pairs([rows[b] for b in group], [parts[b] for b in group])
+        for b, h in zip(group, hidden):
+            out[b] = h
+    return out  # type: ignore[return-value]
+
+
+def _run_pairs(rows: list[_EagleSession], parts: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
+    """`_run_committed`'s one forward over `rows`' pending pairs (`_pending_rows` of each) laid end to end."""
     assert len(rows) == 1 or all(p[3] is None and p[4] is None for p in parts), "rows with their own image rows run alone"
     direct, fuse = (parts[0][3], parts[0][4]) if len(rows) == 1 else (None, None)
     counts = [p[0].shape[0] for p in parts]
