@@ -13,8 +13,8 @@ key / value head are laid along the query axis ([B, Hkv, G * Lq, D]) and SDPA ru
 torch's CPU kernel takes a block of up to `PACKED_QUERIES` queries at once, and within one block it
 gives each query the numbers it gives it alone; so the output is the same to the bit
 (tests/test_attention.py holds that on a grid of shapes), and a verify step of 8 rows of 2 to 4
-tokens spends about half the time in attention. One query (a plain step) and fp32 keep the grouped call,
-which is faster there.
+tokens spends about a third less time in attention. One query (a plain step), fewer than
+`PACKED_MIN_ROWS` rows and fp32 keep the grouped call, which is as fast or faster there.
 """
 
 from __future__ import annotations
