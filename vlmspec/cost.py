@@ -102,15 +102,16 @@ def measure_batch_cost(engine: SpecEngine, inputs: dict, sizes: tuple[int, ...],
         for _ in range(size):
             batch.add(inputs, config)
         batch.step()  # the prefills' tokens and the first round (it drafts over the whole prompt)
-        for step in range(steps):
+        for _ in range(steps):
             t0 = time.perf_counter()
             events = batch.step()
             took = time.perf_counter() - t0
             if len(events) < size:  # a row had left (its context was full): no longer a step of B rows
                 break
             drafted = max((e.num_drafted for _, e in events), default=0)  # a chain's nodes are its levels
-            asked.setdefault(depths[(step + 1) % len(depths)], []).append(took)
-            if drafted > 0 or all(e.depth == 0 for _, e in events):
+            depth = max(e.depth for _, e in events)  # the depth this step's turn asked for
+            asked.setdefault(depth, []).append(took)
+            if drafted > 0 or depth == 0:
                 seconds.setdefault(drafted, []).append(took)
         for req in list(batch.requests):
             batch.cancel(req)
