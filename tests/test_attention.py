@@ -12,6 +12,7 @@ from conftest import tiny_target
 from vlmspec.inputs import encode_prompt
 from vlmspec.target import set_attention
 from vlmspec.target.attention import GQA_SDPA, PACKED_QUERIES, _packed_sdpa, gqa_sdpa_forward, packs
+from vlmspec.target.sdpa import decoding_sdpa
 from vlmspec.tree import DraftTree
 
 MODULE = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)  # 9 query heads over 3 key / value heads
@@ -184,3 +185,56 @@ def test_a_bf16_batched_tree_forward_packs_and_keeps_the_grouped_logits(monkeypa
     ref = logits()
     assert len(packed_calls) == calls
     assert torch.equal(ours, ref)
+
+
+def _sdpa_flags() -> tuple[bool, bool, bool, bool]:
+    cuda = torch.backends.cuda
+    return cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled()
+
+
+def test_decoding_sdpa_leaves_out_cudnn_on_cuda_only():
+    """On CUDA the engine's forwards run without cuDNN's SDPA, which plans every new shape
+    (vlmspec.target.sdpa), every other backend kept, and the flags are back afterwards. Negative
+    control: on CPU nothing changes."""
+    before = _sdpa_flags()
+    assert before[0], "torch allows cuDNN's SDPA by default: the case this leaves out"
+    with decoding_sdpa(torch.device("cuda")):
+        assert _sdpa_flags() == (False, *before[1:])
+    assert _sdpa_flags() == before
+    with decoding_sdpa(torch.device("cpu")):
+        assert _sdpa_flags() == before
+
+
+def test_the_engine_prefills_and_steps_inside_decoding_sdpa(monkeypatch):
+    """Every prefill and batched forward of a generation runs inside `decoding_sdpa` of the
+    target's device. Negative control: a prefill called outside the engine is not inside it."""
+    import contextlib
+
+    from vlmspec import engine as engine_module
+    from vlmspec.draft import NoDrafter
+    from vlmspec.engine import GenerationConfig, SpecEngine
+
+    target = tiny_target("llava")
+    inside, devices, seen = [], [], []
+
+    @contextlib.contextmanager
+    def recording(device):
+        devices.append(device)
+        inside.append(True)
+        try:
+            yield
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(engine_module, "decoding_sdpa", recording)
+    for name in ("prefill", "forward_batch"):
+        real = getattr(target, name)
+        monkeypatch.setattr(target, name, lambda *a, _real=real, _name=name, **k: seen.append((_name, bool(inside))) or _real(*a, **k))
+    prompt = encode_prompt(target, "once upon a time", [])
+    SpecEngine(target, NoDrafter()).generate(prompt, GenerationConfig(max_new_tokens=4))
+    assert {name for name, _ in seen} == {"prefill", "forward_batch"}
+    assert all(was_inside for _, was_inside in seen)
+    assert devices and all(d == target.device for d in devices)
+    seen.clear()
+    target.prefill(prompt)
+    assert seen == [("prefill", False)]

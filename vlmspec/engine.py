@@ -32,7 +32,7 @@ from vlmspec.sampling import SamplingParams, next_token
 from vlmspec.stats import SpecStats
 from vlmspec.errors import ContextLengthError
 from vlmspec.slot_cache import SlotCache
-from vlmspec.target import Target, TargetState
+from vlmspec.target import Target, TargetState, decoding_sdpa
 from vlmspec.transfer import to_device
 from vlmspec.verify.acceptance import verify_rows
 
@@ -249,7 +249,8 @@ class Batch:
         try:
             if self.capacity is None:
                 self.cache.reserve(need)
-            req = self.engine._open(inputs, config, self.cache, slot)
+            with decoding_sdpa(self.engine.target.device):
+                req = self.engine._open(inputs, config, self.cache, slot)
         except BaseException:
             self.free.insert(0, slot)
             raise
@@ -278,7 +279,8 @@ class Batch:
             if not r.done:
                 live.append(r)
         if live:
-            events += self._round(live)
+            with decoding_sdpa(self.engine.target.device):
+                events += self._round(live)
         for r in [r for r in self.requests if r.done]:
             self._leave(r)
         return events

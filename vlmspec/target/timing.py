@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 
 from vlmspec.target.model import Target
+from vlmspec.target.sdpa import decoding_sdpa
 from vlmspec.tree import DraftTree
 
 
@@ -41,10 +42,11 @@ def time_tree_forward(target: Target, prefix: int, n: int, repeats: int, warmup:
     a prefix of `prefix` random tokens. Trees are chains: the mask pattern does not change the cost
     of the dense path."""
     ids = torch.randint(1, target.vocab_size, (1, prefix), device=target.device)
-    state, _ = target.prefill({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
-    tree = DraftTree.chain(1, [2] * (n - 1))
-    # a tree forward leaves the row's committed length as it was: the next one overwrites its entries
-    return median_ms(target.device, lambda: target.forward_tree(state, tree), repeats, warmup)
+    with decoding_sdpa(target.device):  # the engine's attention backends
+        state, _ = target.prefill({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+        tree = DraftTree.chain(1, [2] * (n - 1))
+        # a tree forward leaves the row's committed length as it was: the next one overwrites its entries
+        return median_ms(target.device, lambda: target.forward_tree(state, tree), repeats, warmup)
 
 
 @torch.no_grad()
@@ -54,14 +56,15 @@ def time_tree_extras(target: Target, prefix: int, sizes: list[int], rounds: int,
     back to back, and the extra is the median over rounds of the same round's difference, so a
     machine that drifts (a shared CPU) moves both sides of each difference together."""
     ids = torch.randint(1, target.vocab_size, (1, prefix), device=target.device)
-    state, _ = target.prefill({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
     trees = {n: DraftTree.chain(1, [2] * (n - 1)) for n in sorted({1, *sizes})}
     diffs: dict[int, list[float]] = {n: [] for n in sizes}
-    for i in range(warmup + rounds):
-        ms = {n: median_ms(target.device, lambda t=tree: target.forward_tree(state, t), 1, 0) for n, tree in trees.items()}
-        if i >= warmup:
-            for n in sizes:
-                diffs[n].append(ms[n] - ms[1])
+    with decoding_sdpa(target.device):  # the engine's attention backends
+        state, _ = target.prefill({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+        for i in range(warmup + rounds):
+            ms = {n: median_ms(target.device, lambda t=tree: target.forward_tree(state, t), 1, 0) for n, tree in trees.items()}
+            if i >= warmup:
+                for n in sizes:
+                    diffs[n].append(ms[n] - ms[1])
     return {n: statistics.median(d) for n, d in diffs.items()}
 
 
