@@ -14,6 +14,12 @@ prompts (the held-out mix: ragged lengths and images, or one prompt copied) and 
 again under torch.profiler: its top operations by self CPU time (and by CUDA time on a GPU), and
 how many CUDA runtime calls it made that synchronise, copy or launch. On this project's 2-core CPU
 every variant drafts in 7 to 17 ms per step (toy model, bf16).
+
+What it found on the next lent H200: cuDNN's SDPA, which torch picked for the drafter's masked
+attention, plans each shape it has not met, at 68 ms to 1.7 s a time, and batched drafting meets
+a new key length at nearly every call. The engine now runs its forwards without that backend
+(`vlmspec.target.sdpa`); `--cudnn-sdpa` lets SDPA take it again, as before, for
+the comparison in docs/batching.md ("On a GPU").
 """
 import argparse
 import statistics
@@ -56,9 +62,18 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=24)
     parser.add_argument("--out", default=None, help="folder for profile.md (else the console only)")
+    parser.add_argument("--cudnn-sdpa", action="store_true",
+                        help="let SDPA take cuDNN's backend on CUDA, as the engine did before decoding_sdpa left it out")
     args = parser.parse_args()
+    if args.cudnn_sdpa:
+        import contextlib
+
+        import vlmspec.engine
+
+        vlmspec.engine.decoding_sdpa = lambda device: contextlib.nullcontext()  # torch's own choice of backend
     lines = [f"`{' '.join(['python3', *sys.argv])}`", "",
-             f"{args.model}, {args.dtype} on {args.device}, {args.batch} rows, {args.tokens} tokens each, fixed policy", "",
+             f"{args.model}, {args.dtype} on {args.device}, {args.batch} rows, {args.tokens} tokens each, fixed policy"
+             + (", cuDNN's SDPA allowed" if args.cudnn_sdpa else ""), "",
              "| draft | rows | drafting ms per step: median / slowest | steps |", "|---|---|---:|---:|"]
     engines = {"4-node trees": (build_engine(EngineSpec(model=args.model, device=args.device, dtype=args.dtype, policy="fixed")), 4),
                "chains (top-1)": (build_engine(EngineSpec(model=args.model, device=args.device, dtype=args.dtype, policy="fixed",
