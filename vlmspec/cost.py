@@ -32,7 +32,7 @@ from vlmspec.stats import percentile
 from vlmspec.target.timing import time_tree_extras
 
 COST_PROMPT = "Write a short story about a lighthouse keeper."
-CACHE_VERSION = 5  # bump when what is measured, or how, changes, or what a step costs (older files are then not read)
+CACHE_VERSION = 6  # bump when what is measured, or how, changes, or what a step costs (older files are then not read)
 
 
 def tree_nodes(tree: TreeConfig, depth: int) -> int:
