@@ -127,3 +127,22 @@ def test_a_sweep_stopped_part_way_keeps_the_levels_it_measured(tmp_path, monkeyp
     monkeypatch.setattr(load, "run_level", lambda e, b, clients, requests: fake_level(e, b, clients if clients == 1 else 2, requests))
     done = load.sweep(endpoints, load.LoadOptions((1, 2), 2, 8, 3, 0), progress=False)
     assert len(done["levels"]) == done["planned"] == 4 and "Stopped part way" not in load.markdown(done)
+
+
+def test_answers_run_past_the_end_of_turn_unless_no_ignore_eos_is_given():
+    """By default every request asks for `ignore_eos` (answers of one length); `--no-ignore-eos`
+    sends requests whose answers end where the model ends them, and the table says which ran."""
+    from vlmspec.bench.load import LoadOptions, bodies
+    from vlmspec.cli import build_parser
+
+    assert build_parser().parse_args(["bench", "load"]).ignore_eos is True
+    assert build_parser().parse_args(["bench", "load", "--no-ignore-eos"]).ignore_eos is False
+    for ignore in (True, False):
+        sent = bodies("bench", LoadOptions((1,), 2, 8, 3, 0, ignore_eos=ignore), "goodput")
+        assert len(sent) == 3 and all(b["ignore_eos"] is ignore and b["max_tokens"] == 8 for b in sent)
+    level = {"way": "plain", "max_batch": 16, "clients": 1, "requests": 2, "tokens_per_s": 9.0, "latency_p50_s": 1.0, "latency_p99_s": 1.0,
+             "ttft_p50_s": 0.1, "ttft_p99_s": 0.1, "mean_batch": 1.0, "changed": 0}
+    report = {"options": {"concurrency": [1], "requests": 2, "max_tokens": 8}, "levels": [level]}
+    assert "8 tokens per request (ignore_eos)" in markdown(report)  # older reports carry no ignore_eos: they ran with it
+    report["options"]["ignore_eos"] = False
+    assert "8 tokens per request at most, each answer ending at the model's end of turn" in markdown(report)

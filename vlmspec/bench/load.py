@@ -4,7 +4,10 @@ At each concurrency C, C clients each send their next request as soon as their l
 (a closed loop), until the level's requests are done (at least `requests`, and two per client).
 The requests are the batched benches' held-out mix (ToyWorld scenes, photographs, text-only
 instructions, in turn: `bench.batch.mixed_conversations`), streamed, at temperature 0, `ignore_eos`
-so every answer has `max_tokens` tokens. The ways differ only in each request's own options:
+so every answer has `max_tokens` tokens (or, with `ignore_eos=False`, each answer ends where the
+model ends it, as a user gets it: 9 of the mix's first 12 answers end within 23 tokens, and
+`ignore_eos` fills the rest of the 64 with the model's end-of-turn token over and over). The ways
+differ only in each request's own options:
 
     plain      "speculative": false                         (rows of the batch that never draft)
     fixed      "speculation": {"policy": "fixed"}           (the drafter's full tree every step)
@@ -65,6 +68,7 @@ class LoadOptions:
     max_tokens: int = 64
     prompts: int = 12  # distinct held-out requests, sent in turn
     warmup: int = 1  # unmeasured requests per way before the sweep
+    ignore_eos: bool = True  # every answer runs to max_tokens (False: answers end at the model's end of turn)
 
     def __post_init__(self) -> None:
         if not self.concurrency or min(self.concurrency) < 1 or min(self.requests, self.max_tokens, self.prompts) < 1 or self.warmup < 0:
@@ -89,7 +93,7 @@ class Endpoint:
 
 
 def bodies(model: str, opts: LoadOptions, way: str) -> list[dict[str, Any]]:
-    extra = {"ignore_eos": True, "stream_options": {"include_usage": True}, **WAYS[way]}
+    extra = {"ignore_eos": opts.ignore_eos, "stream_options": {"include_usage": True}, **WAYS[way]}
     return [{**chat_body(conv, model, opts.max_tokens, stream=True), **extra} for conv in mixed_conversations(opts.prompts)]
 
 
@@ -311,13 +315,14 @@ def same_request_p99(alone: dict[str, Any], loaded: dict[str, Any]) -> float:
 
 def markdown(report: dict[str, Any]) -> str:
     env, o = report.get("env", {}), report["options"]
+    length = "(ignore_eos)" if o.get("ignore_eos", True) else "at most, each answer ending at the model's end of turn"
     if "url" in env:  # a running service (--url): what it said about itself
         head = (f"the service at {env['url']} (model {env.get('model', '?')}, drafter {env.get('drafter', '?')}, max_batch "
-                f"{env.get('max_batch', ['?'])[0]} in each server process); {o['max_tokens']} tokens per request (ignore_eos), at least "
+                f"{env.get('max_batch', ['?'])[0]} in each server process); {o['max_tokens']} tokens per request {length}, at least "
                 f"{o['requests']} requests per level (2 per client); mean batch from {env.get('metrics', '/metrics')}")
     else:
         head = (f"{env.get('model', '?')}, {env.get('dtype', '?')} on {env.get('device', '?')} ({env.get('threads', '?')} threads), drafter "
-                f"{env.get('drafter', '?')}; {o['max_tokens']} tokens per request (ignore_eos), at least {o['requests']} requests per level "
+                f"{env.get('drafter', '?')}; {o['max_tokens']} tokens per request {length}, at least {o['requests']} requests per level "
                 f"(2 per client); baseline: the one-at-a-time service (max_batch 1) with its default policy ({env.get('default_policy', '?')})")
     replicas = any(lv.get("replicas") for lv in report["levels"])  # a column when the service names its replicas
     if len(report["levels"]) < report.get("planned", 0):

@@ -36,6 +36,9 @@ def register(which: argparse._SubParsersAction) -> None:
     ld.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=64, help="new tokens per request (ignore_eos)")
     ld.add_argument("--prompts", type=positive_int("--prompts"), default=12, help="distinct held-out requests, sent in turn")
     ld.add_argument("--warmup", type=non_negative_int("--warmup"), default=1, help="unmeasured requests per way before the sweep")
+    ld.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                    help="every answer runs to --max-new-tokens past the model's end of turn, so every request is as long "
+                         "(the default); --no-ignore-eos: each answer ends where the model ends it, as users get it")
     ld.add_argument("--max-batch", type=int_list("--max-batch"), default=(16,),
                     help="the batched service's --max-batch; several (e.g. 4,8,16): one server each, every batched way on each, interleaved")
     ld.add_argument("--ways", default=None,
@@ -101,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     ServerSettings, serving = _service("load")
     from vlmspec.bench.load import Endpoint, LoadOptions, remote, sweep
 
-    opts = LoadOptions(tuple(args.concurrency), args.requests, args.max_new_tokens, args.prompts, args.warmup)
+    opts = LoadOptions(tuple(args.concurrency), args.requests, args.max_new_tokens, args.prompts, args.warmup, args.ignore_eos)
     if args.url:
         import httpx
 
