@@ -127,6 +127,9 @@ def test_a_sweep_stopped_part_way_keeps_the_levels_it_measured(tmp_path, monkeyp
     monkeypatch.setattr(load, "run_level", lambda e, b, clients, requests: fake_level(e, b, clients if clients == 1 else 2, requests))
     done = load.sweep(endpoints, load.LoadOptions((1, 2), 2, 8, 3, 0), progress=False)
     assert len(done["levels"]) == done["planned"] == 4 and "Stopped part way" not in load.markdown(done)
+    assert done["options"]["ignore_eos"] is True
+    natural = load.sweep(endpoints, load.LoadOptions((1, 2), 2, 8, 3, 0, ignore_eos=False), progress=False)
+    assert natural["options"]["ignore_eos"] is False and "ending at the model's end of turn" in load.markdown(natural)
 
 
 def test_answers_run_past_the_end_of_turn_unless_no_ignore_eos_is_given():

@@ -247,7 +247,7 @@ def sweep(endpoints: list[Endpoint], opts: LoadOptions, progress: bool = True,
             run_level(e, reqs[e.label], 1, opts.warmup)
     levels: list[dict[str, Any]] = []
     report = {"options": {"concurrency": list(opts.concurrency), "requests": opts.requests, "max_tokens": opts.max_tokens,
-                          "prompts": opts.prompts, "warmup": opts.warmup}, "planned": len(endpoints) * len(opts.concurrency), "levels": levels}
+                          "prompts": opts.prompts, "warmup": opts.warmup, "ignore_eos": opts.ignore_eos}, "planned": len(endpoints) * len(opts.concurrency), "levels": levels}
     for k, clients in enumerate(opts.concurrency):
         for e in rotated(endpoints, k):
             level = run_level(e, reqs[e.label], clients, max(opts.requests, 2 * clients))
