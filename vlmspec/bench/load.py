@@ -5,9 +5,9 @@ At each concurrency C, C clients each send their next request as soon as their l
 The requests are the batched benches' held-out mix (ToyWorld scenes, photographs, text-only
 instructions, in turn: `bench.batch.mixed_conversations`), streamed, at temperature 0, `ignore_eos`
 so every answer has `max_tokens` tokens (or, with `ignore_eos=False`, each answer ends where the
-model ends it, as a user gets it: 9 of the mix's first 12 answers end within 23 tokens, and
-`ignore_eos` fills the rest of the 64 with the model's end-of-turn token over and over). The ways
-differ only in each request's own options:
+model ends it, as a user gets it: the mix's answers average 23 tokens on the default model, and
+`ignore_eos` fills the rest of the 64 with the model's end-of-turn token over and over;
+docs/serving.md compares the two). The ways differ only in each request's own options:
 
     plain      "speculative": false                         (rows of the batch that never draft)
     fixed      "speculation": {"policy": "fixed"}           (the drafter's full tree every step)
