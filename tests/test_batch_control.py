@@ -119,14 +119,16 @@ def test_rows_keep_their_own_limits_and_fixed_rows_their_own_depth():
 
 def test_the_batchs_own_step_times_correct_its_cost():
     """Drafted steps of this batch measured at twice the model's seconds (long image prompts, say):
-    at B = 4, where the model alone says drafting pays, the corrected cost says it does not; a batch
-    whose steps took what the model said keeps drafting (negative control)."""
+    at B = 4, where the model alone says drafting pays, the corrected cost says it does not, once
+    `min_steps` of them are measured; a batch whose steps took what the model said keeps drafting
+    (negative control)."""
     rows = lambda: [_tracker(2) for _ in range(4)]  # noqa: E731
     assert choose_depths(rows(), [5] * 4, COST)[0] > 0
-    slow, exact = BatchTiming(weight=1.0), BatchTiming(weight=1.0)
-    slow.observe(COST, 4, 2, 2.0 * COST.seconds(4, 2))
-    slow.observe(COST, 4, 0, COST.seconds(4, 0))
-    exact.observe(COST, 4, 2, COST.seconds(4, 2))
+    slow, exact = BatchTiming(), BatchTiming()
+    for _ in range(slow.min_steps):
+        slow.observe(COST, 4, 2, 2.0 * COST.seconds(4, 2))
+        slow.observe(COST, 4, 0, COST.seconds(4, 0))
+        exact.observe(COST, 4, 2, COST.seconds(4, 2))
     assert slow.scale(2) == pytest.approx(2.0) and slow.scale(0) == pytest.approx(1.0)
     assert choose_depths(rows(), [5] * 4, COST, slow) == [0] * 4
     assert choose_depths(rows(), [5] * 4, COST, exact)[0] > 0
@@ -143,7 +145,7 @@ def _drafted_steps(timing: BatchTiming, rows: int, gain: float, steps: int) -> N
 def test_drafting_waits_where_the_batchs_drafted_steps_delivered_less_than_plain_steps():
     """At B = 8 four drafted steps each emitted 0.6x what plain steps give in their time: drafting
     there waits, plain steps count towards a retry (8 of them), a losing retry doubles the wait, a
-    paying one ends it. The same at B = 4 with steps that paid (1.5x) never waits, nor does a
+    paying one brings it back to 8, and once most of the last five paid the wait is over. The same at B = 4 with steps that paid (1.5x) never waits, nor does a
     bucket seen fewer than `min_steps` times (negative controls)."""
     timing = BatchTiming()
     _drafted_steps(timing, 8, 0.6, 3)
@@ -161,11 +163,34 @@ def test_drafting_waits_where_the_batchs_drafted_steps_delivered_less_than_plain
     assert not timing.allows_draft(8)
     timing.observe(COST, 8, 0, COST.seconds(8, 0))
     assert timing.allows_draft(8)
-    _drafted_steps(timing, 8, 3.0, 2)  # retries that paid well: the mean is over 1 again
+    _drafted_steps(timing, 8, 3.0, 2)  # two retries that paid: most of the last five still lost, but the wait is back to 8
+    assert not timing.allows_draft(8)
+    for _ in range(timing.retry):
+        timing.observe(COST, 8, 0, COST.seconds(8, 0))
+    assert timing.allows_draft(8)
+    _drafted_steps(timing, 8, 3.0, 1)  # a third: most of the last five paid, drafting goes on
     assert timing.allows_draft(8)
     paying = BatchTiming()
     _drafted_steps(paying, 4, 1.5, 10)
     assert paying.allows_draft(4)
+
+
+def test_one_drafted_step_with_a_one_off_cost_holds_nothing_back():
+    """A batch's first drafted step also reads its rows' prompts (three times the modelled seconds,
+    a gain of about 0.4) and the next ones pay (1.3x): drafting goes on and the drafted steps' cost
+    correction stays at 1. Negative control: the same first step followed by steps that lose
+    (0.7x) makes drafting wait."""
+    for later, drafts in ((1.3, True), (0.7, False)):
+        timing = BatchTiming()
+        seconds = COST.seconds(8, 2)
+        timing.observe(COST, 8, 2, 3 * seconds, emitted=round(1.3 * 8 * seconds / COST.seconds(8, 0)))
+        assert timing.buckets[3].gain < 0.5
+        _drafted_steps(timing, 8, later, 4)
+        assert timing.allows_draft(8) is drafts
+        assert timing.draft == pytest.approx(1.0) and timing.scale(2) == pytest.approx(1.0)
+    first = BatchTiming()  # that first step alone does not price drafting out (the model stands until min_steps)
+    first.observe(COST, 8, 2, 3 * COST.seconds(8, 2), emitted=8)
+    assert first.draft == 1.0
 
 
 def test_a_batch_whose_drafted_steps_lost_decodes_plainly_where_goodput_would_draft():

@@ -34,6 +34,7 @@ second than plain steps of the same rows would, drafting there waits, and is ret
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 from vlmspec.control import AcceptanceTracker, BatchCost, Controller, GoodputPolicy
@@ -43,39 +44,60 @@ from vlmspec.control import AcceptanceTracker, BatchCost, Controller, GoodputPol
 class _Bucket:
     """What one batch-size bucket's drafted steps delivered (`BatchTiming`)."""
 
-    gain: float = 1.0  # decayed mean of the drafted steps' gain over plain steps
+    gains: list[float] = field(default_factory=list)  # the last drafted steps' gains over plain steps, oldest first
     drafted: int = 0  # drafted steps measured
     since: int = 0  # plain steps since the last drafted one
-    wait: int = 0  # plain steps before a retry, while the mean is under 1
+    wait: int = 0  # plain steps before a retry, while the median is under 1
+
+    @property
+    def gain(self) -> float:
+        """The median of the last drafted steps' gains (1.0 before any)."""
+        return statistics.median(self.gains) if self.gains else 1.0
 
 
 @dataclass
 class BatchTiming:
-    """A batch's correction of its `BatchCost`: the decayed mean of measured / modelled seconds of
-    its own steps, drafted and plain steps apart (weight: what each new step counts); and its check
-    of what drafted steps deliver, per batch-size bucket (2, 3-4, 5-8, 9-16, ... rows):
-    the decayed mean of each drafted step's gain, its emitted tokens per second over what a plain
-    step of its rows would give (B tokens in the corrected plain seconds). Once `min_steps` drafted
-    steps of a bucket have been measured and that mean is under 1, drafting there waits: a drafted
-    step is allowed again after `retry` plain steps of the bucket, a wait that doubles (up to
-    `max_retry`) with each retry that leaves the mean under 1 and returns to `retry` once it is not."""
+    """A batch's correction of its `BatchCost`: the median of measured / modelled seconds over its
+    last `window` steps, drafted and plain steps apart (`draft`, `plain`); and its check of what
+    drafted steps deliver, per batch-size bucket (2, 3-4, 5-8, 9-16, ... rows): the median of the
+    last `window` drafted steps' gains, each its emitted tokens per second over what a plain step
+    of its rows would give (B tokens in the corrected plain seconds). Once `min_steps` drafted
+    steps of a bucket have been measured and that median is under 1, drafting there waits: a
+    drafted step is allowed again after `retry` plain steps of the bucket, a wait that doubles (up
+    to `max_retry`) with each retry that loses and returns to `retry` after one that pays.
 
-    weight: float = 0.3
-    plain: float = 1.0
-    draft: float = 1.0
-    gain_weight: float = 0.2
+    Medians, not means: some drafted steps carry a one-off cost, the head's first read of the
+    prompts of rows that just joined, or of the pairs that waited while drafting did. On the default
+    model at 8 rows such steps took 143 and 223 ms where the others took 58-78 (bf16, this CPU).
+    With decayed means, one of them (gain 0.48, or a cost 4x the model's) held drafting back for
+    the rest of a run whose drafted steps paid: `scripts/batch_closed_loop.py` has the figures."""
+
+    window: int = 5
     min_steps: int = 4
     retry: int = 8
     max_retry: int = 128
     buckets: dict[int, _Bucket] = field(default_factory=dict)  # (rows - 1).bit_length() -> its drafted steps' record
     waits: int = 0  # steps whose rows would have drafted but drafting waited (a counter: the service's metrics read it)
+    ratios: dict[bool, list[float]] = field(default_factory=lambda: {False: [], True: []})  # drafted?: last measured / modelled
+
+    @property
+    def plain(self) -> float:
+        """Measured / modelled seconds of plain steps: the median of the last `window`, once
+        `min_steps` are measured (the model's own seconds, 1.0, before)."""
+        kept = self.ratios[False]
+        return statistics.median(kept) if len(kept) >= self.min_steps else 1.0
+
+    @property
+    def draft(self) -> float:
+        """The same of drafted steps. Before `min_steps` of them the model stands: a batch's first
+        drafted step also reads every row's prompt, and taken alone it would price drafting out
+        before any other drafted step could correct it."""
+        kept = self.ratios[True]
+        return statistics.median(kept) if len(kept) >= self.min_steps else 1.0
 
     def observe(self, cost: BatchCost, rows: int, depth: int, seconds: float, emitted: int | None = None) -> None:
-        ratio = seconds / cost.seconds(rows, depth)
-        if depth > 0:
-            self.draft += self.weight * (ratio - self.draft)
-        else:
-            self.plain += self.weight * (ratio - self.plain)
+        kept = self.ratios[depth > 0]
+        kept[:] = [*kept, seconds / cost.seconds(rows, depth)][-self.window:]
         b = self.buckets.setdefault((rows - 1).bit_length(), _Bucket(wait=self.retry))
         if depth == 0:
             b.since += 1
@@ -84,15 +106,15 @@ class BatchTiming:
             return
         retried = self._losing(b)  # drafted while drafting waited: a retry
         gain = (emitted / seconds) / (rows / (cost.seconds(rows, 0) * self.plain))
-        b.gain = gain if b.drafted == 0 else b.gain + self.gain_weight * (gain - b.gain)
+        b.gains = [*b.gains, gain][-self.window:]
         b.drafted, b.since = b.drafted + 1, 0
-        if b.gain >= 1.0:
+        if b.gain >= 1.0 or gain >= 1.0:  # the bucket pays again, or this step did: the next retry comes soon
             b.wait = self.retry
         elif retried:
             b.wait = min(2 * b.wait, self.max_retry)
 
     def _losing(self, b: _Bucket) -> bool:
-        """Enough drafted steps measured, and they delivered less than plain steps."""
+        """Enough drafted steps measured, and most of the last ones delivered less than plain steps."""
         return b.drafted >= self.min_steps and b.gain < 1.0
 
     def allows_draft(self, rows: int) -> bool:
