@@ -67,10 +67,10 @@ class BatchTiming:
     to `max_retry`) with each retry that loses and returns to `retry` after one that pays.
 
     Medians, not means: some drafted steps carry a one-off cost, the head's first read of the
-    prompts of rows that just joined, or of the pairs that waited while drafting did. On the default
-    model at 8 rows such steps took 143 and 223 ms where the others took 58-78 (bf16, this CPU).
-    With decayed means, one of them (gain 0.48, or a cost 4x the model's) held drafting back for
-    the rest of a run whose drafted steps paid: `scripts/batch_closed_loop.py` has the figures."""
+    prompts of rows that just joined, or of the pairs that waited while drafting did: on the default
+    model at 8 rows the slowest drafted steps took 92-150 ms where their median took 68 (bf16,
+    this CPU). With decayed means, such a step held drafting back for the rest of a run whose
+    drafted steps paid (docs/adaptive.md has the figures and their commands)."""
 
     window: int = 5
     min_steps: int = 4
