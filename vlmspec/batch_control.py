@@ -20,7 +20,7 @@ the fixed policy keep their own choice. As the batch grows a drafted step costs 
 D* falls, to 0 (plain decoding) where drafting no longer pays for the batch. With one row, or
 without a batch cost, each row's controller chooses alone (`vlmspec.control`). Inside a batch a
 row's step times are not its own, so they do not correct its cost model; the batch's own step times correct the
-batch cost instead (`BatchTiming`: measured / modelled seconds, decayed, drafted and plain steps
+batch cost instead (`BatchTiming`: measured / modelled seconds, medians of the last steps, drafted and plain steps
 apart), as a request's do alone: the batch's prompts (long image prompts) are not the short one it
 was measured on.
 
