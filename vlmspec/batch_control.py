@@ -35,16 +35,22 @@ second than plain steps of the same rows would, drafting there waits, and is ret
 from __future__ import annotations
 
 import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 from vlmspec.control import AcceptanceTracker, BatchCost, Controller, GoodputPolicy
+
+
+def _median(values: deque[float], least: int = 1) -> float:
+    """The median of `values`, or 1.0 (the model as it is) while there are fewer than `least`."""
+    return statistics.median(values) if len(values) >= max(least, 1) else 1.0
 
 
 @dataclass
 class _Bucket:
     """What one batch-size bucket's drafted steps delivered (`BatchTiming`)."""
 
-    gains: list[float] = field(default_factory=list)  # the last drafted steps' gains over plain steps, oldest first
+    gains: deque[float]  # the last drafted steps' gains over plain steps (the window's worth)
     drafted: int = 0  # drafted steps measured
     since: int = 0  # plain steps since the last drafted one
     wait: int = 0  # plain steps before a retry, while the median is under 1
@@ -52,7 +58,7 @@ class _Bucket:
     @property
     def gain(self) -> float:
         """The median of the last drafted steps' gains (1.0 before any)."""
-        return statistics.median(self.gains) if self.gains else 1.0
+        return _median(self.gains)
 
 
 @dataclass
@@ -78,27 +84,30 @@ class BatchTiming:
     max_retry: int = 128
     buckets: dict[int, _Bucket] = field(default_factory=dict)  # (rows - 1).bit_length() -> its drafted steps' record
     waits: int = 0  # steps whose rows would have drafted but drafting waited (a counter: the service's metrics read it)
-    ratios: dict[bool, list[float]] = field(default_factory=lambda: {False: [], True: []})  # drafted?: last measured / modelled
+    ratios: dict[bool, deque[float]] = field(default_factory=dict)  # drafted?: the last steps' measured / modelled seconds
+
+    def __post_init__(self) -> None:
+        self.ratios = {False: deque(maxlen=self.window), True: deque(maxlen=self.window)}
 
     @property
     def plain(self) -> float:
         """Measured / modelled seconds of plain steps: the median of the last `window`, once
         `min_steps` are measured (the model's own seconds, 1.0, before)."""
-        kept = self.ratios[False]
-        return statistics.median(kept) if len(kept) >= self.min_steps else 1.0
+        return _median(self.ratios[False], self.min_steps)
 
     @property
     def draft(self) -> float:
         """The same of drafted steps. Before `min_steps` of them the model stands: a batch's first
         drafted step also reads every row's prompt, and taken alone it would price drafting out
         before any other drafted step could correct it."""
-        kept = self.ratios[True]
-        return statistics.median(kept) if len(kept) >= self.min_steps else 1.0
+        return _median(self.ratios[True], self.min_steps)
 
     def observe(self, cost: BatchCost, rows: int, depth: int, seconds: float, emitted: int | None = None) -> None:
-        kept = self.ratios[depth > 0]
-        kept[:] = [*kept, seconds / cost.seconds(rows, depth)][-self.window:]
-        b = self.buckets.setdefault((rows - 1).bit_length(), _Bucket(wait=self.retry))
+        self.ratios[depth > 0].append(seconds / cost.seconds(rows, depth))
+        key = (rows - 1).bit_length()
+        if key not in self.buckets:
+            self.buckets[key] = _Bucket(deque(maxlen=self.window), wait=self.retry)
+        b = self.buckets[key]
         if depth == 0:
             b.since += 1
             return
@@ -106,7 +115,7 @@ class BatchTiming:
             return
         retried = self._losing(b)  # drafted while drafting waited: a retry
         gain = (emitted / seconds) / (rows / (cost.seconds(rows, 0) * self.plain))
-        b.gains = [*b.gains, gain][-self.window:]
+        b.gains.append(gain)
         b.drafted, b.since = b.drafted + 1, 0
         if b.gain >= 1.0 or gain >= 1.0:  # the bucket pays again, or this step did: the next retry comes soon
             b.wait = self.retry
