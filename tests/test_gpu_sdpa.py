@@ -52,3 +52,17 @@ def test_a_batched_generation_never_takes_cudnns_sdpa(monkeypatch):
     assert ours.get(CUDNN_SDPA, 0) == 0
     if torchs.get(CUDNN_SDPA, 0) == 0:
         pytest.skip("torch never picks cuDNN's SDPA for these shapes on this GPU: the negative control cannot show it")
+
+
+def test_auto_attention_on_cuda_is_sdpa_and_the_kernel_is_asked_for():
+    """'auto' on CUDA picks transformers' SDPA (run without cuDNN's backend by the engine), not the
+    Triton tree kernel, which took 2-5x SDPA's time per call on an H200 (docs/batching.md).
+    Negative control: asking for 'triton' registers the kernel where Triton is importable."""
+    from vlmspec.kernels import tree_attention
+    from vlmspec.target import set_attention
+
+    model, _ = build_tiny("llava", seed=0)
+    model = model.to("cuda")
+    assert set_attention(model, "auto") == "sdpa"
+    if tree_attention.kernel_available():
+        assert set_attention(model, "triton") != "sdpa"

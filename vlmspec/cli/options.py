@@ -119,7 +119,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "first K token ids), a drafter folder, or a drafter's hub id (org/name) "
                         "(default: auto = eagle where one is shipped for the model, ngram otherwise)")
     add_device_args(p)
-    p.add_argument("--attention", default="auto", choices=ATTENTION_CHOICES, help="tree attention: auto = Triton kernel on CUDA, SDPA over grouped heads in place on CPU; sdpa = transformers' own")
+    p.add_argument("--attention", default="auto", choices=ATTENTION_CHOICES, help="tree attention: auto = SDPA over grouped heads in place on CPU, transformers' SDPA elsewhere; triton = the Triton tree kernel (CUDA); sdpa = transformers' own")
     add_tree_args(p)
     p.add_argument("--policy", default="goodput", choices=POLICY_CHOICES,
                    help="how deep to draft each step: goodput = per step by expected tokens per second, from the request's "

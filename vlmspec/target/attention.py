@@ -35,18 +35,18 @@ PACKED_MIN_ROWS = 4  # ... from this many rows on (`python -m vlmspec.target.att
 
 
 def set_attention(model: torch.nn.Module, mode: str = "auto") -> str:
-    """Pick the language model's attention: 'auto' (the Triton tree kernel on CUDA when Triton is
-    importable, SDPA over grouped heads on CPU, else SDPA), 'triton', 'sdpa' (transformers' own)
-    or 'eager'. The vision tower keeps its own. Returns the implementation's name."""
+    """Pick the language model's attention: 'auto' (SDPA over grouped heads on CPU, transformers' SDPA
+    elsewhere), 'triton' (the Triton tree kernel), 'sdpa' (transformers' own) or 'eager'. The vision
+    tower keeps its own. Returns the implementation's name. 'auto' leaves the kernel out on CUDA: on
+    an H200 it took 2-5x SDPA's time per call and compiles each new shape (docs/batching.md)."""
     if mode not in ATTENTION_MODES:
         raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {mode!r}")
-    from vlmspec.kernels import tree_attention  # imports triton: only when an attention is chosen
-
     device = next(model.parameters()).device
-    use_kernel = mode == "triton" or (mode == "auto" and device.type == "cuda" and tree_attention.kernel_available())
-    if mode == "triton" and not tree_attention.kernel_available():
-        raise TargetLoadError("attention 'triton' needs CUDA and Triton (or TRITON_INTERPRET=1); use 'sdpa'")
-    if use_kernel:
+    if mode == "triton":
+        from vlmspec.kernels import tree_attention  # imports triton: only when the kernel is asked for
+
+        if not tree_attention.kernel_available():
+            raise TargetLoadError("attention 'triton' needs CUDA and Triton (or TRITON_INTERPRET=1); use 'sdpa'")
         impl = tree_attention.register()
     elif mode == "auto" and device.type == "cpu":
         impl = register_gqa_sdpa()
