@@ -145,8 +145,9 @@ def _drafted_steps(timing: BatchTiming, rows: int, gain: float, steps: int) -> N
 def test_drafting_waits_where_the_batchs_drafted_steps_delivered_less_than_plain_steps():
     """At B = 8 four drafted steps each emitted 0.6x what plain steps give in their time: drafting
     there waits, plain steps count towards a retry (8 of them), a losing retry doubles the wait, a
-    paying one brings it back to 8, and once most of the last five paid the wait is over. The same at B = 4 with steps that paid (1.5x) never waits, nor does a
-    bucket seen fewer than `min_steps` times (negative controls)."""
+    paying one brings it back to 8, and once the last five deliver more than plain steps the wait
+    is over. The same at B = 4 with steps that paid (1.5x) never waits, nor does a bucket seen
+    fewer than `min_steps` times (negative controls)."""
     timing = BatchTiming()
     _drafted_steps(timing, 8, 0.6, 3)
     assert timing.allows_draft(8)  # 3 steps: too few to judge
@@ -163,16 +164,28 @@ def test_drafting_waits_where_the_batchs_drafted_steps_delivered_less_than_plain
     assert not timing.allows_draft(8)
     timing.observe(COST, 8, 0, COST.seconds(8, 0))
     assert timing.allows_draft(8)
-    _drafted_steps(timing, 8, 3.0, 2)  # two retries that paid: most of the last five still lost, but the wait is back to 8
+    _drafted_steps(timing, 8, 1.4, 2)  # two retries that paid: the last five still lost (0.92x), but the wait is back to 8
     assert not timing.allows_draft(8)
     for _ in range(timing.retry):
         timing.observe(COST, 8, 0, COST.seconds(8, 0))
     assert timing.allows_draft(8)
-    _drafted_steps(timing, 8, 3.0, 1)  # a third: most of the last five paid, drafting goes on
+    _drafted_steps(timing, 8, 1.4, 1)  # a third: the last five paid (1.08x), drafting goes on
     assert timing.allows_draft(8)
     paying = BatchTiming()
     _drafted_steps(paying, 4, 1.5, 10)
     assert paying.allows_draft(4)
+
+
+def test_a_few_drafted_steps_that_pay_much_outweigh_more_that_lose_a_little():
+    """Drafted steps' tokens are skewed: rows whose drafts are accepted deep emit several tokens a
+    step, the rest a little less than a plain step's worth in the time. Three of five steps at 0.8x
+    and two at 2.0x deliver 1.28x plain steps' tokens per second: drafting goes on (the median of
+    the steps' gains, 0.8, held it back). Negative control: two at 1.1x (0.92x over the five) wait."""
+    for high, drafts in ((2.0, True), (1.1, False)):
+        timing = BatchTiming()
+        for gain in (0.8, high, 0.8, high, 0.8):
+            _drafted_steps(timing, 4, gain, 1)
+        assert timing.allows_draft(4) is drafts, (high, timing.buckets[2].gain)
 
 
 def test_one_drafted_step_with_a_one_off_cost_holds_nothing_back():

@@ -50,33 +50,39 @@ def _median(values: deque[float], least: int = 1) -> float:
 class _Bucket:
     """What one batch-size bucket's drafted steps delivered (`BatchTiming`)."""
 
-    gains: deque[float]  # the last drafted steps' gains over plain steps (the window's worth)
+    tokens: deque[float]  # the last drafted steps' emitted tokens per row (a plain step: 1), the window's worth
+    times: deque[float]  # the same steps' seconds, in the seconds of a plain step of their rows
     drafted: int = 0  # drafted steps measured
     since: int = 0  # plain steps since the last drafted one
-    wait: int = 0  # plain steps before a retry, while the median is under 1
+    wait: int = 0  # plain steps before a retry, while the gain is under 1
 
     @property
     def gain(self) -> float:
-        """The median of the last drafted steps' gains (1.0 before any)."""
-        return _median(self.gains)
+        """Tokens per second of the last drafted steps over plain steps': their mean tokens per row
+        over their median time in plain steps (1.0 before any)."""
+        return statistics.fmean(self.tokens) / statistics.median(self.times) if self.times else 1.0
 
 
 @dataclass
 class BatchTiming:
     """A batch's correction of its `BatchCost`: the median of measured / modelled seconds over its
     last `window` steps, drafted and plain steps apart (`draft`, `plain`); and its check of what
-    drafted steps deliver, per batch-size bucket (2, 3-4, 5-8, 9-16, ... rows): the median of the
-    last `window` drafted steps' gains, each its emitted tokens per second over what a plain step
-    of its rows would give (B tokens in the corrected plain seconds). Once `min_steps` drafted
-    steps of a bucket have been measured and that median is under 1, drafting there waits: a
-    drafted step is allowed again after `retry` plain steps of the bucket, a wait that doubles (up
-    to `max_retry`) with each retry that loses and returns to `retry` after one that pays.
+    drafted steps deliver, per batch-size bucket (2, 3-4, 5-8, 9-16, ... rows): over the last
+    `window` drafted steps, the mean of their emitted tokens per row over the median of their
+    seconds in plain steps of their rows (the corrected plain seconds; a plain step emits one token
+    a row), their gain over plain steps. Once `min_steps` drafted steps of a bucket have been
+    measured and that gain is under 1, drafting there waits: a drafted step is allowed again after
+    `retry` plain steps of the bucket, a wait that doubles (up to `max_retry`) with each retry that
+    loses and returns to `retry` after one that pays.
 
-    Medians, not means: some drafted steps carry a one-off cost, the head's first read of the
-    prompts of rows that just joined, or of the pairs that waited while drafting did: on the default
-    model at 8 rows the slowest drafted steps took 92-150 ms where their median took 68 (bf16,
-    this CPU). With decayed means, such a step held drafting back for the rest of a run whose
-    drafted steps paid (docs/adaptive.md has the figures and their commands)."""
+    The median of the seconds: some drafted steps carry a one-off cost, the head's first read of
+    the prompts of rows that just joined, or of the pairs that waited while drafting did: on the
+    default model at 8 rows the slowest drafted steps took 92-150 ms where their median took 68
+    (bf16, this CPU). With decayed means, such a step held drafting back for the rest of a run whose
+    drafted steps paid. The mean of the tokens: they are skewed, a few steps whose rows' drafts are
+    accepted deep emit several tokens a row and the rest a little over one, and the mean is what
+    throughput sees; the median of each step's gain held drafting back at 4 rows of real answers
+    where every fixed depth paid (docs/adaptive.md has the figures and their commands)."""
 
     window: int = 5
     min_steps: int = 4
@@ -106,7 +112,7 @@ class BatchTiming:
         self.ratios[depth > 0].append(seconds / cost.seconds(rows, depth))
         key = (rows - 1).bit_length()
         if key not in self.buckets:
-            self.buckets[key] = _Bucket(deque(maxlen=self.window), wait=self.retry)
+            self.buckets[key] = _Bucket(deque(maxlen=self.window), deque(maxlen=self.window), wait=self.retry)
         b = self.buckets[key]
         if depth == 0:
             b.since += 1
@@ -114,8 +120,10 @@ class BatchTiming:
         if emitted is None:
             return
         retried = self._losing(b)  # drafted while drafting waited: a retry
-        gain = (emitted / seconds) / (rows / (cost.seconds(rows, 0) * self.plain))
-        b.gains.append(gain)
+        tokens, time = emitted / rows, seconds / (cost.seconds(rows, 0) * self.plain)
+        b.tokens.append(tokens)
+        b.times.append(time)
+        gain = tokens / time
         b.drafted, b.since = b.drafted + 1, 0
         if b.gain >= 1.0 or gain >= 1.0:  # the bucket pays again, or this step did: the next retry comes soon
             b.wait = self.retry
@@ -123,7 +131,7 @@ class BatchTiming:
             b.wait = min(2 * b.wait, self.max_retry)
 
     def _losing(self, b: _Bucket) -> bool:
-        """Enough drafted steps measured, and most of the last ones delivered less than plain steps."""
+        """Enough drafted steps measured, and the last ones delivered less than plain steps."""
         return b.drafted >= self.min_steps and b.gain < 1.0
 
     def allows_draft(self, rows: int) -> bool:
