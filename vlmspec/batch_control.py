@@ -120,10 +120,10 @@ class BatchTiming:
         if emitted is None:
             return
         retried = self._losing(b)  # drafted while drafting waited: a retry
-        tokens, time = emitted / rows, seconds / (cost.seconds(rows, 0) * self.plain)
+        tokens, in_plain_steps = emitted / rows, seconds / (cost.seconds(rows, 0) * self.plain)
         b.tokens.append(tokens)
-        b.times.append(time)
-        gain = tokens / time
+        b.times.append(in_plain_steps)
+        gain = tokens / in_plain_steps
         b.drafted, b.since = b.drafted + 1, 0
         if b.gain >= 1.0 or gain >= 1.0:  # the bucket pays again, or this step did: the next retry comes soon
             b.wait = self.retry
