@@ -52,7 +52,6 @@ class _Bucket:
 
     tokens: deque[float]  # the last drafted steps' emitted tokens per row (a plain step: 1), the window's worth
     times: deque[float]  # the same steps' seconds, in the seconds of a plain step of their rows
-    drafted: int = 0  # drafted steps measured
     since: int = 0  # plain steps since the last drafted one
     wait: int = 0  # plain steps before a retry, while the gain is under 1
 
@@ -88,12 +87,17 @@ class BatchTiming:
     min_steps: int = 4
     retry: int = 8
     max_retry: int = 128
-    buckets: dict[int, _Bucket] = field(default_factory=dict)  # (rows - 1).bit_length() -> its drafted steps' record
+    buckets: dict[int, _Bucket] = field(default_factory=dict)  # `_key(rows)` -> its drafted steps' record
     waits: int = 0  # steps whose rows would have drafted but drafting waited (a counter: the service's metrics read it)
     ratios: dict[bool, deque[float]] = field(default_factory=dict)  # drafted?: the last steps' measured / modelled seconds
 
     def __post_init__(self) -> None:
+        assert 1 <= self.min_steps <= self.window, (self.min_steps, self.window)  # a window holds the steps judged
         self.ratios = {False: deque(maxlen=self.window), True: deque(maxlen=self.window)}
+
+    def _key(self, rows: int) -> int:
+        """The bucket of a step of `rows` rows: 2, 3-4, 5-8, 9-16, ..."""
+        return (rows - 1).bit_length()
 
     @property
     def plain(self) -> float:
@@ -110,7 +114,7 @@ class BatchTiming:
 
     def observe(self, cost: BatchCost, rows: int, depth: int, seconds: float, emitted: int | None = None) -> None:
         self.ratios[depth > 0].append(seconds / cost.seconds(rows, depth))
-        key = (rows - 1).bit_length()
+        key = self._key(rows)
         if key not in self.buckets:
             self.buckets[key] = _Bucket(deque(maxlen=self.window), deque(maxlen=self.window), wait=self.retry)
         b = self.buckets[key]
@@ -124,7 +128,7 @@ class BatchTiming:
         b.tokens.append(tokens)
         b.times.append(in_plain_steps)
         gain = tokens / in_plain_steps
-        b.drafted, b.since = b.drafted + 1, 0
+        b.since = 0
         if b.gain >= 1.0 or gain >= 1.0:  # the bucket pays again, or this step did: the next retry comes soon
             b.wait = self.retry
         elif retried:
@@ -132,11 +136,11 @@ class BatchTiming:
 
     def _losing(self, b: _Bucket) -> bool:
         """Enough drafted steps measured, and the last ones delivered less than plain steps."""
-        return b.drafted >= self.min_steps and b.gain < 1.0
+        return len(b.times) >= self.min_steps and b.gain < 1.0
 
     def allows_draft(self, rows: int) -> bool:
         """Whether a step of `rows` rows may draft: its bucket is not losing, or a retry is due."""
-        b = self.buckets.get((rows - 1).bit_length())
+        b = self.buckets.get(self._key(rows))
         return b is None or not self._losing(b) or b.since >= b.wait
 
     def scale(self, depth: int) -> float:

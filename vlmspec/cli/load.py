@@ -33,7 +33,7 @@ def register(which: argparse._SubParsersAction) -> None:
     add_engine_args(ld)
     ld.add_argument("--concurrency", type=int_list("--concurrency"), default=(1, 2, 4, 8, 16), help="concurrent clients per level, e.g. 1,4,8")
     ld.add_argument("--requests", type=positive_int("--requests"), default=8, help="requests per level at least (and two per client)")
-    ld.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=64, help="new tokens per request (ignore_eos)")
+    ld.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=64, help="new tokens per request (at most, with --no-ignore-eos)")
     ld.add_argument("--prompts", type=positive_int("--prompts"), default=12, help="distinct held-out requests, sent in turn")
     ld.add_argument("--warmup", type=non_negative_int("--warmup"), default=1, help="unmeasured requests per way before the sweep")
     ld.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
