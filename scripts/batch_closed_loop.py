@@ -3,15 +3,15 @@ its request ends, plain rows against goodput rows, alternating round by round (n
 batch's controller does shows without the service's own costs).
 
     PYTHONPATH=<checkout> .venv/bin/python scripts/batch_closed_loop.py [--slots 8] [--requests 32] [--rounds 2] \\
-        [--dtype bfloat16] [--no-ignore-eos] [--no-check] [--chains 1,2,3,4]
+        [--dtype bfloat16] [--no-ignore-eos] [--no-check] [--per-row] [--chains 1,2,3,4]
 
 Per round and way: tokens/s over the round, steps, the steps that drafted, tokens per step, the
 steps the batch's check held back (`BatchTiming.waits`), the median step, the drafted steps'
 times as the check saw them (median and the two slowest), and how many drafted tokens each row's
-drafted steps had accepted. `--no-check` lets every
-step draft what the rows choose (the check always allows), to see what the check costs or saves.
-`--chains` adds ways whose every row drafts a chain of that many levels at every step (the fixed
-policy): the best of them is what one depth for the whole batch, chosen in hindsight, would have
+drafted steps had accepted. `--no-check` lets every step draft what the rows choose (the check
+always allows), to see what the check costs or saves. `--per-row` adds goodput with depths chosen
+per row (`Batch(per_row_depths=True)`: rows of unequal trees verified without padding). `--chains`
+adds ways whose every row drafts a chain of that many levels at every step (the fixed policy): the best of them is what one depth for the whole batch, chosen in hindsight, would have
 given, the yardstick of the goodput controller's choice. Tokens/s are also given over the decode
 steps alone (the round's time less its prefills), and each way's ratio to plain decoding. Run it
 with PYTHONPATH set to two checkouts in turn to compare them. It measured the change of
@@ -38,6 +38,7 @@ parser.add_argument("--dtype", default="bfloat16")
 parser.add_argument("--max-new-tokens", type=int, default=64)
 parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
 parser.add_argument("--no-check", action="store_true", help="the batch's check of its drafted steps always allows drafting")
+parser.add_argument("--per-row", action="store_true", help="add a way whose goodput rows choose their own depths (Batch per_row_depths)")
 parser.add_argument("--chains", default="", help="comma-separated depths: a way per depth whose rows draft that deep a chain every step")
 args = parser.parse_args()
 if args.no_check:
@@ -46,10 +47,10 @@ _observe = vlmspec.batch_control.BatchTiming.observe
 drafted_ms: list[float] = []
 
 
-def observe(self, cost, rows, depth, seconds, emitted=None):  # the check's own view of each step, recorded
+def observe(self, cost, rows, depth, seconds, emitted=None, modelled=None):  # the check's own view of each step, recorded
     if depth > 0:
         drafted_ms.append(1e3 * seconds)
-    return _observe(self, cost, rows, depth, seconds, emitted)
+    return _observe(self, cost, rows, depth, seconds, emitted, modelled)
 
 
 vlmspec.batch_control.BatchTiming.observe = observe
@@ -57,6 +58,8 @@ engine = build_engine(EngineSpec(dtype=args.dtype, device="cpu", max_batch=max(1
 mix = prompts(engine.target, 12)
 WAYS: dict[str, tuple[SpeculationOptions, TreeConfig | None]] = {
     "plain": (SpeculationOptions(policy="fixed", max_depth=0), None), "goodput": (SpeculationOptions(policy="goodput"), None)}
+if args.per_row:
+    WAYS["per-row"] = (SpeculationOptions(policy="goodput"), None)
 for depth in (int(d) for d in args.chains.split(",") if d):
     WAYS[f"chain-{depth}"] = (SpeculationOptions(policy="fixed"), TreeConfig(depth=depth, top_k=1, total_tokens=depth))
 rates: dict[str, list[float]] = {name: [] for name in WAYS}
@@ -65,7 +68,7 @@ rates: dict[str, list[float]] = {name: [] for name in WAYS}
 def run(name: str) -> str:
     spec, tree = WAYS[name]
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, speculation=spec, tree=tree)
-    batch = engine.batch(args.slots, capacity=1024)
+    batch = engine.batch(args.slots, capacity=1024, per_row_depths=name == "per-row")
     waiting = [mix[i % len(mix)] for i in range(args.requests)]
     tokens, drafted, step_s, t0 = 0, 0, [], time.perf_counter()
     accepted: collections.Counter[int] = collections.Counter()  # drafted tokens accepted -> row-steps

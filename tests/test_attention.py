@@ -11,7 +11,7 @@ from transformers.integrations import sdpa_attention
 from conftest import tiny_target
 from vlmspec.inputs import encode_prompt
 from vlmspec.target import set_attention
-from vlmspec.target.attention import GQA_SDPA, PACKED_QUERIES, _packed_sdpa, gqa_sdpa_forward, packs
+from vlmspec.target.attention import GQA_SDPA, PACKED_QUERIES, RAGGED_KWARG, RaggedRows, _packed_sdpa, gqa_sdpa_forward, packs
 from vlmspec.target.sdpa import decoding_sdpa
 from vlmspec.tree import DraftTree
 
@@ -84,7 +84,8 @@ def test_calls_it_does_not_change_go_to_transformers(monkeypatch):
 
 def test_auto_on_cpu_runs_it_and_a_batched_tree_forward_keeps_sdpas_logits():
     """A tiny Llama-based VLM (grouped heads): 'auto' on CPU picks it, and two rows' trees verified
-    together give the logits transformers' SDPA gives, bit for bit."""
+    together give the logits transformers' SDPA gives, bit for bit (on the trees' nodes: the padding
+    position of the smaller tree is a copy of its root when the rows are laid end to end)."""
     target = tiny_target("llava")
     assert target.attention == GQA_SDPA
     texts = ["once upon a time", "the quick brown fox jumps over the lazy dog"]
@@ -102,7 +103,8 @@ def test_auto_on_cpu_runs_it_and_a_batched_tree_forward_keeps_sdpas_logits():
         ref = logits()
     finally:
         set_attention(target.model, "auto")
-    assert torch.equal(ours, ref)
+    for b, tree in enumerate(trees):
+        assert torch.equal(ours[b, : tree.size], ref[b, : tree.size])
 
 
 def _packable_case(rows, n, groups, cached, seed):
@@ -238,3 +240,26 @@ def test_the_engine_prefills_and_steps_inside_decoding_sdpa(monkeypatch):
     seen.clear()
     target.prefill(prompt)
     assert seen == [("prefill", False)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_laid_end_to_end_get_the_padded_calls_numbers(dtype):
+    """Rows of 1, 3 and 2 queries laid end to end ([1, 9, 6, 16]) and `RaggedRows`: the same outputs,
+    to the bit, as the rows padded to 3 queries in one call (padding queries see only themselves).
+    Negative control: the rows' sizes given in the wrong order read other rows' queries."""
+    sizes = [1, 3, 2]
+    q, k, v, mask = _case(3, 3, 30, dtype)
+    for b, size in enumerate(sizes):  # padding queries: their own entry only, as `Target.batch_masks` lays them
+        for j in range(size, 3):
+            mask[b, 0, j] = torch.finfo(dtype).min
+            mask[b, 0, j, 30 + j] = 0
+    laid = torch.cat([q[b, :, :size] for b, size in enumerate(sizes)], dim=1)[None]  # [1, 9, 6, 16]
+    with torch.no_grad():
+        padded, _ = gqa_sdpa_forward(MODULE, q, k, v, mask)  # [3, 3, 9, 16]
+        ours, _ = gqa_sdpa_forward(MODULE, laid, k, v, mask, **{RAGGED_KWARG: RaggedRows.of(sizes, q.device)})
+        wrong, _ = gqa_sdpa_forward(MODULE, laid, k, v, mask, **{RAGGED_KWARG: RaggedRows.of([3, 1, 2], q.device)})
+    want = torch.cat([padded[b, :size] for b, size in enumerate(sizes)])[None]  # [1, 6, 9, 16]
+    assert ours.shape == want.shape == (1, 6, 9, 16)
+    assert torch.equal(ours, want)
+    assert not torch.allclose(wrong, want)
+    assert torch.equal(RaggedRows.of(sizes, q.device).pad(laid[0].transpose(0, 1))[1], q[1].transpose(0, 1))

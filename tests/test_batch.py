@@ -16,6 +16,7 @@ from vlmspec.errors import ContextLengthError
 from vlmspec.inputs import encode_prompt
 from vlmspec.sampling import SamplingParams
 from vlmspec.target import Target
+from vlmspec.target.attention import RaggedRows
 from vlmspec.testing.tiny import tiny_image
 from vlmspec.tree import DraftTree
 
@@ -350,3 +351,49 @@ def test_batched_drafting_does_little_host_work_per_row():
     alone_per_row = (ops(5, False) - one) / 4
     print(f"operations per proposal: 1 row {one}, 5 rows {five} ({per_row:.0f} per row; one by one {alone_per_row:.0f} per row)")
     assert per_row <= 60 < one <= alone_per_row, (one, five, alone_per_row)
+
+
+@pytest.mark.parametrize("arch", ["llava", "qwen2_5_vl", "idefics3"])
+def test_unequal_trees_laid_end_to_end_give_the_padded_forwards_logits(arch, monkeypatch):
+    """Trees of 4, 2 and 1 nodes: `verifies_ragged` holds for the tiny models, and the forward that
+    lays the rows end to end (the engine's choice for unequal trees) gives each row's nodes the
+    logits and features of the padded forward (fp32, to float rounding; M-RoPE rows included). It
+    writes only the real nodes' entries. Negative control: rows laid end to end in the wrong order
+    (the layout told to attention with the sizes reversed) mix the rows up."""
+    target = tiny_target(arch)
+    assert target.verifies_ragged
+    texts = ["once upon a time", "the quick brown fox jumps over the lazy dog and the dog", "hello"]
+    trees = [DraftTree(torch.tensor([5, 6, 7, 9]), torch.tensor([-1, 0, 0, 1])), DraftTree.chain(8, [9]), DraftTree.root_only(4)]
+    cache = target.new_cache(3)
+    states = [target.prefill(encode_prompt(target, t, []), cache=cache, slot=i)[0] for i, t in enumerate(texts)]
+    padded = target.forward_batch(states, trees, (1,), ragged=False)
+    seen = []
+    real_begin = type(cache).begin
+    monkeypatch.setattr(type(cache), "begin", lambda self, rows, starts, counts=None: seen.append(counts) or real_begin(self, rows, starts, counts))
+    laid = target.forward_batch(states, trees, (1,))  # unequal trees: laid end to end without being asked
+    assert seen == [[4, 2, 1]]
+    for b, tree in enumerate(trees):
+        assert float((laid.logits[b, : tree.size] - padded.logits[b, : tree.size]).abs().max()) < 1e-5
+        assert float((laid.features[b, : tree.size] - padded.features[b, : tree.size]).abs().max()) < 1e-5
+    real_of = RaggedRows.of
+    monkeypatch.setattr(RaggedRows, "of", classmethod(lambda cls, sizes, device: real_of(sizes[::-1], device)))
+    wrong = target.forward_batch(states, trees, (1,))
+    assert all(float((wrong.logits[b, : t.size] - padded.logits[b, : t.size]).abs().max()) > 1e-3 for b, t in enumerate(trees))
+
+
+def test_a_target_without_the_attention_that_takes_laid_out_rows_pads_them():
+    """transformers' own SDPA does not take rows laid end to end: the target pads (negative control
+    of `verifies_ragged`), and the batched runs stay each request's own."""
+    target = tiny_target("llava")
+    from vlmspec.target import set_attention
+
+    set_attention(target.model, "sdpa")
+    try:
+        assert not target.verifies_ragged
+        engine = SpecEngine(target, NgramDrafter(TREE))
+        requests = _requests(target, RAGGED[:3])
+        alone = [engine.generate(inputs, cfg).token_ids for inputs, cfg, _ in requests]
+        assert run_ragged(engine, requests, slots=3) == alone
+    finally:
+        set_attention(target.model, "auto")
+    assert target.verifies_ragged

@@ -105,6 +105,22 @@ def test_verify_cost_times_trees_and_the_lm_head_cut_to_each_draft_vocabulary():
     assert "| 1015 | 4 |" in format_table(report)
 
 
+def test_verify_cost_times_rows_padded_and_laid_end_to_end_where_the_target_takes_them():
+    """`--rows`: a tiny VLM with the CPU's attention times one batched forward both ways; the
+    synthetic shapes run transformers' SDPA, which cannot take rows laid end to end: a clear error."""
+    import pytest
+
+    from conftest import tiny_target
+    from vlmspec.bench.verify_cost import VerifyCostOptions, measure
+    from vlmspec.errors import ConfigError
+    from vlmspec.target.timing import time_ragged_forward
+
+    times = time_ragged_forward(tiny_target("llava"), prefix=6, sizes=[1, 1, 5], repeats=2, warmup=0)
+    assert set(times) == {"padded", "laid end to end"} and min(times.values()) > 0
+    with pytest.raises(ConfigError, match="--model DIR on a CPU"):
+        measure(VerifyCostOptions(shape="bundled", layers=1, device="cpu", prefix=8, sizes=(1,), repeats=1, warmup=0, rows=(1, 3)))
+
+
 def test_a_bench_json_into_a_folder_not_made_yet_is_written_not_lost(tmp_path):
     from vlmspec.bench.harness import write_json
 

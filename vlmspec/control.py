@@ -136,6 +136,27 @@ class BatchCost:
         s0, s1 = m0.seconds(depth), m1.seconds(depth)
         return max(s0 + (s1 - s0) * (batch - b0) / (b1 - b0), min(s0, s1))
 
+    def step_seconds(self, depths: list[int], ragged: bool = False) -> float:
+        """Seconds of a step whose rows draft `depths` (0: a plain row). Padded (every row verified as
+        deep as the deepest): `seconds(B, max)`. Ragged (each row verifies its own nodes only,
+        `Target.verifies_ragged`): the plain step, plus `ragged_parts` (once for the deepest level,
+        and each drafting row's share)."""
+        rows, deepest = len(depths), max(depths)
+        if not ragged:
+            return self.seconds(rows, deepest)
+        return self.seconds(rows, 0) + self.ragged_parts(rows, deepest)[0] + sum(self.ragged_parts(rows, d)[1] for d in depths)
+
+    def ragged_parts(self, rows: int, depth: int) -> tuple[float, float]:
+        """A ragged step of `rows` rows drafting up to `depth` levels: (what it pays once, one row's
+        drafting to that level, `seconds(1, depth) - seconds(1, 0)`, as a level's head forward costs
+        about the same for one row or eight; what each row drafting `depth` levels adds, its share of
+        the rest of a batch that drafts that deep). With every row at `depth` the step costs
+        `seconds(rows, depth)` again; with one row there, close to what drafting costs alone."""
+        if depth == 0:
+            return 0.0, 0.0
+        alone = self.seconds(1, depth) - self.seconds(1, 0)
+        return alone, max(0.0, self.seconds(rows, depth) - self.seconds(rows, 0) - alone) / rows
+
     def as_dict(self) -> dict[str, Any]:
         return {str(b): m.as_dict() for b, m in self.by_size}
 

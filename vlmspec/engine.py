@@ -212,9 +212,13 @@ class Batch:
     slots: requests at once; capacity: cache entries per slot (None: each slot grows as its request
     needs, the batch of one `SpecEngine.generate` runs). With a capacity the memory is preallocated
     and bounded, and a request that could outgrow its slot is refused when it is added.
+    per_row_depths: goodput rows choose their own depths where the target verifies rows of unequal
+    trees without padding (`Target.verifies_ragged`; `vlmspec.batch_control.choose_depths`); off,
+    they share one depth per step, which served more tokens/s on the default model
+    (docs/adaptive.md, "Depths per row").
     """
 
-    def __init__(self, engine: "SpecEngine", slots: int = 1, capacity: int | None = None) -> None:
+    def __init__(self, engine: "SpecEngine", slots: int = 1, capacity: int | None = None, per_row_depths: bool = False) -> None:
         if slots < 1:
             raise ValueError(f"a batch needs at least one slot, got {slots}")
         if slots > 1:
@@ -227,6 +231,8 @@ class Batch:
         self.timings = dict.fromkeys(TIMING_KEYS, 0.0)  # the batch's own seconds by phase (prefills included)
         self.rounds = 0  # target forwards run by `step` (prefills not counted)
         self.cost_timing = BatchTiming()  # its steps' measured / modelled seconds (goodput over the batch)
+        ragged = slots > 1 and engine.target.verifies_ragged  # unequal trees verified without padding (checked once, here)
+        self.per_row = per_row_depths and ragged  # depths chosen per row, each step priced as a ragged one
 
     @property
     def full(self) -> bool:
@@ -305,7 +311,7 @@ class Batch:
         t_step = time.perf_counter()
         batch_cost = self.engine.speculation.batch_cost
         controls = [r.control for r in reqs]
-        depths = choose_depths(controls, [r.max_depth(target.max_positions) for r in reqs], batch_cost, self.cost_timing)
+        depths = choose_depths(controls, [r.max_depth(target.max_positions) for r in reqs], batch_cost, self.cost_timing, self.per_row)
         chains = batch_chains(controls, batch_cost)  # goodput rows of a batch draft a chain
         trees = [t.truncate_depth(d) for t, d in zip(propose_all(self.engine.drafter, [r.session for r in reqs], [r.root for r in reqs], depths, chains), depths)]
         clock.lap("draft")
@@ -320,8 +326,9 @@ class Batch:
         clock.lap("draft")
         seconds = time.perf_counter() - t_step
         if batch_cost is not None and len(reqs) > 1:
-            self.cost_timing.observe(batch_cost, len(reqs), max(int(t.depth.max()) for t in trees), seconds,
-                                  sum(v.num_accepted for v in verdicts) + len(reqs))
+            drafted = [int(t.depth.max()) for t in trees]
+            self.cost_timing.observe(batch_cost, len(reqs), max(drafted), seconds, sum(v.num_accepted for v in verdicts) + len(reqs),
+                                     batch_cost.step_seconds(drafted, self.per_row))
         events = []
         for r, t, v, path, depth, chain in zip(reqs, trees, verdicts, paths, depths, chains):
             drafted_depth = int(t.depth.max())
@@ -380,9 +387,9 @@ class SpecEngine:
     def stream(self, inputs: dict[str, torch.Tensor], config: GenerationConfig) -> Generation:
         return Generation(self, inputs, config)
 
-    def batch(self, slots: int, capacity: int | None = None) -> Batch:
+    def batch(self, slots: int, capacity: int | None = None, per_row_depths: bool = False) -> Batch:
         """A batch of `slots` requests decoded together (see `Batch`)."""
-        return Batch(self, slots, capacity)
+        return Batch(self, slots, capacity, per_row_depths)
 
     def generate_many(self, requests: list[tuple[dict[str, torch.Tensor], GenerationConfig]], slots: int,
                       capacity: int | None = None) -> list[GenerationResult]:

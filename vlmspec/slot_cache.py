@@ -14,7 +14,8 @@ The cache is an HF `Cache` the unmodified models accept: `update` writes at the 
 returns the rows' keys and values up to the furthest end, `get_seq_length` / `get_mask_sizes` are
 those of the furthest row (for one row: exactly a `DynamicLayer`'s, so a model may build its own
 masks and positions for a one-row step). Rows shorter than the furthest one are cut by the 4D mask
-the caller passes (`vlmspec.target.model.Target.forward_batch`).
+the caller passes (`vlmspec.target.model.Target.forward_batch`). A ragged step's new entries come
+laid end to end, one sequence of sum(counts) (`begin(..., counts)`), and each goes to its row.
 
 Layer kinds follow `vlmspec.kv_cache`: full, sliding-window and chunked attention keep every entry
 in a slot layer (windows are applied by masks); `dummy` layers hold nothing; any other kind
@@ -62,14 +63,16 @@ class _Step:
     def __init__(self) -> None:
         self.rows: list[int] = [0]
         self.starts: list[int] = [0]
+        self.counts: list[int] | None = None  # a ragged step: row b's entries, laid end to end (`RaggedRows`)
         self.rows_t: torch.Tensor | None = None  # [B] long on the buffers' device
         self.starts_t: torch.Tensor | None = None  # [B] long
         self.block: slice | None = slice(0, 1)  # rows as a slice when they are consecutive (reads are views)
         self._flat: dict[tuple[int, int, int, torch.device], torch.Tensor] = {}  # `flat_index` of this step, by shape
 
-    def set(self, rows: list[int], starts: list[int]) -> None:
+    def set(self, rows: list[int], starts: list[int], counts: list[int] | None = None) -> None:
         assert len(rows) == len(starts) and rows, (rows, starts)
-        self.rows, self.starts = list(rows), list(starts)
+        assert counts is None or (len(counts) == len(rows) and min(counts) >= 1), counts
+        self.rows, self.starts, self.counts = list(rows), list(starts), None if counts is None else list(counts)
         self.rows_t = self.starts_t = None
         self._flat.clear()
         lo = rows[0]
@@ -92,6 +95,19 @@ class _Step:
             head = torch.arange(heads, device=device)[None, :, None]
             pos = starts[:, None, None] + torch.arange(q, device=device)[None, None, :]
             self._flat[key] = ((rows[:, None, None] * heads + head) * capacity + pos).reshape(-1)
+        return self._flat[key]
+
+    def ragged_index(self, heads: int, capacity: int, device: torch.device) -> torch.Tensor:
+        """`flat_index` of a ragged step, whose entries come laid end to end ([1, heads, T, D], row b's
+        `counts[b]` after row b - 1's): [heads * T] long, in their order."""
+        assert self.counts is not None
+        key = (heads, capacity, -1, device)
+        if key not in self._flat:
+            slot = [r for r, c in zip(self.rows, self.counts) for _ in range(c)]
+            pos = [s + j for s, c in zip(self.starts, self.counts) for j in range(c)]
+            both = torch.tensor([slot, pos], dtype=torch.long).to(device, non_blocking=True)  # [2, T]
+            head = torch.arange(heads, device=device)[:, None]
+            self._flat[key] = ((both[0][None] * heads + head) * capacity + both[1][None]).reshape(-1)
         return self._flat[key]
 
 
@@ -155,8 +171,11 @@ class SlotLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """key_states, value_states [B, kv_heads, q, head_dim] of the step's rows -> the rows' keys and
-        values [B, kv_heads, max(starts) + q, head_dim] (a view when the rows are consecutive)."""
+        values [B, kv_heads, max(starts) + q, head_dim] (a view when the rows are consecutive). A
+        ragged step's come laid end to end, [1, kv_heads, sum(counts), head_dim]: q = max(counts)."""
         step = self.step
+        if step.counts is not None:
+            return self._update_ragged(key_states, value_states)
         b, _, q, _ = key_states.shape
         assert b == len(step.rows), (b, step.rows)
         end = max(step.starts) + q
@@ -172,6 +191,17 @@ class SlotLayer(CacheLayerMixin):
                 buf.view(-1, buf.shape[3]).index_copy_(0, index, new.reshape(-1, buf.shape[3]))
         return self._read(end)
 
+    def _update_ragged(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        step = self.step
+        assert step.counts is not None and key_states.shape[0] == 1 and key_states.shape[2] == sum(step.counts), key_states.shape
+        end = max(step.starts) + max(step.counts)
+        self._ensure(key_states, value_states, end)
+        assert self.buf_k is not None and self.buf_v is not None
+        for buf, new in ((self.buf_k, key_states), (self.buf_v, value_states)):
+            index = step.ragged_index(buf.shape[1], buf.shape[2], buf.device)
+            buf.view(-1, buf.shape[3]).index_copy_(0, index, new[0].reshape(-1, buf.shape[3]))
+        return self._read(end)
+
     def _read(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.buf_k is not None and self.buf_v is not None
         if self.step.block is not None:
@@ -180,7 +210,8 @@ class SlotLayer(CacheLayerMixin):
         return self.buf_k[rows, :, :end], self.buf_v[rows, :, :end]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return max(self.step.starts) + query_length, 0
+        counts = self.step.counts
+        return max(self.step.starts) + (query_length if counts is None else max(counts)), 0
 
     def get_seq_length(self) -> int:
         return max(self.step.starts)
@@ -248,10 +279,12 @@ class SlotCache(DynamicCache):
             self.layers.append(SlotLayer(self.slots, 0, self._step))
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
-    def begin(self, rows: list[int], starts: list[int]) -> None:
-        """The next forward covers slots `rows` (its batch rows, in order), each writing from `starts[b]`."""
+    def begin(self, rows: list[int], starts: list[int], counts: list[int] | None = None) -> None:
+        """The next forward covers slots `rows` (its batch rows, in order), each writing from `starts[b]`;
+        with `counts`, row b writes counts[b] entries and the forward's come laid end to end (a ragged
+        step, `vlmspec.target.attention.RaggedRows`)."""
         assert all(0 <= r < self.slots for r in rows), (rows, self.slots)
-        self._step.set(rows, starts)
+        self._step.set(rows, starts, counts)
 
     def reserve(self, n: int) -> None:
         """At least `n` entries per slot in every layer (allocated at the first write, or grown now)."""

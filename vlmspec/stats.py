@@ -9,14 +9,21 @@ trainer's evaluation add generations up with `+=` and read the same derived figu
 
 "drafts" counts verify forwards (one proposal each, an empty tree included), so plain decoding
 through the engine has mean accepted length 1.0.
+
+Also the small statistics every bench and report shares: percentiles, geometric means with a
+bootstrap interval, and the median time of a call (`median_ms`, synchronising CUDA around it).
 """
 
 from __future__ import annotations
 
 import math
 import random
+import statistics
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
+
+import torch
 
 
 @dataclass
@@ -86,6 +93,27 @@ def posterior_acceptance(accepted: float, reached: float, prior_mean: float, pri
     prior's strength in pseudo-observations (the prior mean itself with no observation). The
     goodput controller's per-depth rates and self-speculation's per-exit rates are this estimate."""
     return (accepted + prior_mean * prior_weight) / (reached + prior_weight)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_ms(device: torch.device, run: Callable[[], object], repeats: int, warmup: int,
+              after: Callable[[], object] = lambda: None) -> float:
+    """Median ms of `run()` over `repeats` timed calls after `warmup` untimed ones; `after()` runs
+    untimed after each call (to undo what it changed)."""
+    times = []
+    for i in range(warmup + repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        run()
+        _sync(device)
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+        after()
+    return statistics.median(times)
 
 
 def percentile(xs: list[float], q: float) -> float:

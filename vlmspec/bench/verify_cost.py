@@ -1,12 +1,14 @@
 """Verify cost: ms per target forward over a tree of N nodes vs a one-token decode step.
 
     vlmspec bench verify-cost [--model DIR | --shape bundled|llava-7b] [--prefix 256] [--sizes 1,2,4,8,16,32,64]
-                              [--draft-vocab 2048,4096,8192]
+                              [--draft-vocab 2048,4096,8192] [--rows 1,1,1,1,1,1,5,5]
 
 Random weights are fine for costs (the arithmetic does not depend on the values). Trees are
 chains (the mask pattern does not change the cost of the dense path). The ratio
 tree forward / one-token forward is what sizes the draft tree per device; with --draft-vocab, the
-LM head cut to K rows (what a trimmed EAGLE head calls once per level) is timed too.
+LM head cut to K rows (what a trimmed EAGLE head calls once per level) is timed too. With --rows,
+one batched forward over rows of those tree sizes, padded to the largest and laid end to end (a
+target whose attention takes that: `--model DIR` on a CPU).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import torch
 from vlmspec import factory
 from vlmspec.factory import EngineSpec
 from vlmspec.target import Target
-from vlmspec.target.timing import time_lm_head_rows, time_tree_forward
+from vlmspec.errors import ConfigError
+from vlmspec.target.timing import time_lm_head_rows, time_ragged_forward, time_tree_forward
 
 SHAPES: dict[str, dict[str, int]] = {
     # the bundled target's text decoder (v4, assets/toyworld-vlm)
@@ -69,6 +72,7 @@ class VerifyCostOptions:
     warmup: int = 3
     draft_vocab: tuple[int, ...] = ()  # also time the LM head cut to these K rows (a trimmed drafter's head)
     head_rows: tuple[int, ...] = (1, 4)  # hidden states per head call: a level's frontier
+    rows: tuple[int, ...] = ()  # tree sizes of a batch's rows: its forward padded and laid end to end
 
 
 def measure(opts: VerifyCostOptions) -> dict[str, Any]:
@@ -88,9 +92,15 @@ def measure(opts: VerifyCostOptions) -> dict[str, Any]:
         for n in opts.head_rows:
             ms = time_lm_head_rows(target, k, n, 5 * opts.repeats, opts.warmup)
             head.append({"draft_vocab": k, "rows": n, "ms": ms, "x_step": ms / step if step else None})
+    ragged = {}
+    if opts.rows:
+        if not target.verifies_ragged:
+            raise ConfigError(f"{target.name} cannot lay rows end to end (its attention is {target.attention!r}): "
+                              "--rows needs --model DIR on a CPU, where 'auto' attention takes them")
+        ragged = {"sizes": list(opts.rows), **time_ragged_forward(target, opts.prefix, list(opts.rows), opts.repeats, opts.warmup)}
     env = {"device": device, "dtype": str(dtype), "threads": torch.get_num_threads(), "torch": torch.__version__,
            "target": target.name, "prefix": opts.prefix}
-    return {"env": env, "rows": rows, "lm_head": head}
+    return {"env": env, "rows": rows, "lm_head": head, "ragged": ragged}
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -103,4 +113,8 @@ def format_table(report: dict[str, Any]) -> str:
                   "| K | rows | ms / call | x one-token step |", "|---:|---:|---:|---:|"]
         lines += [f"| {h['draft_vocab']} | {h['rows']} | {h['ms']:.2f} | " + (f"{h['x_step']:.3f} |" if h["x_step"] else "- |")
                   for h in report["lm_head"]]
+    if report.get("ragged"):
+        r = report["ragged"]
+        lines += ["", f"one forward over {len(r['sizes'])} rows of {','.join(map(str, r['sizes']))} nodes: padded "
+                  f"{r['padded']:.2f} ms, laid end to end {r['laid end to end']:.2f} ms"]
     return "\n".join(lines)

@@ -77,6 +77,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--warmup", type=non_negative_int("--warmup"), default=3, help='untimed warm-up repetitions per size')
     v.add_argument("--draft-vocab", type=int_list("--draft-vocab"), default=(), metavar="K,K,...",
                    help="also time the LM head cut to K rows at 1 and 4 rows per call (a trimmed drafter's head), e.g. 2048,4096,8192")
+    v.add_argument("--rows", type=int_list("--rows"), default=(), metavar="N,N,...",
+                   help="also time one forward over a batch of rows with these tree sizes, padded and laid end to end "
+                        "(needs --model DIR on a CPU), e.g. 1,1,1,1,1,1,5,5")
     v.add_argument("--json", dest="json_path", help="write the results JSON here")
     v.set_defaults(func=run_verify_cost)
 
@@ -196,7 +199,7 @@ def run_verify_cost(args: argparse.Namespace) -> int:
 
     opts = VerifyCostOptions(model=args.model, shape=args.shape, layers=args.layers, device=args.device, dtype=args.dtype,
                              prefix=args.prefix, sizes=tuple(args.sizes), repeats=args.repeats, warmup=args.warmup,
-                             draft_vocab=tuple(args.draft_vocab))
+                             draft_vocab=tuple(args.draft_vocab), rows=tuple(args.rows))
     report = measure(opts)
     return print_report(report, format_table(report), args)
 

@@ -19,6 +19,7 @@ tokens spends about a third less time in attention. One query (a plain step), fe
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -57,20 +58,60 @@ def set_attention(model: torch.nn.Module, mode: str = "auto") -> str:
     return impl
 
 
+@dataclass(frozen=True)
+class RaggedRows:
+    """A batch's nodes laid end to end (row 0's n_0 nodes, then row 1's, ...: T = sum n_b tokens in one
+    sequence), so the forward's projections and MLPs run on the T real nodes, not on B rows padded to
+    n = max n_b. Attention alone sees the rows padded, each query over its own row's cache.
+
+    gather [B * n] long: for row b's padded position j < n, its node's index in the T (a padding
+    position takes the row's first node); real [T] long: each node's index in the B * n."""
+
+    gather: torch.Tensor
+    real: torch.Tensor
+    rows: int
+    width: int
+
+    @classmethod
+    def of(cls, sizes: list[int], device: torch.device) -> "RaggedRows":
+        n, start, gather, real = max(sizes), 0, [], []
+        for b, size in enumerate(sizes):
+            gather += [start + j for j in range(size)] + [start] * (n - size)
+            real += [b * n + j for j in range(size)]
+            start += size
+        both = torch.tensor(gather + real, dtype=torch.long).to(device, non_blocking=True)
+        return cls(both[: len(gather)], both[len(gather) :], len(sizes), n)
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, ...] laid end to end -> [B, n, ...] padded (padding positions: copies of the row's first)."""
+        return x.index_select(0, self.gather).view(self.rows, self.width, *x.shape[1:])
+
+
+RAGGED_KWARG = "vlmspec_ragged"  # the forward's keyword that carries `RaggedRows` down to `gqa_sdpa_forward`
+
+
 def gqa_sdpa_forward(
     module: torch.nn.Module,
-    query: torch.Tensor,  # [B, Hq, Lq, D]
+    query: torch.Tensor,  # [B, Hq, Lq, D] ([1, Hq, T, D] with RaggedRows)
     key: torch.Tensor,  # [B, Hkv, Lk, D], Hq a multiple of Hkv
     value: torch.Tensor,  # [B, Hkv, Lk, Dv]
     attention_mask: torch.Tensor | None,  # [B or 1, 1 or Hq, Lq, Lk], additive or bool
     dropout: float = 0.0,
     scaling: float | None = None,
     **kwargs: Any,
-) -> tuple[torch.Tensor, None]:  # [B, Lq, Hq, Dv]
+) -> tuple[torch.Tensor, None]:  # [B, Lq, Hq, Dv] ([1, T, Hq, Dv] with RaggedRows)
     """transformers' SDPA attention function, except that a masked call on grouped heads reads the
     key / value heads in place instead of copying them per query head. Calls that differ in more
     than that (no mask: transformers passes `is_causal` or packs a lone query itself; no grouping;
-    a gradient; position biases, soft caps, sinks) go to transformers' own function unchanged."""
+    a gradient; position biases, soft caps, sinks) go to transformers' own function unchanged.
+    Given `RaggedRows` (keyword `RAGGED_KWARG`), the query's nodes laid end to end are padded to
+    their rows first and the output laid end to end again."""
+    ragged: RaggedRows | None = kwargs.pop(RAGGED_KWARG, None)
+    if ragged is not None:
+        hq, d = query.shape[1], query.shape[3]
+        padded = ragged.pad(query[0].transpose(0, 1))  # [B, n, Hq, D]
+        out, _ = gqa_sdpa_forward(module, padded.transpose(1, 2), key, value, attention_mask, dropout, scaling, **kwargs)
+        return out.reshape(ragged.rows * ragged.width, hq, -1).index_select(0, ragged.real)[None], None  # [1, T, Hq, Dv]
     grouped = key.shape[1] != query.shape[1]
     extras = any(kwargs.get(name) is not None for name in _UNSUPPORTED) or kwargs.get("output_attentions", False)
     if attention_mask is None or not grouped or extras or query.device.type != "cpu" or (torch.is_grad_enabled() and query.requires_grad):
@@ -118,7 +159,7 @@ def main() -> None:
     `gqa_sdpa_forward` (which packs the query heads where `packs` says), with whether the last two agree."""
     from types import SimpleNamespace
 
-    from vlmspec.target.timing import median_ms
+    from vlmspec.stats import median_ms
 
     sdpa_attention_forward = sdpa_attention.sdpa_attention_forward
 

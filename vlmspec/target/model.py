@@ -31,9 +31,18 @@ from vlmspec.errors import ConfigError, ContextLengthError, InputError
 from vlmspec.kernels import tree_attention
 from vlmspec.kv_cache import ATTENTION_KINDS, blocker_message, cache_kwarg, layer_kinds, rollback_blockers
 from vlmspec.slot_cache import SlotCache, single_slot_reason
+from vlmspec.target.attention import GQA_SDPA, RAGGED_KWARG, RaggedRows
 from vlmspec.transfer import to_device
 from vlmspec.tree import DraftTree, additive_mask, windowed_tree_mask
 from vlmspec.vision_compress.capture import capture, image_token_id, last_layer_attention
+
+
+# Unequal trees are laid end to end when padding would be at least this share of the padded batch's
+# nodes. Laying out costs about 1.7-1.9 ms a forward and a padding node saves about 0.3-0.45 (bf16,
+# the default model, 8 rows on this CPU, `vlmspec bench verify-cost --model models/smolvlm-toyworld
+# --dtype bfloat16 --prefix 184 --sizes 1 --rows ...`: no padding lost 1.7-1.9 ms, 6 padding nodes
+# of 32 saved 0.2, 24 of 40 saved 7.0, 64 of 136 saved 16.2; docs/batching.md)
+RAGGED_MIN_PADDING = 0.25
 
 
 @dataclass
@@ -134,6 +143,7 @@ class Target:
         # see in the tokens, but one the logits carry at float rounding)
         self.position_offset = POSITION_OFFSETS.get(str(getattr(model.config, "model_type", "")), 0)
         self._tree_problem: str | None = None  # checked once, when a speculative drafter first asks
+        self._ragged: bool | None = None  # whether unequal trees can be laid end to end: checked once (`verifies_ragged`)
 
     # ---------------------------------------------------------------- properties
     @property
@@ -365,34 +375,84 @@ class Target:
         return masks
 
     @torch.no_grad()
-    def forward_batch(self, states: list[TargetState], trees: list[DraftTree], layers: tuple[int, ...] | None = None) -> BatchOut:
+    def forward_batch(self, states: list[TargetState], trees: list[DraftTree], layers: tuple[int, ...] | None = None,
+                      ragged: bool | None = None) -> BatchOut:
         """Every row's tree in one forward over the rows' committed entries (all rows in one cache).
         Writes each row's N entries after its committed ones: call `commit_batch` afterwards (until
         then the row's length is unchanged, so another forward would overwrite them).
         logits [B, N, V]: row b, node i < N_b is the distribution after that node; rows are padded
-        to N = max N_b with copies of their root at depth 0, which nothing reads. `layers`: as `prefill`."""
+        to N = max N_b with copies of their root at depth 0, which nothing reads. `layers`: as `prefill`.
+        Trees of unequal sizes go in laid end to end where the target takes it (`verifies_ragged`;
+        `ragged` forces either way): the forward then computes the real nodes only, padding happens
+        inside attention (`RaggedRows`), and the outputs come back padded as above."""
         cache = states[0].cache
         assert all(s.cache is cache for s in states), "the rows of a batch share one cache"
         for s, t in zip(states, trees):
             if s.seq_len + int(t.depth.max()) + 1 > self.max_positions:
                 raise ContextLengthError(f"tree reaches past the context of {self.max_positions} tokens")
-        n = max(t.size for t in trees)
-        cache.begin([s.slot for s in states], [s.seq_len for s in states])
+        sizes = [t.size for t in trees]
+        n = max(sizes)
+        if ragged is None:  # worth it where padding is a quarter of the batch's nodes or more (`RAGGED_MIN_PADDING`)
+            ragged = len(trees) > 1 and (len(trees) * n - sum(sizes)) >= RAGGED_MIN_PADDING * len(trees) * n and self.verifies_ragged
+        cache.begin([s.slot for s in states], [s.seq_len for s in states], sizes if ragged else None)
         tokens = torch.stack([torch.cat([t.tokens, t.tokens[:1].expand(n - t.size)]) for t in trees])  # [B, n]
         depth = torch.stack([torch.cat([t.depth, t.depth.new_zeros(n - t.size)]) for t in trees])  # [B, n]
         # one row, a lone root: a plain decode step, the model's own causal (and windowed) masks and
         # positions are exact (models count positions their own way) and take the fast kernels
         plain = len(states) == 1 and n == 1
+        positions = None if plain and not self.uses_mrope else self.batch_position_ids(states, depth)  # [B, n] or [3, B, n]
+        rows = RaggedRows.of(sizes, self.device) if ragged else None
+        if rows is not None:
+            assert positions is not None
+            tokens = torch.cat([t.tokens for t in trees])[None]  # [1, T]
+            positions = positions.flatten(-2)[..., rows.real].unsqueeze(-2)  # [1, T] or [3, 1, T]
         out = self.model(
             input_ids=to_device(tokens, self.device),
             attention_mask=None if plain else self.batch_masks(states, trees, n),
-            position_ids=None if plain and not self.uses_mrope else self.batch_position_ids(states, depth),
+            position_ids=positions,
             **cache_kwarg(self.model, cache),
             use_cache=True,
             output_hidden_states=True,
             return_dict=True,
+            **({RAGGED_KWARG: rows} if rows is not None else {}),
         )
-        return BatchOut(out.logits.float(), layer_features(out.hidden_states, layers))
+        logits, features = out.logits, layer_features(out.hidden_states, layers)
+        if rows is not None:
+            logits, features = rows.pad(logits[0]), rows.pad(features[0])
+        return BatchOut(logits.float(), features)
+
+    @property
+    def verifies_ragged(self) -> bool:
+        """Whether `forward_batch` lays unequal trees end to end: with the attention that takes them
+        (`GQA_SDPA`, 'auto' on CPU), once a one-time check (`_probe_ragged`) finds this model gives
+        the padded forward's logits that way."""
+        if self.attention != GQA_SDPA:
+            return False
+        if self._ragged is None:
+            self._ragged = self._probe_ragged()
+        return self._ragged
+
+    @torch.no_grad()
+    def _probe_ragged(self) -> bool:
+        """Rows of 1 and 3 nodes after prompts of 2 and 3 tokens, padded and laid end to end: the same
+        logits (within `_probe_tree_inputs`' bound), or False for a model whose forward does not pass
+        the rows' layout down to its attention (or has no explicit-input tree forward at all)."""
+        if self._explicit_inputs_problem() or single_slot_reason(self.model.config):
+            return False
+        cache = self.new_cache(2, 16)
+        states = []
+        for slot, ids in enumerate(([1, 2], [1, 2, 6])):
+            prompt = {"input_ids": torch.tensor([ids], device=self.device)}
+            states.append(self.prefill({**prompt, "attention_mask": torch.ones_like(prompt["input_ids"])}, cache=cache, slot=slot)[0])
+        trees = [DraftTree.root_only(3), DraftTree.chain(3, [4, 5])]
+        padded = self.forward_batch(states, trees, ragged=False).logits
+        try:
+            laid = self.forward_batch(states, trees, ragged=True).logits
+        except (TypeError, ValueError, RuntimeError, AttributeError, KeyError):
+            return False
+        want, got = torch.cat([padded[0, :1], padded[1]]), torch.cat([laid[0, :1], laid[1]])
+        tol = (1e-3 if self.dtype == torch.float32 else 5e-2) * max(1.0, float(want.abs().max()))
+        return float((got - want).abs().max()) <= tol
 
     def forward_tree(self, state: TargetState, tree: DraftTree, layers: tuple[int, ...] | None = None) -> ForwardOut:
         """One row's tree (`forward_batch` of one): logits [N, V], features [N, H] (or [N, mH], `layers`)."""

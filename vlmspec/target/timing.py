@@ -5,35 +5,13 @@ LM head's cost by draft vocabulary size is what sizes a trimmed drafter's vocabu
 from __future__ import annotations
 
 import statistics
-import time
-from typing import Callable
 
 import torch
 
+from vlmspec.stats import median_ms
 from vlmspec.target.model import Target
 from vlmspec.target.sdpa import decoding_sdpa
 from vlmspec.tree import DraftTree
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def median_ms(device: torch.device, run: Callable[[], object], repeats: int, warmup: int,
-              after: Callable[[], object] = lambda: None) -> float:
-    """Median ms of `run()` over `repeats` timed calls after `warmup` untimed ones; `after()` runs
-    untimed after each call (to undo what it changed)."""
-    times = []
-    for i in range(warmup + repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        run()
-        _sync(device)
-        if i >= warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
-        after()
-    return statistics.median(times)
 
 
 @torch.no_grad()
@@ -69,6 +47,27 @@ def time_tree_extras(target: Target, prefix: int, sizes: list[int], rounds: int,
 
 
 @torch.no_grad()
+def time_ragged_forward(target: Target, prefix: int, sizes: list[int], repeats: int, warmup: int) -> dict[str, float]:
+    """Median ms of one `forward_batch` over rows whose trees (chains) have `sizes` nodes, each row
+    after its own prompt of `prefix` random tokens: padded to the largest tree, and laid end to end
+    (`Target.verifies_ragged`), the two called in turn so a drifting machine moves both."""
+    cache = target.new_cache(len(sizes), prefix + max(sizes) + 1)
+    trees = [DraftTree.chain(1, [2] * (n - 1)) for n in sizes]
+    times: dict[bool, list[float]] = {False: [], True: []}
+    with decoding_sdpa(target.device):
+        states = []
+        for slot in range(len(sizes)):
+            ids = torch.randint(1, target.vocab_size, (1, prefix), device=target.device)
+            states.append(target.prefill({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, cache=cache, slot=slot)[0])
+        for i in range(warmup + repeats):
+            for laid in (False, True):
+                ms = median_ms(target.device, lambda: target.forward_batch(states, trees, ragged=laid), 1, 0)
+                if i >= warmup:
+                    times[laid].append(ms)
+    return {"padded": statistics.median(times[False]), "laid end to end": statistics.median(times[True])}
+
+
+@torch.no_grad()
 def time_lm_head_rows(target: Target, k: int, rows: int, repeats: int, warmup: int) -> float:
     """Median ms of the target's LM head restricted to k output rows (a draft vocabulary of k
     tokens, as a trimmed EAGLE head applies it) over `rows` hidden states."""
@@ -77,4 +76,4 @@ def time_lm_head_rows(target: Target, k: int, rows: int, repeats: int, warmup: i
     return median_ms(target.device, lambda: torch.nn.functional.linear(hidden, weight), repeats, warmup)
 
 
-__all__ = ["time_lm_head_rows", "time_tree_extras", "time_tree_forward"]
+__all__ = ["time_lm_head_rows", "time_ragged_forward", "time_tree_extras", "time_tree_forward"]
