@@ -357,9 +357,8 @@ def test_batched_drafting_does_little_host_work_per_row():
 def test_unequal_trees_laid_end_to_end_give_the_padded_forwards_logits(arch, monkeypatch):
     """Trees of 4, 2 and 1 nodes: `verifies_ragged` holds for the tiny models, and the forward that
     lays the rows end to end (the engine's choice for unequal trees) gives each row's nodes the
-    logits and features of the padded forward (fp32, to float rounding; M-RoPE rows included). It
-    writes only the real nodes' entries. Negative control: rows laid end to end in the wrong order
-    (the layout told to attention with the sizes reversed) mix the rows up."""
+    logits and features of the padded forward (fp32, to the bit; M-RoPE rows included). Negative
+    control: the layout told to attention with the rows' sizes reversed mixes the rows up."""
     target = tiny_target(arch)
     assert target.verifies_ragged
     texts = ["once upon a time", "the quick brown fox jumps over the lazy dog and the dog", "hello"]
@@ -373,8 +372,8 @@ def test_unequal_trees_laid_end_to_end_give_the_padded_forwards_logits(arch, mon
     laid = target.forward_batch(states, trees, (1,))  # unequal trees: laid end to end without being asked
     assert seen == [[4, 2, 1]]
     for b, tree in enumerate(trees):
-        assert float((laid.logits[b, : tree.size] - padded.logits[b, : tree.size]).abs().max()) < 1e-5
-        assert float((laid.features[b, : tree.size] - padded.features[b, : tree.size]).abs().max()) < 1e-5
+        assert torch.equal(laid.logits[b, : tree.size], padded.logits[b, : tree.size])
+        assert torch.equal(laid.features[b, : tree.size], padded.features[b, : tree.size])
     real_of = RaggedRows.of
     monkeypatch.setattr(RaggedRows, "of", classmethod(lambda cls, sizes, device: real_of(sizes[::-1], device)))
     wrong = target.forward_batch(states, trees, (1,))

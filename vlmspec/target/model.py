@@ -38,7 +38,7 @@ from vlmspec.vision_compress.capture import capture, image_token_id, last_layer_
 
 
 # Unequal trees are laid end to end when padding would be at least this share of the padded batch's
-# nodes. Laying out costs about 1.7-1.9 ms a forward and a padding node saves about 0.3-0.45 (bf16,
+# nodes. Laying out costs about 1.7-1.9 ms a forward and a padding node saves about 0.3-0.4 (bf16,
 # the default model, 8 rows on this CPU, `vlmspec bench verify-cost --model models/smolvlm-toyworld
 # --dtype bfloat16 --prefix 184 --sizes 1 --rows ...`: no padding lost 1.7-1.9 ms, 6 padding nodes
 # of 32 saved 0.2, 24 of 40 saved 7.0, 64 of 136 saved 16.2; docs/batching.md)
