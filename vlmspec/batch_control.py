@@ -190,14 +190,16 @@ def choose_depths(controls: list[Controller], max_depths: list[int], cost: Batch
         step = max([floor] + [min(depth, caps[i]) for i in tracked])
         return {i: min(depth, max_depths[i], max(caps[i], step)) for i in tracked}
 
+    deepest = max(caps.values())
+    parts = [cost.ragged_parts(len(controls), d) for d in range(max(deepest, floor) + 1)] if per_row else []
+    fixed = sum(cost.ragged_parts(len(controls), d)[1] for d in depths) if per_row else 0.0  # the other rows' own nodes
+
     def ragged_at(depth: int) -> dict[int, int]:
-        rows = len(controls)
-        once = cost.seconds(rows, 0) + cost.ragged_parts(rows, max(depth, floor))[0]
-        once += sum(cost.ragged_parts(rows, d)[1] for d in depths)  # the other rows' own nodes
-        share = [cost.ragged_parts(rows, d)[1] for d in range(depth + 1)]
+        once = cost.seconds(len(controls), 0) + parts[max(depth, floor)][0] + fixed
+        share = [p[1] for p in parts[: depth + 1]]
         return _ragged_depths({i: tokens[i][: min(depth, caps[i]) + 1] for i in tracked}, others, once, share)
 
-    choices = [(ragged_at if per_row else shared)(depth) for depth in range(max(caps.values()) + 1)]
+    choices = [(ragged_at if per_row else shared)(depth) for depth in range(deepest + 1)]
     best = max(choices, key=lambda rows_at: (goodput(rows_at), -max(rows_at.values())))
     rested = dict.fromkeys(tracked, 0)
     if best != rested and goodput(best) < (1.0 + policy.min_gain) * goodput(rested):

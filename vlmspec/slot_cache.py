@@ -174,32 +174,25 @@ class SlotLayer(CacheLayerMixin):
         values [B, kv_heads, max(starts) + q, head_dim] (a view when the rows are consecutive). A
         ragged step's come laid end to end, [1, kv_heads, sum(counts), head_dim]: q = max(counts)."""
         step = self.step
-        if step.counts is not None:
-            return self._update_ragged(key_states, value_states)
+        ragged = step.counts is not None
         b, _, q, _ = key_states.shape
-        assert b == len(step.rows), (b, step.rows)
+        if ragged:
+            assert step.counts is not None and b == 1 and q == sum(step.counts), (key_states.shape, step.counts)
+            q = max(step.counts)
+        else:
+            assert b == len(step.rows), (b, step.rows)
         end = max(step.starts) + q
         self._ensure(key_states, value_states, end)
         assert self.buf_k is not None and self.buf_v is not None
-        if b == 1:  # one row: a plain slice write
+        if b == 1 and not ragged:  # one row: a plain slice write
             r, s = step.rows[0], step.starts[0]
             self.buf_k[r, :, s : s + q] = key_states[0]
             self.buf_v[r, :, s : s + q] = value_states[0]
-        else:  # every row at its own offset: one copy of whole D-wide entries per tensor
+        else:  # every entry to its row and offset: one copy of whole D-wide entries per tensor
             for buf, new in ((self.buf_k, key_states), (self.buf_v, value_states)):
-                index = step.flat_index(buf.shape[1], buf.shape[2], q, buf.device)
+                heads, capacity = buf.shape[1], buf.shape[2]
+                index = step.ragged_index(heads, capacity, buf.device) if ragged else step.flat_index(heads, capacity, q, buf.device)
                 buf.view(-1, buf.shape[3]).index_copy_(0, index, new.reshape(-1, buf.shape[3]))
-        return self._read(end)
-
-    def _update_ragged(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        step = self.step
-        assert step.counts is not None and key_states.shape[0] == 1 and key_states.shape[2] == sum(step.counts), key_states.shape
-        end = max(step.starts) + max(step.counts)
-        self._ensure(key_states, value_states, end)
-        assert self.buf_k is not None and self.buf_v is not None
-        for buf, new in ((self.buf_k, key_states), (self.buf_v, value_states)):
-            index = step.ragged_index(buf.shape[1], buf.shape[2], buf.device)
-            buf.view(-1, buf.shape[3]).index_copy_(0, index, new[0].reshape(-1, buf.shape[3]))
         return self._read(end)
 
     def _read(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:

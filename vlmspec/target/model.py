@@ -395,14 +395,15 @@ class Target:
         if ragged is None:  # worth it where padding is a quarter of the batch's nodes or more (`RAGGED_MIN_PADDING`)
             ragged = len(trees) > 1 and (len(trees) * n - sum(sizes)) >= RAGGED_MIN_PADDING * len(trees) * n and self.verifies_ragged
         cache.begin([s.slot for s in states], [s.seq_len for s in states], sizes if ragged else None)
-        tokens = torch.stack([torch.cat([t.tokens, t.tokens[:1].expand(n - t.size)]) for t in trees])  # [B, n]
         depth = torch.stack([torch.cat([t.depth, t.depth.new_zeros(n - t.size)]) for t in trees])  # [B, n]
         # one row, a lone root: a plain decode step, the model's own causal (and windowed) masks and
         # positions are exact (models count positions their own way) and take the fast kernels
         plain = len(states) == 1 and n == 1
         positions = None if plain and not self.uses_mrope else self.batch_position_ids(states, depth)  # [B, n] or [3, B, n]
         rows = RaggedRows.of(sizes, self.device) if ragged else None
-        if rows is not None:
+        if rows is None:
+            tokens = torch.stack([torch.cat([t.tokens, t.tokens[:1].expand(n - t.size)]) for t in trees])  # [B, n]
+        else:
             assert positions is not None
             tokens = torch.cat([t.tokens for t in trees])[None]  # [1, T]
             positions = positions.flatten(-2)[..., rows.real].unsqueeze(-2)  # [1, T] or [3, 1, T]
