@@ -4,11 +4,20 @@ import math
 import pytest
 import torch
 
-from vlmspec.sampling import SamplingParams, logits_to_probs
+from vlmspec.sampling import SamplingParams, argmax, logits_to_probs
 from vlmspec.verify.acceptance import verify, verify_greedy, verify_sampling
 from vlmspec.tree import DraftTree
 
 V = 64
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_argmax_is_torchs_first_index_on_ties(dtype):
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(6, 5, 4096, generator=g) * 2).round().to(dtype)  # whole numbers: many exact ties for the top
+    assert torch.equal(argmax(logits), logits.argmax(-1))
+    last = logits.shape[-1] - 1 - logits.flip(-1).argmax(-1)  # negative control: ties are there, and last != first
+    assert not torch.equal(last, logits.argmax(-1))
 
 
 def _logits_with_argmax(rows):

@@ -33,6 +33,15 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] -> the index of the largest [...], the first one on ties (as `argmax`).
+    It is `max`'s indices: on a CPU torch's `argmax` over bf16 logits is several times slower, 2.62
+    ms against 0.57 for 8 rows of 4 nodes over the default model's vocabulary on this project's
+    2-core CPU (`python -m timeit -s "import torch; x = torch.randn(32, 49152).bfloat16()"
+    "x.argmax(-1)"`, then "x.max(-1)"). tests/test_acceptance.py holds the two equal, ties included."""
+    return logits.max(-1).indices
+
+
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [..., V] -> probabilities [..., V] (float32) after temperature, top-k, top-p.
 
@@ -41,7 +50,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     """
     logits = logits.float()
     if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        return torch.nn.functional.one_hot(argmax(logits), logits.shape[-1]).float()
     logits = logits / params.temperature
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
@@ -69,5 +78,5 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
     """logits [V] -> one token id under `params` (argmax when greedy)."""
     if params.greedy:
-        return int(logits.argmax(-1))
+        return int(argmax(logits))
     return int(sample(logits_to_probs(logits, params), generator))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vlmspec.sampling import SamplingParams, logits_to_probs
+from vlmspec.sampling import SamplingParams, argmax, logits_to_probs
 from vlmspec.tree import DraftTree
 
 
@@ -36,16 +36,16 @@ def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> Verdict:
     target_logits: [N, V], row i = the target's logits for the token after node i.
     """
     assert target_logits.shape[0] == tree.size
-    return _greedy_path(tree, target_logits.argmax(-1).tolist())
+    return _greedy_path(tree, argmax(target_logits).tolist())
 
 
-def _greedy_path(tree: DraftTree, argmax: list[int]) -> Verdict:
+def _greedy_path(tree: DraftTree, best: list[int]) -> Verdict:
     """verify_greedy on the host, given the target's argmax after each node ([N])."""
     tokens = tree.tokens.tolist()
     children = tree.children()
     node, path = 0, [0]
     while True:
-        want = argmax[node]
+        want = best[node]
         nxt = next((c for c in children[node] if tokens[c] == want), None)
         if nxt is None:
             return Verdict(path, want, is_bonus=not children[node])
@@ -125,9 +125,9 @@ def verify_rows(
     assert target_logits.shape[0] == len(trees) == len(params) == len(generators)
     greedy = [b for b, p in enumerate(params) if p.greedy]
     rows = target_logits if len(greedy) == len(trees) else target_logits[greedy]  # every row greedy: no copy
-    argmax = rows.argmax(-1).tolist() if greedy else []  # [len(greedy), N]
+    best = argmax(rows).tolist() if greedy else []  # [len(greedy), N]
     out: list[Verdict | None] = [None] * len(trees)
-    for b, am in zip(greedy, argmax):
+    for b, am in zip(greedy, best):
         out[b] = _greedy_path(trees[b], am[: trees[b].size])
     for b, (tree, p, g) in enumerate(zip(trees, params, generators)):
         if not p.greedy:
