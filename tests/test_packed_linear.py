@@ -2,8 +2,10 @@
 import pytest
 import torch
 from torch.nn import functional as F
+from transformers import DynamicCache
 
 from vlmspec.kernels.packed_linear import PackedLinear, packable
+from vlmspec.kv_cache import cache_kwarg
 
 ONEDNN = torch.backends.mkldnn.is_available()
 
@@ -45,3 +47,115 @@ def test_other_dtypes_and_mismatched_inputs_go_to_f_linear():
     if ONEDNN:
         with pytest.raises(TypeError, match="packed as torch.bfloat16"):
             PackedLinear(w.bfloat16())(x.float())  # ... and so does a packed weight, saying why
+
+
+# ------------------------------------------------------------------ a target's layers: packed only where exact
+
+
+def _tiny_pair(dtype):
+    """Two copies of one tiny LLaVA in `dtype`: one to pack, one as it is."""
+    from vlmspec.testing.tiny import build_tiny
+
+    return [build_tiny("llava", seed=3)[0].to(dtype).eval() for _ in range(2)]
+
+
+def _steps(model):
+    """Logits of a 30-token prompt (more rows than are packed), then of one- and two-token steps
+    of 1 and 3 rows over its cache: [30 + 1 + 6 logits rows, V], in order."""
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(3, vocab, (3, 33), generator=g)
+    out = []
+    with torch.no_grad():
+        for rows, new in ((1, 1), (3, 2)):
+            cache = DynamicCache()
+            prompt = model(input_ids=ids[:rows, :30], use_cache=True, **cache_kwarg(model, cache)).logits
+            out += [prompt[0]] if rows == 1 else []
+            out.append(model(input_ids=ids[:rows, 30:30 + new], **cache_kwarg(model, cache)).logits.flatten(0, 1))
+    return torch.cat(out)
+
+
+@pytest.mark.skipif(not ONEDNN, reason="torch without oneDNN packs nothing")
+def test_packed_target_layers_give_f_linear_logits_to_the_bit():
+    from vlmspec.kernels.packed_linear import ExactPackedLinear
+    from vlmspec.target.packing import pack_exact_linears
+
+    packed, plain = _tiny_pair(torch.bfloat16)
+    found = pack_exact_linears(packed, most=8)
+    assert found and all(r == 8 for r in found.values()), found  # bf16: equal at 1..8 rows for every shape here
+    layers = [m for m in packed.modules() if isinstance(m, ExactPackedLinear)]
+    assert len(layers) == sum(type(m) is torch.nn.Linear for m in plain.modules())
+    assert packed.state_dict().keys() == plain.state_dict().keys()
+    tied = plain.get_output_embeddings().weight is plain.get_input_embeddings().weight
+    assert (packed.get_output_embeddings().weight is packed.get_input_embeddings().weight) == tied
+    calls = []
+    for layer in layers:
+        layer._packed = _Counting(layer._packed, calls)
+    assert torch.equal(_steps(packed), _steps(plain))
+    assert calls and max(calls) <= 8  # the steps took the packed copies, the prompts did not
+
+
+class _Counting:
+    def __init__(self, packed, calls):
+        self.packed, self.calls = packed, calls
+
+    def __call__(self, x):
+        self.calls.append(x.numel() // x.shape[-1])
+        return self.packed(x)
+
+
+@pytest.mark.skipif(not ONEDNN, reason="torch without oneDNN packs nothing")
+def test_float32_is_not_packed_and_forcing_it_changes_the_logits():
+    """The negative control: in float32 (MKL against oneDNN) the probe finds no exact row count,
+    and packing regardless changes the logits, which the test above would see."""
+    from vlmspec.kernels.packed_linear import ExactPackedLinear
+    from vlmspec.target.packing import pack_exact_linears
+
+    packed, plain = _tiny_pair(torch.float32)
+    assert set(pack_exact_linears(packed, most=8).values()) == {0}
+    assert not any(isinstance(m, ExactPackedLinear) for m in packed.modules())
+    for parent in list(packed.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear:
+                setattr(parent, name, ExactPackedLinear.wrap(child, 8))
+    forced, want = _steps(packed), _steps(plain)
+    assert not torch.equal(forced, want) and torch.allclose(forced, want, atol=1e-3)
+
+
+@pytest.mark.skipif(not ONEDNN, reason="torch without oneDNN packs nothing")
+def test_exact_packed_linear_runs_f_linear_whenever_the_packed_copy_may_not_hold():
+    from vlmspec.kernels.packed_linear import ExactPackedLinear
+
+    g = torch.Generator().manual_seed(2)
+    lin = torch.nn.Linear(48, 96).bfloat16()
+    layer = ExactPackedLinear.wrap(lin, 4)
+    x, five = torch.randn(3, 48, generator=g).bfloat16(), torch.randn(5, 48, generator=g).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(layer(x), F.linear(x, lin.weight, lin.bias))  # 3 rows: the packed copy
+        layer._packed = _Refuse()  # from here on, a use of the packed copy fails the test
+        assert torch.equal(layer(five), F.linear(five, lin.weight, lin.bias))  # more rows than it was probed at
+        with pytest.raises(RuntimeError):
+            layer(x.float())  # another dtype: F.linear's own error
+        lin.weight.mul_(2)  # the weight changed in place: the packed copy is stale
+        assert torch.equal(layer(x), F.linear(x, lin.weight, lin.bias))
+    y = layer(x)  # gradients wanted (the weight requires them): autograd's F.linear
+    assert y.grad_fn is not None
+
+
+class _Refuse:
+    def __call__(self, x):
+        pytest.fail("the packed copy was used")
+
+
+def test_load_target_packs_bf16_on_cpu_unless_asked_not_to(model_dir):
+    from vlmspec.cost import cost_key
+    from vlmspec.engine import SpecEngine
+    from vlmspec.draft import NoDrafter
+    from vlmspec.factory import EngineSpec, load
+
+    on = load(EngineSpec(model=str(model_dir), device="cpu", dtype="bfloat16"))
+    off = load(EngineSpec(model=str(model_dir), device="cpu", dtype="bfloat16", packed_weights=False))
+    fp32 = load(EngineSpec(model=str(model_dir), device="cpu", dtype="float32"))
+    assert (on.packed_layers > 0) == ONEDNN and off.packed_layers == 0 and fp32.packed_layers == 0
+    if ONEDNN:  # a cost measured with packed layers is not read back for a target without them
+        assert cost_key(SpecEngine(on, NoDrafter()), ())["packed_layers"] != cost_key(SpecEngine(off, NoDrafter()), ())["packed_layers"]

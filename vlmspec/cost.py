@@ -169,7 +169,7 @@ def fingerprint(module: torch.nn.Module | None) -> str:
 
 def cost_key(engine: SpecEngine, batch_sizes: tuple[int, ...]) -> dict[str, Any]:
     """What a measured cost depends on: the model and its weights, the drafter and its weights and
-    tree, the device, dtype, attention and thread count, torch's and transformers' versions, the sizes measured."""
+    tree, the device, dtype, attention, packed layers and thread count, torch's and transformers' versions, the sizes measured."""
     import transformers
 
     target, drafter = engine.target, engine.drafter
@@ -180,6 +180,7 @@ def cost_key(engine: SpecEngine, batch_sizes: tuple[int, ...]) -> dict[str, Any]
             "drafter_options": repr(getattr(drafter, "stop_threshold", None)),
             "tree": None if tree is None else [tree.depth, tree.top_k, tree.total_tokens],
             "device": str(target.device), "dtype": str(target.dtype), "attention": target.attention, "threads": torch.get_num_threads(),
+            "packed_layers": target.packed_layers,
             "torch": torch.__version__, "transformers": transformers.__version__, "batch_sizes": sorted(set(batch_sizes) | {1})}
 
 

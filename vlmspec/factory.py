@@ -50,6 +50,7 @@ class EngineSpec:
     tree_tokens: int | None = None
     policy: str = "goodput"  # the default speculation policy of the engine's requests (goodput | fixed)
     max_batch: int = 1  # requests decoded together at most (the service's batch): the goodput cost model is measured up to it
+    packed_weights: bool = True  # CPU: the target's decode steps over linear weights packed for oneDNN where exact (bf16)
 
 
 # the prompt the cost model is measured on at build (step times hardly depend on the prompt)
@@ -136,7 +137,8 @@ def tree_config(spec: EngineSpec, device: str, drafter: str | None = None) -> Tr
 def load(spec: EngineSpec) -> Target:
     """The target of `spec` (TargetLoadError when it cannot be loaded)."""
     device = resolve_device(spec.device)
-    return load_target(resolve_model(spec.model), device=device, dtype=resolve_dtype(spec.dtype, device), attention=spec.attention)
+    return load_target(resolve_model(spec.model), device=device, dtype=resolve_dtype(spec.dtype, device), attention=spec.attention,
+                       packed_weights=spec.packed_weights)
 
 
 def drafter_for(spec: EngineSpec, target: Target) -> Drafter:

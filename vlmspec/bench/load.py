@@ -321,7 +321,8 @@ def markdown(report: dict[str, Any]) -> str:
                 f"{env.get('max_batch', ['?'])[0]} in each server process); {o['max_tokens']} tokens per request {length}, at least "
                 f"{o['requests']} requests per level (2 per client); mean batch from {env.get('metrics', '/metrics')}")
     else:
-        head = (f"{env.get('model', '?')}, {env.get('dtype', '?')} on {env.get('device', '?')} ({env.get('threads', '?')} threads), drafter "
+        packed = f", {env['packed_layers']} linear layers packed" if env.get("packed_layers") else ""
+        head = (f"{env.get('model', '?')}, {env.get('dtype', '?')} on {env.get('device', '?')} ({env.get('threads', '?')} threads{packed}), drafter "
                 f"{env.get('drafter', '?')}; {o['max_tokens']} tokens per request {length}, at least {o['requests']} requests per level "
                 f"(2 per client); baseline: the one-at-a-time service (max_batch 1) with its default policy ({env.get('default_policy', '?')})")
     replicas = any(lv.get("replicas") for lv in report["levels"])  # a column when the service names its replicas

@@ -94,7 +94,7 @@ def _env(engine, args: argparse.Namespace, max_batch) -> dict:
     return {"model": model_label(target), "drafter": engine.drafter.name, "dtype": str(target.dtype).replace("torch.", ""),
             "device": str(target.device), "threads": torch.get_num_threads(), "max_batch": max_batch,
             "default_policy": engine.speculation.policy().name, "command": args.command_line,
-            "onednn_caches": shape_cache_settings()}
+            "onednn_caches": shape_cache_settings(), "packed_layers": target.packed_layers}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -16,6 +16,10 @@ CUDA has no reorder to save: other devices and dtypes stay on `F.linear`.
 
 oneDNN builds a primitive for each row count it is called at and caches it; the composition root
 bounds those caches (`vlmspec.onednn`), or a service's memory grows with every new prompt length.
+
+The target's own linear layers take packed weights too, but only where the numbers stay F.linear's
+to the bit, since the target's tokens are the answer: `ExactPackedLinear`, up to the row count
+`exact_rows` finds equal (`vlmspec.target.packing` packs a target's layers).
 """
 
 from __future__ import annotations
@@ -60,6 +64,61 @@ class PackedLinear:
         if x.dtype != self.dtype or x.device.type != "cpu":
             raise TypeError(f"a weight packed as {self.dtype} on the CPU takes {self.dtype} CPU inputs, got {x.dtype} on {x.device}")
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+class ExactPackedLinear(torch.nn.Linear):
+    """An `nn.Linear` (the same parameter objects, so the same state dict and tied weights stay
+    tied) that multiplies inputs of at most `rows` rows (all axes but the last) by its weight packed
+    once for oneDNN, where `exact_rows` found that product equal to F.linear's to the bit; every
+    other call runs F.linear: more rows, gradients wanted, another dtype or device, or a weight or
+    bias changed in place or replaced since it was packed. Build with `wrap`."""
+
+    rows: int
+    _packed: PackedLinear
+    _packed_from: tuple
+
+    @classmethod
+    def wrap(cls, linear: torch.nn.Linear, rows: int) -> "ExactPackedLinear":
+        assert rows >= 1 and type(linear) is torch.nn.Linear, (rows, type(linear))
+        new = cls.__new__(cls)
+        torch.nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight = linear.weight
+        new.register_parameter("bias", linear.bias)
+        new.rows = rows
+        new._packed = PackedLinear(linear.weight, linear.bias)
+        new._packed_from = new._source()
+        return new
+
+    def _source(self) -> tuple:
+        return tuple((t.data_ptr(), t._version, t.dtype) for t in (self.weight, self.bias) if t is not None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        w = self.weight
+        if (x.numel() <= self.rows * self.in_features and x.dtype == w.dtype and x.device.type == "cpu"
+                and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+                and self._source() == self._packed_from):
+            return self._packed(x)
+        return F.linear(x, w, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, packed up to {self.rows} rows"
+
+
+def exact_rows(linear: torch.nn.Linear, most: int, seed: int = 0) -> int:
+    """The largest R <= `most` such that, at every row count from 1 to R, this layer's product over
+    a weight packed for oneDNN equals F.linear's to the bit (random inputs: the kernel, and so the
+    order of the sums, follows the shape, not the values). 0 where it does not pack or differs at 1."""
+    w, b = linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
+    if not packable(w):
+        return 0
+    packed = PackedLinear(w, b)
+    x = torch.randn(most, w.shape[1], generator=torch.Generator().manual_seed(seed)).to(w.dtype)
+    with torch.no_grad():
+        for m in range(1, most + 1):
+            if not torch.equal(packed(x[:m]), F.linear(x[:m], w, b)):
+                return m - 1
+    return most
 
 
 def _median_us(run, repeats: int = 300) -> float:

@@ -13,6 +13,7 @@ import torch
 from vlmspec.errors import TargetLoadError
 from vlmspec.target.attention import set_attention
 from vlmspec.target.model import Target
+from vlmspec.target.packing import pack_exact_linears
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
@@ -38,9 +39,12 @@ def load_target(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     attention: str = "auto",
+    packed_weights: bool = True,
 ) -> Target:
     """Load a VLM with AutoModelForImageTextToText + AutoProcessor from a folder or a hub id.
-    `attention`: see `vlmspec.target.attention.set_attention`."""
+    `attention`: see `vlmspec.target.attention.set_attention`. `packed_weights`: on a CPU, linear
+    layers multiply the few rows of decode steps over weights packed once for oneDNN, where that
+    gives F.linear's numbers to the bit (`vlmspec.target.packing`: bf16)."""
     try:
         from transformers import AutoModelForImageTextToText, AutoProcessor
     except ImportError as exc:  # pragma: no cover - transformers is a core dependency
@@ -70,4 +74,6 @@ def load_target(
         raise TargetLoadError(f"cannot load a vision-language model from hub id {src!r}{hint}: {str(exc).splitlines()[0]}") from exc
     model = model.to(device)
     set_attention(model, attention)
+    if packed_weights and torch.device(device).type == "cpu":
+        pack_exact_linears(model)
     return Target(model, processor, name=src)

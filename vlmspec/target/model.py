@@ -29,6 +29,7 @@ import torch
 
 from vlmspec.errors import ConfigError, ContextLengthError, InputError
 from vlmspec.kernels import tree_attention
+from vlmspec.kernels.packed_linear import ExactPackedLinear
 from vlmspec.kv_cache import ATTENTION_KINDS, blocker_message, cache_kwarg, layer_kinds, rollback_blockers
 from vlmspec.slot_cache import SlotCache, single_slot_reason
 from vlmspec.target.attention import GQA_SDPA, RAGGED_KWARG, RaggedRows
@@ -158,6 +159,11 @@ class Target:
     @property
     def vocab_size(self) -> int:
         return int(self.text_config.vocab_size)
+
+    @property
+    def packed_layers(self) -> int:
+        """Linear layers that multiply a decode step's rows by a packed weight (`ExactPackedLinear`)."""
+        return sum(isinstance(m, ExactPackedLinear) for m in self.model.modules())
 
     @property
     def hidden_size(self) -> int:
