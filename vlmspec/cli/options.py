@@ -122,7 +122,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", default="auto", choices=ATTENTION_CHOICES, help="tree attention: auto = SDPA over grouped heads in place on CPU, transformers' SDPA elsewhere; triton = the Triton tree kernel (CUDA); sdpa = transformers' own")
     p.add_argument("--packed-weights", action=argparse.BooleanOptionalAction, default=True,
                    help="on a CPU, the target's decode steps multiply by linear weights packed once for oneDNN where that "
-                        "gives the same numbers to the bit (bf16: decode steps 10-15%% faster on the default model, for a packed "
+                        "gives the same numbers to the bit (bf16: decode steps 5-15%% faster on the default model, for a packed "
                         "copy of the weights in memory); --no-packed-weights: F.linear only")
     add_tree_args(p)
     p.add_argument("--policy", default="goodput", choices=POLICY_CHOICES,
