@@ -192,7 +192,7 @@ def choose_depths(controls: list[Controller], max_depths: list[int], cost: Batch
 
     deepest = max(caps.values())
     parts = [cost.ragged_parts(len(controls), d) for d in range(max(deepest, floor) + 1)] if per_row else []
-    fixed = sum(cost.ragged_parts(len(controls), d)[1] for d in depths) if per_row else 0.0  # the other rows' own nodes
+    fixed = sum(parts[d][1] for d in depths) if per_row else 0.0  # the other rows' own nodes (their depths <= floor)
 
     def ragged_at(depth: int) -> dict[int, int]:
         once = cost.seconds(len(controls), 0) + parts[max(depth, floor)][0] + fixed

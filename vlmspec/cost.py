@@ -220,9 +220,10 @@ def measured_costs(engine: SpecEngine, batch_sizes: tuple[int, ...] = (), cache_
             data = json.loads(path.read_text())
             if data["key"] == key:
                 batch = BatchCost.from_dict(data["batch"]) if data.get("batch") else None
-                if not implausible(batch):
+                kept_problems = implausible(batch)
+                if not kept_problems:
                     return CostModel.from_dict(data["single"]), batch
-                log(f"vlmspec: the cost model kept in {path} is implausible ({implausible(batch)[0]}); measuring again")
+                log(f"vlmspec: the cost model kept in {path} is implausible ({kept_problems[0]}); measuring again")
         except (OSError, ValueError, KeyError, TypeError) as err:
             log(f"vlmspec: ignoring an unreadable cost cache {path} ({err}); measuring again")
     sizes = tuple(b for b in sorted(set(batch_sizes)) if b > 1)

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from vlmspec import factory
+from vlmspec.errors import ConfigError
 from vlmspec.factory import EngineSpec
 from vlmspec.target import Target
-from vlmspec.errors import ConfigError
 from vlmspec.target.timing import time_lm_head_rows, time_ragged_forward, time_tree_forward
 
 SHAPES: dict[str, dict[str, int]] = {

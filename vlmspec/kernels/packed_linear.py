@@ -87,22 +87,27 @@ class ExactPackedLinear(torch.nn.Linear):
         new.register_parameter("bias", linear.bias)
         new.rows = rows
         new._packed = PackedLinear(linear.weight, linear.bias)
-        new._packed_from = new._source()
+        new._packed_from = _source(linear.weight, linear.bias)
         return new
 
-    def _source(self) -> tuple:
-        return tuple((t.data_ptr(), t._version, t.dtype) for t in (self.weight, self.bias) if t is not None)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
-        w = self.weight
+        w, b = self.weight, self.bias
         if (x.numel() <= self.rows * self.in_features and x.dtype == w.dtype and x.device.type == "cpu"
                 and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
-                and self._source() == self._packed_from):
+                and _source(w, b) == self._packed_from):
             return self._packed(x)
-        return F.linear(x, w, self.bias)
+        return F.linear(x, w, b)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, packed up to {self.rows} rows"
+
+
+def _source(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, ...]:
+    """Where the weight and bias are and their versions: what a packed copy was made from (a new
+    storage, from `.to()` or an assignment, or an in-place change gives another)."""
+    if bias is None:
+        return weight.data_ptr(), weight._version
+    return weight.data_ptr(), weight._version, bias.data_ptr(), bias._version
 
 
 def exact_rows(linear: torch.nn.Linear, most: int, seed: int = 0) -> int:

@@ -108,7 +108,7 @@ def gqa_sdpa_forward(
     their rows first and the output laid end to end again."""
     ragged: RaggedRows | None = kwargs.pop(RAGGED_KWARG, None)
     if ragged is not None:
-        hq, d = query.shape[1], query.shape[3]
+        hq = query.shape[1]
         padded = ragged.pad(query[0].transpose(0, 1))  # [B, n, Hq, D]
         out, _ = gqa_sdpa_forward(module, padded.transpose(1, 2), key, value, attention_mask, dropout, scaling, **kwargs)
         return out.reshape(ragged.rows * ragged.width, hq, -1).index_select(0, ragged.real)[None], None  # [1, T, Hq, Dv]
