@@ -3,7 +3,7 @@ its request ends, plain rows against goodput rows, alternating round by round (n
 batch's controller does shows without the service's own costs).
 
     PYTHONPATH=<checkout> .venv/bin/python scripts/batch_closed_loop.py [--slots 8] [--requests 32] [--rounds 2] \\
-        [--dtype bfloat16] [--no-ignore-eos] [--no-check] [--per-row] [--chains 1,2,3,4]
+        [--dtype bfloat16] [--no-ignore-eos] [--no-check] [--per-row] [--chains 1,2,3,4] [--kind-chains 3/0/0]
 
 Per round and way: tokens/s over the round, steps, the steps that drafted, tokens per step, the
 steps the batch's check held back (`BatchTiming.waits`), the median step, the drafted steps'
@@ -12,7 +12,8 @@ drafted steps had accepted. `--no-check` lets every step draft what the rows cho
 always allows), to see what the check costs or saves. `--per-row` adds goodput with depths chosen
 per row (`Batch(per_row_depths=True)`: rows of unequal trees verified without padding). `--chains`
 adds ways whose every row drafts a chain of that many levels at every step (the fixed policy): the best of them is what one depth for the whole batch, chosen in hindsight, would have
-given, the yardstick of the goodput controller's choice. Tokens/s are also given over the decode
+given, the yardstick of the goodput controller's choice. `--kind-chains 3/0/0,...` adds ways whose rows draft by
+their kind (ToyWorld scenes / photographs / text): depths per row, chosen in hindsight per kind. Tokens/s are also given over the decode
 steps alone (the round's time less its prefills), and each way's ratio to plain decoding. Run it
 with PYTHONPATH set to two checkouts in turn to compare them. It measured the change of
 `vlmspec.batch_control.BatchTiming` from decayed means to medians: with the means, a step carrying
@@ -40,6 +41,8 @@ parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, defau
 parser.add_argument("--no-check", action="store_true", help="the batch's check of its drafted steps always allows drafting")
 parser.add_argument("--per-row", action="store_true", help="add a way whose goodput rows choose their own depths (Batch per_row_depths)")
 parser.add_argument("--chains", default="", help="comma-separated depths: a way per depth whose rows draft that deep a chain every step")
+parser.add_argument("--kind-chains", default="", help="comma-separated t/p/x plans: a way per plan whose ToyWorld rows draft a chain of t "
+                    "levels every step, photographs p, text x (0: plain steps)")
 args = parser.parse_args()
 if args.no_check:
     vlmspec.batch_control.BatchTiming.allows_draft = lambda self, rows: True
@@ -56,26 +59,39 @@ def observe(self, cost, rows, depth, seconds, emitted=None, modelled=None):  # t
 vlmspec.batch_control.BatchTiming.observe = observe
 engine = build_engine(EngineSpec(dtype=args.dtype, device="cpu", max_batch=max(16, args.slots)))
 mix = prompts(engine.target, 12)
-WAYS: dict[str, tuple[SpeculationOptions, TreeConfig | None]] = {
-    "plain": (SpeculationOptions(policy="fixed", max_depth=0), None), "goodput": (SpeculationOptions(policy="goodput"), None)}
+Way = tuple[SpeculationOptions, TreeConfig | None]
+
+
+def chain(depth: int) -> Way:
+    """Every step a chain of `depth` levels (0: plain steps)."""
+    if depth == 0:
+        return SpeculationOptions(policy="fixed", max_depth=0), None
+    return SpeculationOptions(policy="fixed"), TreeConfig(depth=depth, top_k=1, total_tokens=depth)
+
+
+# a way: its options for the mix's ToyWorld rows, photographs and text (row i of the mix is of kind i % 3)
+WAYS: dict[str, list[Way]] = {"plain": [chain(0)] * 3, "goodput": [(SpeculationOptions(policy="goodput"), None)] * 3}
 if args.per_row:
-    WAYS["per-row"] = (SpeculationOptions(policy="goodput"), None)
+    WAYS["per-row"] = [(SpeculationOptions(policy="goodput"), None)] * 3
 for depth in (int(d) for d in args.chains.split(",") if d):
-    WAYS[f"chain-{depth}"] = (SpeculationOptions(policy="fixed"), TreeConfig(depth=depth, top_k=1, total_tokens=depth))
+    WAYS[f"chain-{depth}"] = [chain(depth)] * 3
+for plan in (p for p in args.kind_chains.split(",") if p):
+    WAYS[f"kinds-{plan}"] = [chain(int(d)) for d in plan.split("/")]
+    assert len(WAYS[f"kinds-{plan}"]) == 3, f"a plan is t/p/x, got {plan!r}"
 rates: dict[str, list[float]] = {name: [] for name in WAYS}
 
 
 def run(name: str) -> str:
-    spec, tree = WAYS[name]
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, speculation=spec, tree=tree)
+    configs = [GenerationConfig(max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, speculation=spec, tree=tree)
+               for spec, tree in WAYS[name]]
     batch = engine.batch(args.slots, capacity=1024, per_row_depths=name == "per-row")
-    waiting = [mix[i % len(mix)] for i in range(args.requests)]
+    waiting = [(mix[i % len(mix)], configs[i % 3]) for i in range(args.requests)]
     tokens, drafted, step_s, t0 = 0, 0, [], time.perf_counter()
     accepted: collections.Counter[int] = collections.Counter()  # drafted tokens accepted -> row-steps
     drafted_ms.clear()
     while waiting or batch.requests:
         while waiting and not batch.full:
-            batch.add(waiting.pop(0), config)
+            batch.add(*waiting.pop(0))
         t = time.perf_counter()
         events = batch.step()
         step_s.append(time.perf_counter() - t)
@@ -94,6 +110,6 @@ def run(name: str) -> str:
 
 for r in range(args.rounds):
     for name in (WAYS if r % 2 == 0 else reversed(list(WAYS))):
-        print(f"round {r + 1} {name:8s}" + run(name), flush=True)
+        print(f"round {r + 1} {name:11s}" + run(name), flush=True)
 print("tokens/s over plain decoding's, round by round: " + "; ".join(
     f"{name} {', '.join(f'{a / p:.2f}' for a, p in zip(rates[name], rates['plain']))}" for name in WAYS if name != "plain"))
