@@ -21,6 +21,7 @@ the rows' first prompt reads held drafting back for most of a run at 8 slots.
 """
 import argparse
 import collections
+import re
 import statistics
 import time
 
@@ -44,6 +45,9 @@ parser.add_argument("--chains", default="", help="comma-separated depths: a way 
 parser.add_argument("--kind-chains", default="", help="comma-separated t/p/x plans: a way per plan whose ToyWorld rows draft a chain of t "
                     "levels every step, photographs p, text x (0: plain steps)")
 args = parser.parse_args()
+for plan in (p for p in args.kind_chains.split(",") if p):
+    if not re.fullmatch(r"\d+/\d+/\d+", plan):
+        parser.error(f"--kind-chains: a plan is t/p/x, three depths (ToyWorld/photographs/text), e.g. 3/0/0; got {plan!r}")
 if args.no_check:
     vlmspec.batch_control.BatchTiming.allows_draft = lambda self, rows: True
 _observe = vlmspec.batch_control.BatchTiming.observe
@@ -77,7 +81,6 @@ for depth in (int(d) for d in args.chains.split(",") if d):
     WAYS[f"chain-{depth}"] = [chain(depth)] * 3
 for plan in (p for p in args.kind_chains.split(",") if p):
     WAYS[f"kinds-{plan}"] = [chain(int(d)) for d in plan.split("/")]
-    assert len(WAYS[f"kinds-{plan}"]) == 3, f"a plan is t/p/x, got {plan!r}"
 rates: dict[str, list[float]] = {name: [] for name in WAYS}
 
 
