@@ -16,7 +16,7 @@ MODELS_BUILT := $(BASE_MODEL)/config.json $(if $(wildcard $(MODEL_PARTS)),$(MODE
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: setup test test-all serve demo clean gpu-check
+.PHONY: setup test test-kernels test-all serve demo clean gpu-check
 
 setup: $(STAMP) $(MODELS_BUILT)
 
@@ -38,6 +38,12 @@ $(MODEL)/config.json: $(STAMP) $(MODEL_PARTS)
 # the default suite: maths on constructed tensors + tiny in-process HF models (no slow/gpu figures)
 test: setup
 	$(PY) -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
+
+# the exactness tests again under other kernel paths of this CPU (AVX2 instead of AVX-512 / AMX, one
+# thread): what another CPU of this kind computes (docs/batching.md, "Exact on any CPU")
+KERNEL_PATHS ?= ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 OMP_NUM_THREADS=1
+test-kernels: setup
+	env $(KERNEL_PATHS) $(PY) -m pytest -m "exactness and not slow and not gpu" $(PYTEST_ARGS)
 
 test-all: setup
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -76,10 +76,26 @@ def _matrix() -> tuple:
     return tuple(coverage.run_matrix(None, build_processor, tiny_image(0)))
 
 
+def test_a_differing_token_is_a_near_tie_only_within_the_logit_bound():
+    """`coverage.compare`: equal tokens pass; a token that parts where the reference's margin is within
+    `MAX_LOGIT_GAP` is a near-tie, noted with its margin; the negative control: a larger margin fails."""
+    ref = [5, 6, 7, 8]
+    assert coverage.compare(ref, ref, "x", lambda k, other: 1.0) == ""
+    note = coverage.compare([5, 6, 9, 1], ref, "x", lambda k, other: 6e-8 if (k, other) == (2, 9) else 1.0)
+    assert "token 2" in note and "6.0e-08" in note
+    with pytest.raises(coverage._Failed, match="token 2 differs"):
+        coverage.compare([5, 6, 9, 1], ref, "x", lambda k, other: 1e-2)
+    with pytest.raises(coverage._Failed, match="3 tokens"):
+        coverage.compare(ref[:3], ref, "x", lambda k, other: 0.0)
+
+
 def test_every_family_lossless_or_refused():
     rows = _matrix()
     failed = [f"{r.family}: {r.detail}" for r in rows if r.status == "FAILED"]
     assert not failed, "\n".join(failed)
+    near_ties = [f"{r.family}: {note}" for r in rows for note in r.near_ties]
+    print("\n".join(["near-ties (CPU-dependent):", *near_ties]) if near_ties else "no near-tie divergence on this CPU")
+    assert len(near_ties) <= 3, near_ties  # rounding flips a rare exact tie; many would be a fault the allowance hides
     by_status = {r.family: r.status for r in rows}
     for family in ("llava", "qwen2_5_vl", "idefics3", "gemma3", "gemma4", "aya_vision", "mllama", "smolvlm", "paligemma"):
         assert by_status[family] == "lossless", family

@@ -95,8 +95,8 @@ def measure(opts: VerifyCostOptions) -> dict[str, Any]:
     ragged = {}
     if opts.rows:
         if not target.verifies_ragged:
-            raise ConfigError(f"{target.name} cannot lay rows end to end (its attention is {target.attention!r}): "
-                              "--rows needs --model DIR on a CPU, where 'auto' attention takes them")
+            raise ConfigError(f"{target.name} does not lay rows end to end (attention {target.attention!r}, {target.dtype}): "
+                              "--rows needs --model DIR --dtype bfloat16 on a CPU, where 'auto' attention takes them")
         ragged = {"sizes": list(opts.rows), **time_ragged_forward(target, opts.prefix, list(opts.rows), opts.repeats, opts.warmup)}
     env = {"device": device, "dtype": str(dtype), "threads": torch.get_num_threads(), "torch": torch.__version__,
            "target": target.name, "prefix": opts.prefix}

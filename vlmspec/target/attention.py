@@ -10,15 +10,19 @@ on the default model a batched step of 8 rows drafting 3 levels spends about 6 m
 
 In bf16, a masked call of a few queries per row goes one step further: the query heads that share a
 key / value head are laid along the query axis ([B, Hkv, G * Lq, D]) and SDPA runs without grouping.
-torch's CPU kernel takes a block of up to `PACKED_QUERIES` queries at once, and within one block it
-gives each query the numbers it gives it alone; so the output is the same to the bit
-(tests/test_attention.py holds that on a grid of shapes), and a verify step of 8 rows of 2 to 4
-tokens spends about a third less time in attention. One query (a plain step), fewer than
-`PACKED_MIN_ROWS` rows and fp32 keep the grouped call, which is as fast or faster there.
+torch's CPU kernel takes a block of up to `PACKED_QUERIES` queries at once, and where it gives each
+query of a block the numbers it gives it alone, the output is the same to the bit and a verify step
+of 8 rows of 2 to 4 tokens spends about a third less time in attention. Whether it does depends on
+the CPU's kernels (the AVX-512 one did here, the AVX2 one did not), so a one-time check per head
+width and group size (`packing_is_exact`) decides; where it finds a difference the grouped call
+runs. One query (a plain step), fewer than `PACKED_MIN_ROWS` rows and fp32 keep the grouped call,
+which is as fast or faster there.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,7 +131,34 @@ def packs(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor) 
     """Whether `gqa_sdpa_forward` lays a group's query heads along the query axis (see the module docstring)."""
     lq, groups = query.shape[2], query.shape[1] // key.shape[1]
     rows_ok = query.shape[0] >= PACKED_MIN_ROWS  # fewer rows (a request alone): the grouped call is as fast or faster
-    return query.dtype == torch.bfloat16 and rows_ok and lq > 1 and groups * lq <= PACKED_QUERIES and attention_mask.shape[1] == 1
+    shape_ok = query.dtype == torch.bfloat16 and rows_ok and lq > 1 and groups * lq <= PACKED_QUERIES and attention_mask.shape[1] == 1
+    return shape_ok and packing_is_exact(query.shape[3], groups, torch.get_num_threads())
+
+
+PROBE_ROWS = (PACKED_MIN_ROWS, 16)  # rows and cached entries `packing_is_exact` tries (either side of the
+PROBE_CACHED = (30, 700)  # kernel's key-block sizes)
+
+
+@functools.lru_cache(maxsize=None)
+def packing_is_exact(head_dim: int, groups: int, threads: int) -> bool:
+    """Whether this CPU's SDPA kernel gives the packed call (`_packed_sdpa`) the grouped call's bf16
+    numbers to the bit at every query count that packs (2 .. PACKED_QUERIES / groups), over
+    `PROBE_ROWS` rows of unequal lengths and `PROBE_CACHED` cached entries. A fact about this
+    machine's kernels at this shape and thread count (the kernel splits its work by the threads)."""
+    g = torch.Generator().manual_seed(head_dim * 131 + groups)
+    lo = torch.finfo(torch.bfloat16).min
+    with torch.no_grad():
+        for rows, n, cached in itertools.product(PROBE_ROWS, range(2, PACKED_QUERIES // groups + 1), PROBE_CACHED):
+            q = torch.randn(rows, groups * 2, n, head_dim, generator=g).to(torch.bfloat16)
+            k, v = (torch.randn(rows, 2, cached + n, head_dim, generator=g).to(torch.bfloat16) for _ in range(2))
+            mask = torch.zeros(rows, 1, n, cached + n, dtype=torch.bfloat16)
+            mask[..., cached:] = lo * torch.ones(n, n, dtype=torch.bfloat16).triu(1)
+            for b in range(rows):
+                mask[b, :, :, : 3 * b] = lo  # rows of unequal lengths
+            grouped = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            if not torch.equal(_packed_sdpa(q, k, v, mask, 0.0, None), grouped):
+                return False
+    return True
 
 
 def _packed_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, dropout: float,

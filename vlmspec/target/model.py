@@ -442,9 +442,13 @@ class Target:
     @torch.no_grad()
     def _probe_ragged(self) -> bool:
         """Rows of 1 and 3 nodes after prompts of 2 and 3 tokens, padded and laid end to end: the same
-        logits (within `_probe_tree_inputs`' bound), or False for a model whose forward does not pass
-        the rows' layout down to its attention (or has no explicit-input tree forward at all)."""
-        if self._explicit_inputs_problem() or single_slot_reason(self.model.config):
+        logits within `_probe_tree_inputs`' bound, or False for a model whose forward does not pass the
+        rows' layout down to its attention (or has no explicit-input tree forward at all). Never in
+        float32: laid end to end, every linear layer multiplies another number of rows than padded,
+        and CPU kernels follow the row count (AVX2's gave the padded numbers at 4 rows against 6, not
+        at 7 against 12), so no one-time check can show the layout changes no number; the fp32 rows
+        are padded. bf16 promises answers up to near-ties, which the bound is for."""
+        if self.dtype == torch.float32 or self._explicit_inputs_problem() or single_slot_reason(self.model.config):
             return False
         cache = self.new_cache(2, 16)
         states = []
@@ -458,8 +462,7 @@ class Target:
         except (TypeError, ValueError, RuntimeError, AttributeError, KeyError):
             return False
         want, got = torch.cat([padded[0, :1], padded[1]]), torch.cat([laid[0, :1], laid[1]])
-        tol = (1e-3 if self.dtype == torch.float32 else 5e-2) * max(1.0, float(want.abs().max()))
-        return float((got - want).abs().max()) <= tol
+        return float((got - want).abs().max()) <= 5e-2 * max(1.0, float(want.abs().max()))
 
     def forward_tree(self, state: TargetState, tree: DraftTree, layers: tuple[int, ...] | None = None) -> ForwardOut:
         """One row's tree (`forward_batch` of one): logits [N, V], features [N, H] (or [N, mH], `layers`)."""

@@ -9,13 +9,21 @@ its path's logits compared with the same tokens run as plain steps (max gap <= 1
 the prompts and a shorter text prompt are decoded together in one batch (EAGLE drafter), each row
 at its own length: each must again give HF `generate`'s tokens.
 
+"The same tokens" holds up to near-ties: CPU kernels pick their blocking by the number of rows they
+multiply, so a tree of several nodes, or several rows, rounds a logit differently from HF's one-token
+step (about 1e-7 in fp32). Where a token differs, the reference's own logits at that step are read:
+if its token beat vlmspec's by no more than `MAX_LOGIT_GAP` (the logit check's bound) the divergence
+is a near-tie, reported with its margin (`Row.near_ties`, printed, not written into the docs: it
+depends on the CPU) and the row keeps its status; a larger margin fails the row.
+
 A row's status:
   lossless    every prompt, every drafter, the logit check, and the batch;
   plain only  plain decoding is exact, and the speculative drafters are refused with vlmspec's
               message (a decoder whose state cannot be rolled back);
   refused     vlmspec refuses the model with its own message;
   not built   no tiny model of the family can be built here (the reason says why: not vlmspec's doing);
-  FAILED      a token differs, a logit gap is over the bound, or vlmspec raised a raw exception.
+  FAILED      a token differs (beyond a near-tie), a logit gap is over the bound, or vlmspec raised
+              a raw exception.
 
     python -m vlmspec.testing.coverage              # the table, to stdout
     python -m vlmspec.testing.coverage --write      # and into docs/families.md and the README's list
@@ -24,6 +32,7 @@ A row's status:
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from dataclasses import dataclass, field
@@ -60,6 +69,7 @@ class Row:
     prompts: list[str] = field(default_factory=list)  # the prompts run ("text", "image")
     max_gap: float | None = None  # the logit check's largest gap over the prompts
     seconds: float = 0.0
+    near_ties: list[str] = field(default_factory=list)  # tokens that took the other side of a near-tie, with margins
 
 
 class _Failed(Exception):
@@ -114,16 +124,47 @@ def logit_gap(target: Target, inputs: dict[str, Any], ref: list[int], depth: int
     return float((tree_logits - torch.stack(plain)).abs().max())
 
 
+def reference_margin(reference: Callable[..., list[int]], model: torch.nn.Module, inputs: dict[str, Any], ref: list[int],
+                     k: int, other: int) -> float:
+    """How far the reference's own logits at new token k put its token ref[k] above `other`: HF
+    `generate`'s logits at that step (`recomputed_greedy`: the full forward over the prompt and ref[:k])."""
+    with torch.no_grad():
+        if reference is recomputed_greedy:
+            ids = torch.cat([inputs["input_ids"], torch.tensor([ref[:k]], dtype=inputs["input_ids"].dtype)], dim=1)
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[0, -1]
+        else:
+            out = model.generate(**inputs, max_new_tokens=k + 1, min_new_tokens=k + 1, do_sample=False, eos_token_id=None,
+                                 output_logits=True, return_dict_in_generate=True)
+            logits = out.logits[k][0]
+    return float(logits[ref[k]] - logits[other])
+
+
+def compare(got: list[int], ref: list[int], what: str, margin: Callable[[int, int], float]) -> str:
+    """'' when `got` is `ref`; a near-tie note when they part where the reference's margin
+    (`margin(k, got[k])`) is at most `MAX_LOGIT_GAP`; raises _Failed otherwise."""
+    if got == ref:
+        return ""
+    k = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
+    if k >= min(len(got), len(ref)):
+        raise _Failed(f"{what}: {len(got)} tokens against HF generate's {len(ref)}")
+    m = margin(k, got[k])
+    if m <= MAX_LOGIT_GAP:
+        return f"{what}: token {k} took the other side of a near-tie (HF generate's margin {m:.1e})"
+    raise _Failed(f"{what}: token {k} differs from HF generate (its margin {m:.1e})")
+
+
 def _drafters(target: Target) -> dict[str, Callable[[], Any]]:
     """The three drafters, each made when its turn comes (a refusal of one does not stop the others)."""
     return {"none": NoDrafter, "ngram": lambda: NgramDrafter(TREE), "eagle": lambda: EagleDrafter.random_init(target, TREE, seed=1)}
 
 
-def check_prompt(target: Target, inputs: dict[str, Any], label: str, reference: Callable[..., list[int]] = hf_greedy
-                 ) -> tuple[list[str], float | None]:
+def check_prompt(target: Target, inputs: dict[str, Any], label: str, reference: Callable[..., list[int]] = hf_greedy,
+                 near_ties: list[str] | None = None) -> tuple[list[str], float | None]:
     """Run one prompt through every drafter; returns (refusal messages, logit gap or None when refused).
-    Raises _Failed on a differing token or logit, VlmspecError when plain decoding itself is refused."""
+    Raises _Failed on a differing token (beyond a near-tie, noted in `near_ties`) or logit,
+    VlmspecError when plain decoding itself is refused."""
     ref = reference(target.model, inputs)
+    margin = functools.partial(reference_margin, reference, target.model, inputs, ref)
     refusals: list[str] = []
     config = GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     for name, make in _drafters(target).items():
@@ -134,10 +175,9 @@ def check_prompt(target: Target, inputs: dict[str, Any], label: str, reference: 
                 raise
             refusals.append(str(exc))
             continue
-        got = engine.generate(inputs, config).token_ids
-        if got != ref:
-            first = next(i for i, (a, b) in enumerate(zip(got, ref)) if a != b)
-            raise _Failed(f"{label} prompt, drafter {name}: token {first} differs from HF generate")
+        note = compare(engine.generate(inputs, config).token_ids, ref, f"{label} prompt, drafter {name}", margin)
+        if note and near_ties is not None:
+            near_ties.append(note)
     if refusals:
         return refusals, None
     gap = logit_gap(target, inputs, ref)
@@ -146,24 +186,28 @@ def check_prompt(target: Target, inputs: dict[str, Any], label: str, reference: 
     return refusals, gap
 
 
-def check_batched(target: Target, prompts: dict[str, dict[str, Any]], references: dict[str, Callable[..., list[int]]]) -> str:
+def check_batched(target: Target, prompts: dict[str, dict[str, Any]], references: dict[str, Callable[..., list[int]]],
+                  near_ties: list[str] | None = None) -> str:
     """The family's prompts plus a shorter text prompt decoded together in one batch (each row its own
-    length, masks and positions) with the EAGLE drafter: each must give its reference's tokens.
-    Raises _Failed otherwise; returns a note when the model decodes one request at a time."""
+    length, masks and positions) with the EAGLE drafter: each must give its reference's tokens (up to
+    near-ties, noted in `near_ties`). Raises _Failed otherwise; returns a note when the model decodes
+    one request at a time."""
     try:
         target.check_batching()
     except VlmspecError as exc:
         return f"one request at a time: {first_line(exc)}"
     short = {k: v[:, : PROMPT_TOKENS // 2] for k, v in text_prompt(1).items()}
     batch = {**prompts, "short text": short}
-    refs = {label: (references.get(label) or references["text"])(target.model, inputs) for label, inputs in batch.items()}
+    how = {label: references.get(label) or references["text"] for label in batch}
+    refs = {label: how[label](target.model, inputs) for label, inputs in batch.items()}
     engine = SpecEngine(target, EagleDrafter.random_init(target, TREE, seed=1))
     config = GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     results = engine.generate_many([(inputs, config) for inputs in batch.values()], slots=len(batch))
     for (label, ref), result in zip(refs.items(), results):
-        if result.token_ids != ref:
-            first = next(i for i, (a, b) in enumerate(zip(result.token_ids, ref)) if a != b)
-            raise _Failed(f"{label} prompt in a batch of {len(batch)}: token {first} differs from HF generate")
+        margin = functools.partial(reference_margin, how[label], target.model, batch[label], ref)
+        note = compare(result.token_ids, ref, f"{label} prompt in a batch of {len(batch)}", margin)
+        if note and near_ties is not None:
+            near_ties.append(note)
     return ""
 
 
@@ -209,14 +253,14 @@ def check_family(family: str, processor_factory: ProcessorFactory | None = None,
         row.detail = "; ".join(notes)
         gaps, refusals = [], []
         for label, inputs in prompts.items():
-            r, gap = check_prompt(target, inputs, label, references[label])
+            r, gap = check_prompt(target, inputs, label, references[label], row.near_ties)
             refusals += r
             if gap is not None:
                 gaps.append(gap)
             row.prompts.append(label)
         row.max_gap = max(gaps) if gaps else None
         if not refusals:
-            note = check_batched(target, prompts, references)
+            note = check_batched(target, prompts, references, row.near_ties)
             row.detail = "; ".join(x for x in (row.detail, note) if x)
         row.status, row.detail = ("plain only", refusals[0]) if refusals else ("lossless", row.detail)
     except NotBuildable as exc:
@@ -239,6 +283,8 @@ def run_matrix(names: list[str] | None = None, processor_factory: ProcessorFacto
         if progress:
             r = rows[-1]
             print(f"{r.family:28s} {r.status:10s} {r.seconds:5.1f}s {r.detail[:100]}", file=sys.stderr, flush=True)
+            for note in r.near_ties:
+                print(f"{'':28s} near-tie: {note}", file=sys.stderr, flush=True)
     return rows
 
 
@@ -247,10 +293,19 @@ def table(rows: list[Row]) -> str:
     """The matrix as a Markdown table, one row per family."""
     lines = ["| family | status | prompts | max logit gap | note |", "|---|---|---|---:|---|"]
     for r in rows:
-        gap = f"{r.max_gap:.1e}" if r.max_gap is not None else ""
+        gap = gap_bucket(r.max_gap) if r.max_gap is not None else ""
         note = r.detail.replace("|", "\\|")
         lines.append(f"| {r.family} | {r.status} | {', '.join(r.prompts)} | {gap} | {note} |")
     return "\n".join(lines)
+
+
+def gap_bucket(gap: float) -> str:
+    """The logit check's gap as the docs show it: its bound to a power of ten, not its digits, which
+    follow the CPU's kernels (2.1e-07 on one machine, 1.8e-07 on another)."""
+    for bound in (1e-5, MAX_LOGIT_GAP):
+        if gap < bound:
+            return f"< {bound:.0e}"
+    return f"{gap:.0e}"
 
 
 def summary(rows: list[Row]) -> str:
