@@ -117,7 +117,7 @@ def test_verify_cost_times_rows_padded_and_laid_end_to_end_where_the_target_take
 
     times = time_ragged_forward(tiny_target("llava"), prefix=6, sizes=[1, 1, 5], repeats=2, warmup=0)
     assert set(times) == {"padded", "laid end to end"} and min(times.values()) > 0
-    with pytest.raises(ConfigError, match="--model DIR on a CPU"):
+    with pytest.raises(ConfigError, match="--model DIR --dtype bfloat16 on a CPU"):
         measure(VerifyCostOptions(shape="bundled", layers=1, device="cpu", prefix=8, sizes=(1,), repeats=1, warmup=0, rows=(1, 3)))
 
 
