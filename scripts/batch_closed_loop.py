@@ -92,9 +92,9 @@ def run(name: str) -> str:
     tokens, drafted, step_s, t0 = 0, 0, [], time.perf_counter()
     accepted: collections.Counter[int] = collections.Counter()  # drafted tokens accepted -> row-steps
     drafted_ms.clear()
-    while waiting or batch.requests:
-        while waiting and not batch.full:
-            batch.add(*waiting.pop(0))
+    while waiting or not batch.idle:
+        while waiting and len(batch.waiting) + len(batch.requests) < args.slots:  # closed loop: a slot's next request is ready
+            batch.submit(*waiting.pop(0))
         t = time.perf_counter()
         events = batch.step()
         step_s.append(time.perf_counter() - t)

@@ -57,9 +57,9 @@ for b in (int(x) for x in args.sizes.split(",")):
     counts.clear()
     batch = engine.batch(b)
     for _ in range(b):
-        batch.add(inputs, GenerationConfig(max_new_tokens=24, ignore_eos=True, policy=FixedPolicy(args.depth)))
+        batch.submit(inputs, GenerationConfig(max_new_tokens=24, ignore_eos=True, policy=FixedPolicy(args.depth)))
     with torch.no_grad():
-        while batch.requests:
+        while not batch.idle:
             batch.step()
     ops = statistics.median(counts[1:])
     first = first if first is not None else (b, ops)

@@ -43,10 +43,10 @@ def decode(engine, requests: list, tokens: int, tree_tokens: int | None) -> tupl
     batch = engine.batch(len(requests))
     cfg = GenerationConfig(max_new_tokens=tokens, ignore_eos=True, speculation=SpeculationOptions(policy="fixed", tree_tokens=tree_tokens))
     for r in requests:
-        batch.add(r, cfg)
+        batch.submit(r, cfg)
     per_step, steps = [], 0
     with torch.no_grad():
-        while batch.requests:
+        while not batch.idle:
             before = batch.timings["draft"]
             batch.step()
             per_step.append(1e3 * (batch.timings["draft"] - before))

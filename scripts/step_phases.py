@@ -37,7 +37,7 @@ def run(depth: int) -> str:
                               speculation=SpeculationOptions(policy="fixed", max_depth=depth), tree=chain)
     batch = engine.batch(args.slots, capacity=1024)
     for i in range(args.slots):
-        batch.add(mix[i % len(mix)], config)
+        batch.submit(mix[i % len(mix)], config)
     batch.step()
     batch.step()
     steps, phases = [], {key: [] for key in batch.timings}

@@ -49,15 +49,15 @@ def _requests(target, specs, sampling=None):
 
 
 def run_ragged(engine, requests, slots, cancel=None):
-    """Drive one batch: request i joins at step `join` (or the first step after it with a free slot);
-    `cancel = (i, step)` takes request i out after that step. Returns each request's tokens."""
+    """Drive one batch: request i is submitted at step `join` (and admitted by the first step with a
+    free slot); `cancel = (i, step)` takes request i out after that step. Returns each request's tokens."""
     batch = engine.batch(slots)
     waiting = sorted(range(len(requests)), key=lambda i: requests[i][2])
     running, step = {}, 0
-    while waiting or batch.requests:
-        while waiting and requests[waiting[0]][2] <= step and not batch.full:
+    while waiting or not batch.idle:
+        while waiting and requests[waiting[0]][2] <= step:
             i = waiting.pop(0)
-            running[i] = batch.add(requests[i][0], requests[i][1])
+            running[i] = batch.submit(requests[i][0], requests[i][1])
         batch.step()
         if cancel is not None and cancel[1] == step and cancel[0] in running:
             batch.cancel(running[cancel[0]])
@@ -171,11 +171,11 @@ def test_a_bounded_batch_refuses_what_would_not_fit_and_reports_its_memory():
     (inputs, cfg, _), = _requests(target, RAGGED[1:2])
     batch = engine.batch(2, capacity=inputs["input_ids"].shape[1] + 8)
     with pytest.raises(ContextLengthError, match="lower max_tokens"):
-        batch.add(inputs, cfg)
-    assert batch.free == [0, 1] and not batch.requests  # nothing taken
+        batch.submit(inputs, cfg)
+    assert batch.free == [0, 1] and not batch.requests and not batch.waiting  # nothing taken
     batch = engine.batch(2, capacity=batch.need(inputs, cfg))
-    req = batch.add(inputs, cfg)
-    while batch.requests:
+    req = batch.submit(inputs, cfg)
+    while not batch.idle:
         batch.step()
     assert req.result.token_ids == engine.generate(inputs, cfg).token_ids
     layers = target.text_config.num_hidden_layers
@@ -476,3 +476,69 @@ def test_a_rows_fp32_logits_beside_1_3_and_7_other_rows_are_its_own_up_to_roundi
         clear = (top2[:, 0] - top2[:, 1]) > 2 * bound
         assert torch.equal(beside.argmax(-1)[clear], alone.argmax(-1)[clear])
     assert float((_row_logits_beside(target, 3, tree, lie=1) - alone).abs().max()) > 1e3 * bound
+
+
+def test_the_batch_admits_under_its_prefill_budget_first_come_first_served():
+    """A budget of fewer prompt tokens than two prompts: each step admits one waiting request (the
+    first always, so a prompt longer than the budget is not starved), in the order submitted, and
+    every answer is its batch-1 run's. Negative control: without a budget one step admits all."""
+    target = tiny_target("llava")
+    engine = SpecEngine(target, NgramDrafter(TREE))
+    requests = _requests(target, [(t, [], 6, 0) for t in ("once upon a time", "hello there you", "a b c d e f g")])
+    lengths = [int(inputs["input_ids"].shape[1]) for inputs, _, _ in requests]
+    for budget, per_step in ((max(lengths) + 1, [1, 1, 1]), (None, [3])):
+        batch = engine.batch(3, prefill_budget=budget)
+        tickets = [batch.submit(inputs, cfg) for inputs, cfg, _ in requests]
+        admitted = []
+        while batch.waiting:
+            before = sum(not t.waiting for t in tickets)
+            batch.step()
+            admitted.append(sum(not t.waiting for t in tickets) - before)
+        assert admitted == per_step
+        while not batch.idle:
+            batch.step()
+        assert [t.result.token_ids for t in tickets] == [engine.generate(i, c).token_ids for i, c, _ in requests]
+
+
+def test_a_request_whose_prefill_raises_fails_alone(monkeypatch):
+    """One of three requests raises in its prefill: its ticket carries the error, its slot is free
+    for the next, and the others' answers are their batch-1 runs. Negative control: without the
+    fault no ticket has an error."""
+    target = tiny_target("llava")
+    engine = SpecEngine(target, NgramDrafter(TREE))
+    requests = _requests(target, [(t, [], 8, 0) for t in ("once upon a time", "hello there you", "a b c d e f g", "x y z")])
+    alone = [engine.generate(i, c).token_ids for i, c, _ in requests]
+    real_open = engine._open
+    bad = requests[1][0]
+
+    def failing(inputs, config, cache, slot):
+        if inputs is bad:
+            raise RuntimeError("injected prefill fault")
+        return real_open(inputs, config, cache, slot)
+
+    for inject in (True, False):
+        monkeypatch.setattr(engine, "_open", failing if inject else real_open)
+        batch = engine.batch(2)
+        tickets = [batch.submit(i, c) for i, c, _ in requests]
+        while not batch.idle:
+            batch.step()
+        errors = [t.error for t in tickets]
+        assert (isinstance(errors[1], RuntimeError) and "injected" in str(errors[1])) == inject
+        assert all(e is None for k, e in enumerate(errors) if k != 1)
+        assert [t.result.token_ids for k, t in enumerate(tickets) if not (inject and k == 1)] == \
+            [a for k, a in enumerate(alone) if not (inject and k == 1)]
+        assert sorted(batch.free) == [0, 1]
+
+
+def test_a_waiting_ticket_can_be_cancelled_before_it_is_admitted():
+    target = tiny_target("llava")
+    engine = SpecEngine(target, NgramDrafter(TREE))
+    (a, cfg, _), (b, _, _) = _requests(target, [("once upon a time", [], 6, 0), ("hello", [], 6, 0)])
+    batch = engine.batch(1)
+    first, second = batch.submit(a, cfg), batch.submit(b, cfg)
+    batch.step()
+    assert first.request is not None and second.waiting
+    batch.cancel(second)
+    while not batch.idle:
+        batch.step()
+    assert second.result is None and second.request is None and first.result.token_ids == engine.generate(a, cfg).token_ids

@@ -128,10 +128,7 @@ def test_a_ragged_batch_gives_every_request_its_batch_one_answer_fp32(target, dr
         requests.append((inputs, GenerationConfig(max_new_tokens=MAX_NEW - 3 * i, ignore_eos=True)))
     alone = [engine.generate(inputs, cfg).token_ids for inputs, cfg in requests]
     batch = engine.batch(3)
-    running = [batch.add(*r) for r in requests[:3]]
-    running.append(None)  # the fourth joins once a slot is free
-    while batch.requests or running[3] is None:
-        if running[3] is None and not batch.full:
-            running[3] = batch.add(*requests[3])
+    running = [batch.submit(*r) for r in requests]  # the fourth is admitted once a slot is free
+    while not batch.idle:
         batch.step()
     assert [r.result.token_ids for r in running] == alone

@@ -104,7 +104,7 @@ def measure_batch_cost(engine: SpecEngine, inputs: dict, sizes: tuple[int, ...],
         asked: dict[int, list[float]] = {}  # [depth asked for]: the same (a drafter that proposed nothing here)
         batch = engine.batch(size)
         for _ in range(size):
-            batch.add(inputs, config)
+            batch.submit(inputs, config)
         batch.step()  # the prefills' tokens and the first round (it drafts over the whole prompt)
         for _ in range(steps):
             t0 = time.perf_counter()

@@ -1,7 +1,9 @@
 """The speculative decoding loop, on token ids, over a batch of requests (a batch of one included).
 
-    batch.add(request)   -> prefill into a free slot of the batch's KV cache, first token (root)
+    ticket = batch.submit(inputs, config)                   # queued; admitted by a step
     batch.step():                                            # one round over every live request
+        admit waiting tickets into free slots, FCFS, under the step's prefill budget
+                                                            # (prefill into the slot, first token: root)
         depth_b  = control_b.choose(max_depth_b)            # how deep each row drafts (vlmspec.control)
         trees    = propose_all(drafter, sessions, roots, depths, chains)   # per-row trees (EAGLE: rows together)
         out      = target.forward_batch(states, trees)      # ONE target forward over every row's nodes
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -146,15 +149,18 @@ class Generation:
 
     def _run(self, engine: "SpecEngine", inputs: dict[str, torch.Tensor], config: GenerationConfig) -> Iterator[StepEvent]:
         batch = Batch(engine, slots=1)
-        req = batch.add(inputs, config)  # raises before anything was emitted (e.g. ContextLengthError)
+        ticket = batch.submit(inputs, config)
         try:
-            while req.result is None:
-                for _, event in batch.step():
+            while ticket.result is None:
+                events = batch.step()
+                if ticket.error is not None:  # raised before anything was emitted (e.g. ContextLengthError)
+                    raise ticket.error
+                for _, event in events:
                     yield event
         finally:
-            if req.result is None:
-                batch.cancel(req)
-            self.result = req.result
+            if ticket.result is None:
+                batch.cancel(ticket)
+            self.result = ticket.result
 
     def __iter__(self) -> Iterator[StepEvent]:
         return self._it
@@ -200,33 +206,59 @@ class _Request:
         return depth
 
 
-class Batch:
-    """Requests decoded together, each in a slot of one KV cache (`vlmspec.slot_cache`).
+@dataclass(eq=False)
+class Ticket:
+    """A request given to a batch (`Batch.submit`): `request` is its decoding state once a step has
+    admitted it, `error` what its admission raised (it alone fails), `result` set once it has left."""
 
-    `add` prefills a request into a free slot (alone, as batch 1); `step` runs one draft -> verify ->
-    commit round over every live request in ONE target forward and returns each request's events;
-    requests leave (EOS, max tokens, full context, `cancel`) between steps and their slot is free at
-    once. Every request keeps its own sampling parameters, generator, tree shape and controller, so
-    its tokens are those of its batch-1 run.
+    inputs: dict[str, torch.Tensor]
+    config: GenerationConfig
+    prompt_tokens: int
+    request: _Request | None = None
+    error: Exception | None = None
+
+    @property
+    def waiting(self) -> bool:
+        return self.request is None and self.error is None
+
+    @property
+    def result(self) -> GenerationResult | None:
+        return self.request.result if self.request is not None else None
+
+
+class Batch:
+    """Requests decoded together, each in a slot of one KV cache (`vlmspec.slot_cache`): the one
+    place requests are admitted.
+
+    `submit` queues a request; `step` admits waiting ones (`admit`), then runs one draft -> verify ->
+    commit round over every live request in ONE target forward and returns each request's events.
+    Requests leave (EOS, max tokens, full context, `cancel`) between steps; their slot is free at
+    once. Each keeps its own sampling parameters, generator, tree shape and controller.
 
     slots: requests at once; capacity: cache entries per slot (None: each slot grows as its request
-    needs, the batch of one `SpecEngine.generate` runs). With a capacity the memory is preallocated
-    and bounded, and a request that could outgrow its slot is refused when it is added.
+    needs, the batch of one `SpecEngine.generate` runs); with one the memory is fixed at the first
+    write, and `submit` refuses a request that could outgrow its slot. prefill_budget: prompt tokens
+    admitted per step (None: every waiting request that has a slot).
     per_row_depths: goodput rows choose their own depths where the target verifies rows of unequal
     trees without padding (`Target.verifies_ragged`; `vlmspec.batch_control.choose_depths`); off,
     they share one depth per step, which served more tokens/s on the default model
     (docs/adaptive.md, "Depths per row").
     """
 
-    def __init__(self, engine: "SpecEngine", slots: int = 1, capacity: int | None = None, per_row_depths: bool = False) -> None:
+    def __init__(self, engine: "SpecEngine", slots: int = 1, capacity: int | None = None, per_row_depths: bool = False,
+                 prefill_budget: int | None = None) -> None:
         if slots < 1:
             raise ValueError(f"a batch needs at least one slot, got {slots}")
+        if prefill_budget is not None and prefill_budget < 1:
+            raise ValueError(f"prefill_budget must be at least 1 token (or None), got {prefill_budget}")
         if slots > 1:
             engine.target.check_batching()  # e.g. a model that counts positions its own way: one at a time
         self.engine = engine
         self.capacity = capacity
         self.cache = engine.target.new_cache(slots, capacity or 256)
         self.free = list(range(slots))
+        self.prefill_budget = prefill_budget
+        self.waiting: deque[Ticket] = deque()  # submitted, not yet admitted (first come, first served)
         self.requests: list[_Request] = []  # live ones, by slot
         self.timings = dict.fromkeys(TIMING_KEYS, 0.0)  # the batch's own seconds by phase (prefills included)
         self.rounds = 0  # target forwards run by `step` (prefills not counted)
@@ -238,25 +270,54 @@ class Batch:
     def full(self) -> bool:
         return not self.free
 
+    @property
+    def idle(self) -> bool:
+        """Nothing waiting and nothing running: a `step` would do nothing."""
+        return not self.waiting and not self.requests
+
     def need(self, inputs: dict[str, torch.Tensor], config: GenerationConfig) -> int:
         """Cache entries a request may take: prompt, answer, and the last step's tree."""
         tree = self.engine.request_tree(config)
         return int(inputs["input_ids"].shape[1]) + config.max_new_tokens + (tree.total_tokens + 1 if tree else 1)
 
-    def add(self, inputs: dict[str, torch.Tensor], config: GenerationConfig) -> "_Request":
-        """Prefill a request into a free slot; its first token comes with the next `step`."""
-        if not self.free:
-            raise RuntimeError("the batch is full: add a request when one has left (Batch.full)")
+    def submit(self, inputs: dict[str, torch.Tensor], config: GenerationConfig) -> Ticket:
+        """Queue a request; a `step` admits it when a slot is free and its turn comes. Raises
+        ContextLengthError at once when it could never fit a slot."""
         need = self.need(inputs, config)
         if self.capacity is not None and need > self.capacity:
             raise ContextLengthError(f"the request may need {need} cache entries (prompt + max_tokens + a draft tree) but a slot "
                                      f"holds {self.capacity}: lower max_tokens or shorten the prompt")
+        ticket = Ticket(inputs, config, int(inputs["input_ids"].shape[1]))
+        self.waiting.append(ticket)
+        return ticket
+
+    def admit(self) -> list[Ticket]:
+        """Admit waiting tickets into free slots, first come first served, up to `prefill_budget`
+        prompt tokens (at least one ticket); each is prefilled alone and its first token comes with
+        this step's events. A ticket whose prefill raises gets the exception as its `error` and
+        gives its slot back; the others are admitted as if it had not come. Called by `step`."""
+        admitted: list[Ticket] = []
+        spent = 0
+        while self.waiting and self.free:
+            ticket = self.waiting[0]
+            if admitted and self.prefill_budget is not None and spent + ticket.prompt_tokens > self.prefill_budget:
+                break
+            self.waiting.popleft()
+            spent += ticket.prompt_tokens
+            admitted.append(ticket)
+            try:
+                ticket.request = self._prefill(ticket)
+            except Exception as exc:  # noqa: BLE001  (one request's prefill fails that request alone: its ticket says why)
+                ticket.error = exc
+        return admitted
+
+    def _prefill(self, ticket: Ticket) -> "_Request":
         slot = self.free.pop(0)
         try:
             if self.capacity is None:
-                self.cache.reserve(need)
+                self.cache.reserve(self.need(ticket.inputs, ticket.config))
             with decoding_sdpa(self.engine.target.device):
-                req = self.engine._open(inputs, config, self.cache, slot)
+                req = self.engine._open(ticket.inputs, ticket.config, self.cache, slot)
         except BaseException:
             self.free.insert(0, slot)
             raise
@@ -273,8 +334,10 @@ class Batch:
         return self.cost_timing.waits
 
     def step(self) -> list[tuple["_Request", StepEvent]]:
-        """One round: the prefill tokens of requests that joined, then one draft -> verify -> commit
-        over every live request. Requests that finished have left when it returns (their `result` set)."""
+        """One round: admit waiting requests (`admit`), the prefill tokens of requests that joined, then
+        one draft -> verify -> commit over every live request. Requests that finished have left when it
+        returns (their `result` set)."""
+        self.admit()
         events = [(r, e) for r in self.requests for e in r.pending]
         for r in self.requests:
             r.pending.clear()
@@ -291,11 +354,19 @@ class Batch:
             self._leave(r)
         return events
 
-    def cancel(self, req: "_Request") -> None:
-        """Take a request out between steps (its slot is free at once); the others are not touched."""
-        if req in self.requests:
-            req.done = True
-            self._leave(req)
+    def cancel(self, item: "Ticket | _Request") -> None:
+        """Take a request out between steps: a waiting ticket leaves the queue, an admitted request its
+        slot (free at once); the others are not touched."""
+        if isinstance(item, Ticket):
+            if item in self.waiting:
+                self.waiting.remove(item)
+                return
+            if item.request is None:
+                return
+            item = item.request
+        if item in self.requests:
+            item.done = True
+            self._leave(item)
 
     def _leave(self, req: "_Request") -> None:
         self.requests.remove(req)
@@ -387,22 +458,23 @@ class SpecEngine:
     def stream(self, inputs: dict[str, torch.Tensor], config: GenerationConfig) -> Generation:
         return Generation(self, inputs, config)
 
-    def batch(self, slots: int, capacity: int | None = None, per_row_depths: bool = False) -> Batch:
+    def batch(self, slots: int, capacity: int | None = None, per_row_depths: bool = False,
+              prefill_budget: int | None = None) -> Batch:
         """A batch of `slots` requests decoded together (see `Batch`)."""
-        return Batch(self, slots, capacity, per_row_depths)
+        return Batch(self, slots, capacity, per_row_depths, prefill_budget)
 
     def generate_many(self, requests: list[tuple[dict[str, torch.Tensor], GenerationConfig]], slots: int,
-                      capacity: int | None = None) -> list[GenerationResult]:
-        """Every request, at most `slots` at a time, each joining as soon as a slot is free; results in order."""
-        batch = self.batch(slots, capacity)
-        waiting = list(enumerate(requests))
-        running: dict[int, _Request] = {}
-        while waiting or batch.requests:
-            while waiting and not batch.full:
-                i, (inputs, config) = waiting.pop(0)
-                running[i] = batch.add(inputs, config)
+                      capacity: int | None = None, prefill_budget: int | None = None) -> list[GenerationResult]:
+        """Every request, at most `slots` at a time, each joining as soon as a slot is free; results in
+        order. A request whose admission fails raises its error once the others have finished."""
+        batch = self.batch(slots, capacity, prefill_budget=prefill_budget)
+        tickets = [batch.submit(inputs, config) for inputs, config in requests]
+        while not batch.idle:
             batch.step()
-        return [running[i].result for i in range(len(requests))]  # type: ignore[misc]
+        for ticket in tickets:
+            if ticket.error is not None:
+                raise ticket.error
+        return [t.result for t in tickets]  # type: ignore[misc]
 
     def _open(self, inputs: dict[str, torch.Tensor], config: GenerationConfig, cache: SlotCache, slot: int) -> _Request:
         """Prefill into `slot`, open the drafter's session, pick the first token."""
@@ -425,4 +497,4 @@ class SpecEngine:
         return req
 
 
-__all__ = ["SpecEngine", "Batch", "GenerationConfig", "GenerationResult", "StepEvent", "Generation", "Clock", "TIMING_KEYS"]
+__all__ = ["SpecEngine", "Batch", "Ticket", "GenerationConfig", "GenerationResult", "StepEvent", "Generation", "Clock", "TIMING_KEYS"]

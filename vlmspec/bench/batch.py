@@ -89,9 +89,9 @@ def _run(way: _Way, requests: list[dict[str, torch.Tensor]], max_new_tokens: int
     batch = way.engine.batch(len(requests))
     cfg = way.config(max_new_tokens)
     t0 = time.perf_counter()
-    running = [batch.add(inputs, cfg) for inputs in requests]
+    running = [batch.submit(inputs, cfg) for inputs in requests]
     steps = []
-    while batch.requests:
+    while not batch.idle:
         t_step = time.perf_counter()
         batch.step()
         steps.append(1e3 * (time.perf_counter() - t_step))
