@@ -384,8 +384,13 @@ class Service:
         if not job.speculative:  # a row that never drafts: plain decoding's tokens, in the same batch
             config = dataclasses.replace(config, speculation=PLAIN, policy=None, tree=None)
         before = dict(self._batch.timings)
-        req = self._batch.add(inputs, config)
+        ticket = self._batch.submit(inputs, config)
+        self._batch.admit()  # the batch's own admission, now (the worker takes no more jobs than it has free slots)
         self.metrics.record_engine_time(before, self._batch.timings)
+        if ticket.error is not None:
+            raise ticket.error
+        req = ticket.request
+        assert req is not None
         return _Row(job, req, TextStream(target.tokenizer, job.stop), time.monotonic())
 
     def _step(self) -> None:
