@@ -89,9 +89,11 @@ class Replica:
         return app
 
     async def check_health(self) -> None:
-        """Ray's health check: raises when the worker thread is gone (Ray then replaces the replica)."""
-        if not self.app.state.service.alive:
-            raise RuntimeError(f"replica {self.replica_id}: the worker thread is not running")
+        """Ray's health check: raises when the worker thread is gone though nobody stopped it (Ray
+        then replaces the replica); a replica that is draining is healthy."""
+        why = self.app.state.service.broken()
+        if why is not None:
+            raise RuntimeError(f"replica {self.replica_id}: {why}")
 
     def metrics_text(self) -> tuple[str, str]:
         """(this replica's id, its Prometheus text): what /metrics/replicas collects from every replica."""
