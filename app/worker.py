@@ -103,9 +103,7 @@ class Service:
         queued) go on for up to `grace_s` (or until `cut` is set); what is left then is cancelled
         (503). Returns once the worker thread has ended."""
         grace_s = self.settings.shutdown_grace_s if grace_s is None else grace_s
-        with self._cond:
-            self.closing = True
-            self._cond.notify_all()
+        self.close()
         if self._thread is None:
             return
         deadline = time.monotonic() + grace_s
@@ -114,6 +112,13 @@ class Service:
         if self._thread.is_alive():
             self.cancel_all("shutdown")
             self._thread.join(10.0)
+
+    def close(self) -> None:
+        """Refuse new requests from now on (503); the accepted ones go on, and the worker thread ends
+        once each has its answer."""
+        with self._cond:
+            self.closing = True
+            self._cond.notify_all()
 
     def cancel_all(self, reason: str) -> None:
         """Cancel every accepted request (the worker answers each between two steps)."""
