@@ -12,11 +12,14 @@ Files
 -----
 ``settings.py``   ServerSettings (and the ImageLimits they imply)
 ``protocol.py``   the wire format: request schemas, OpenAI-shaped errors, request -> ChatInputs, response shapes
-``worker.py``     Job and Service: the bounded queue and the worker thread that owns the engines
+``job.py``        Job: one request's options and its messages from the worker thread to its handler
+``rows.py``       Row: a request in the batch (joining: encode, fit the context, prefill; its text; its finish)
+``worker.py``     Service: the bounded queue and the worker thread that owns the engine; fault isolation, the drain
 ``metrics.py``    Prometheus metrics (acceptance figures from vlmspec.stats.SpecStats)
 ``routes.py``     create_app: the edge middleware (API key, request metrics), routes, error handlers, lifespan
 ``site.py``       the site's files for browsers: the OpenAPI 3.0 document /docs renders, /favicon.ico
 ``serve.py``      serve(): print the URLs and run uvicorn
+``drain.py``      DrainingServer: uvicorn whose SIGTERM / SIGINT drain the service before it stops (exit 0)
 ``ui_runner.py``  the demo's runs through the worker (ServiceRunner, RunState, Comparison)
 ``ui.py``         the Gradio Blocks of the demo, mounted at /ui
 ``ray_config.py`` RayConfig: replicas or an autoscaling range, where Ray runs -> Serve deployment options
@@ -32,8 +35,8 @@ A request's walk from HTTP to tokens (``POST /v1/chat/completions``, the EAGLE d
                                image through
 3. ``vlmspec/inputs.py``       load_image_url -> decode_image, with settings.image_limits()
                                -- back in routes.py: Job.on_loop, Service.submit, await the job's messages --
-4. ``app/worker.py``           the worker thread: Service._admit / _step; the conversation through
-                               ``vlmspec/inputs.py`` encode_messages (the target's chat template + processor)
+4. ``app/worker.py``           the worker thread: Service._admit / _step; ``app/rows.py`` Row.join, the conversation
+                               through ``vlmspec/inputs.py`` encode_messages (the target's chat template + processor)
 5. ``vlmspec/text.py``         TextStream: incremental detokenization, stop strings, hold-back, per request, around
 6. ``vlmspec/engine.py``       Batch.submit (queued), Batch.step: admit (prefill into a free slot), draft -> verify -> commit for every request
 7. ``vlmspec/target/model.py`` prefill / forward_tree / commit (KV gather-commit in ``vlmspec/kv_cache.py``)
@@ -51,7 +54,8 @@ Routes
                                 ``top_k``, ``ignore_eos``; the response's ``speculative`` block says
                                 what ran (policy, the chosen depth per forward).
 ``GET  /v1/models``            the served model (``/v1/models/{model}``: one).
-``GET  /healthz``              liveness (never needs the API key).
+``GET  /healthz``              liveness (never needs the API key): 503 with a ``reason`` while draining or
+                                once the worker thread died.
 ``GET  /metrics``              Prometheus text (a per-app registry).
 ``GET  /docs``                 OpenAPI UI (Swagger UI, offline; it reads ``/docs/openapi.json``, the
                                 schema in OpenAPI 3.0 terms; ``/openapi.json`` is the 3.1 original).
@@ -61,7 +65,9 @@ Routes
 
 Status codes: 200; 400 bad input (also for what FastAPI would answer 422); 401 missing/wrong API key;
 404 unknown model or route; 405; 413 body too large; 429 queue full (with Retry-After);
-503 shutting down; 504 request timeout; 500 only for a genuine internal failure. Every error body is
+503 shutting down (or the worker gone); 504 request timeout; 500 only for a genuine internal failure,
+which ends that request alone and names it (``error.request_id``, the ``x-request-id`` header; the
+server log's traceback carries the same id). Every error body is
 ``{"error": {"message", "type", "param", "code"}}``. A stream that fails after it started gets an
 ``data: {"error": ...}`` chunk and then ``data: [DONE]``.
 

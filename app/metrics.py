@@ -21,6 +21,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from vlmspec.engine import TIMING_KEYS, GenerationResult
 from vlmspec.stats import SpecStats
 
+from .protocol import FAILURE_STAGES
+
 # every metric as exposed (counters with their `_total` suffix) -> its Prometheus type
 METRICS = {
     "vlmspec_requests_total": "counter",  # {endpoint, code}: every HTTP request by status code
@@ -31,8 +33,10 @@ METRICS = {
     "vlmspec_batch_size": "histogram",  # requests decoded by one engine step
     "vlmspec_queue_depth": "gauge",  # requests waiting for a free slot
     "vlmspec_inflight_requests": "gauge",  # requests in the batch (0..max_batch)
-    "vlmspec_rejected_requests_total": "counter",  # {reason}: queue_full, shutting_down
+    "vlmspec_rejected_requests_total": "counter",  # {reason}: queue_full, shutting_down, unavailable (the worker died)
     "vlmspec_cancelled_generations_total": "counter",  # {reason}: disconnect, timeout, shutdown
+    "vlmspec_failed_requests_total": "counter",  # {stage}: requests answered 500 by where serving them failed (protocol.FAILURE_STAGES)
+    "vlmspec_batch_resets_total": "counter",  # batched steps that failed for no one row: the batch started afresh
     "vlmspec_generations_total": "counter",  # {mode, finish_reason}: completed generations
     "vlmspec_prompt_tokens_total": "counter",  # {mode}
     "vlmspec_generated_tokens_total": "counter",  # {mode}: tokens emitted (cancelled ones included)
@@ -73,6 +77,11 @@ class Metrics:
         self.inflight = Gauge("vlmspec_inflight_requests", "requests in the batch", registry=r)
         self.rejected = Counter("vlmspec_rejected_requests", "requests refused before queueing", ["reason"], registry=r)
         self.cancelled = Counter("vlmspec_cancelled_generations", "generations stopped early", ["reason"], registry=r)
+        self.failed = Counter("vlmspec_failed_requests", "requests answered with a 500, by where serving them failed: prefill, "
+                              "draft, commit, output (that request alone), step (every request of a batched step that failed), "
+                              "worker (the worker thread stopped)", ["stage"], registry=r)
+        self.batch_resets = Counter("vlmspec_batch_resets", "batched engine steps that failed for no one request: each request "
+                                    "of the step got a 500 and the batch started afresh", registry=r)
         self.generations = Counter("vlmspec_generations", "completed generations", ["mode", "finish_reason"], registry=r)
         self.prompt_tokens = Counter("vlmspec_prompt_tokens", "prompt tokens", ["mode"], registry=r)
         self.generated_tokens = Counter("vlmspec_generated_tokens", "generated tokens", ["mode"], registry=r)
@@ -105,6 +114,8 @@ class Metrics:
             self.generated_tokens.labels(mode)
         for phase in TIMING_KEYS:
             self.engine_seconds.labels(phase)
+        for stage in FAILURE_STAGES:
+            self.failed.labels(stage)
         self.queue_depth.set(0)
 
     def record_result(self, mode: str, finish_reason: str, result: GenerationResult) -> None:

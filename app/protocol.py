@@ -127,17 +127,21 @@ class APIError(Exception):
     """An OpenAI-shaped error response: HTTP `status`, the body's fields, extra response headers."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None, request_id: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers or {}
+        self.request_id = request_id  # the request the server log's lines about this error name (a 500's)
+        self.headers = {**(headers or {}), **({"x-request-id": request_id} if request_id else {})}
 
     @classmethod
     def from_input(cls, exc: InputError) -> "APIError":
         return cls(exc.status, exc.message, type=exc.type, param=exc.param, code=exc.code)
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
+        body = error_body(self.message, self.type, self.param, self.code)
+        if self.request_id is not None:
+            body["error"]["request_id"] = self.request_id
+        return body
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict:
@@ -224,6 +228,11 @@ def shutting_down(retry_after: bool = False) -> APIError:
                     headers={"Retry-After": "5"} if retry_after else None)
 
 
+def unavailable(why: str) -> APIError:
+    """The 503 of a server whose worker is not serving though nobody stopped it (GET /healthz says the same)."""
+    return APIError(503, f"the server cannot serve requests: {why}", type="server_error", code="unavailable")
+
+
 def cancelled(reason: str, timeout_s: float) -> APIError:
     """Why a generation stopped early: "timeout" (504), "disconnect" (499), "shutdown" (503)."""
     if reason == "timeout":
@@ -233,8 +242,22 @@ def cancelled(reason: str, timeout_s: float) -> APIError:
     return shutting_down()
 
 
-def internal(message: str = "internal error") -> APIError:
-    return APIError(500, message, type="server_error", code="internal_error")
+# where serving one request failed (the `stage` label of vlmspec_failed_requests_total) -> what its 500 says
+FAILURE_STAGES = {
+    "prefill": "while preparing it (encoding the prompt, the prefill, starting its drafter)",
+    "draft": "in its drafter, while drafting",
+    "commit": "while committing its accepted tokens (its drafter session, its speculation controller)",
+    "output": "while turning its tokens into text (detokenization, stop strings, the result)",
+    "step": "in a batched engine step: every request of that step got this error and the batch was reset",
+    "worker": "when the worker thread stopped (this server serves no more requests: GET /healthz says why)",
+}
+
+
+def internal(stage: str, request_id: str) -> APIError:
+    """The 500 of a request whose serving failed at `stage` (a key of FAILURE_STAGES); the server
+    log has the traceback under `request_id`."""
+    return APIError(500, f"internal error {FAILURE_STAGES[stage]}; the server log has the details under request id {request_id}",
+                    type="server_error", code="internal_error", request_id=request_id)
 
 
 # ------------------------------------------------------------------------------------------ request -> inputs

@@ -6,7 +6,7 @@ runs its own batched worker and queue: nothing is shared between replicas.
 
     cfg = RayConfig(replicas=2)                                    # or min_replicas / max_replicas: autoscaling
     with ray_serving(spec, settings, cfg, port=0) as url: ...      # tests and benches: Ray's proxy URL
-    serve_on_ray(spec, settings, cfg, host, port)                  # `vlmspec serve --replicas N` (until Ctrl-C)
+    serve_on_ray(spec, settings, cfg, host, port)                  # `vlmspec serve --replicas N` (until SIGTERM / SIGINT)
 
 What the replicas add to the one-process app (and nothing else):
   - the response header ``x-vlmspec-replica`` on every answer: the replica that served it;
@@ -89,9 +89,18 @@ class Replica:
         return app
 
     async def check_health(self) -> None:
-        """Ray's health check: raises when the worker thread is gone (Ray then replaces the replica)."""
-        if not self.app.state.service.alive:
-            raise RuntimeError(f"replica {self.replica_id}: the worker thread is not running")
+        """Ray's health check: raises when the worker thread is gone though nobody stopped it (Ray
+        then replaces the replica); a replica that is draining is healthy."""
+        why = self.app.state.service.broken()
+        if why is not None:
+            raise RuntimeError(f"replica {self.replica_id}: {why}")
+
+    def drain(self) -> int:
+        """The first half of a stop (`stop`): refuse new requests (503) while the accepted ones finish;
+        returns how many are still being served."""
+        service = self.app.state.service
+        service.close()
+        return service.active + service.waiting
 
     def metrics_text(self) -> tuple[str, str]:
         """(this replica's id, its Prometheus text): what /metrics/replicas collects from every replica."""
@@ -172,12 +181,39 @@ def base_url(host: str, port: int) -> str:
     return f"http://{shown}:{port}"
 
 
-def stop(started_ray: bool) -> None:
-    """Delete the application; shut Serve and Ray down when this process started Ray."""
-    serve.delete(APP_NAME)
-    if started_ray:
-        serve.shutdown()
-        ray.shutdown()
+DRAIN_POLL_S = 0.2
+
+
+def drain(grace_s: float) -> int:
+    """Every replica refuses new requests (503, through Ray's proxy as from one process) and
+    finishes its accepted ones, for up to `grace_s`; returns how many were left unfinished."""
+    handle = serve.get_deployment_handle(DEPLOYMENT, APP_NAME)
+    deadline = time.monotonic() + grace_s
+    while True:
+        answers = handle.broadcast("drain").results(timeout_s=BROADCAST_TIMEOUT_S, return_exceptions=True)
+        busy = sum(n for n in answers if isinstance(n, int))
+        if busy == 0 or time.monotonic() >= deadline:
+            return busy
+        time.sleep(DRAIN_POLL_S)
+
+
+def stop(started_ray: bool, grace_s: float = 0.0) -> None:
+    """Drain the replicas for up to `grace_s` (`drain`), then delete the application (what a
+    replica still serves then is cut by its own graceful shutdown). When this process started Ray,
+    Serve and Ray are shut down too, whatever the steps before raised: no process of that Ray is
+    left. A cluster this process joined keeps running."""
+    try:
+        try:
+            if grace_s > 0:
+                drain(grace_s)
+        finally:
+            serve.delete(APP_NAME)
+    finally:
+        if started_ray:
+            try:
+                serve.shutdown()
+            finally:
+                ray.shutdown()
 
 
 @contextmanager
@@ -192,13 +228,18 @@ def ray_serving(spec: EngineSpec, settings: ServerSettings, cfg: RayConfig, host
 
 def serve_on_ray(spec: EngineSpec, settings: ServerSettings, cfg: RayConfig, drafter: str, host: str = "127.0.0.1",
                  port: int = 8000) -> int:
-    """What `vlmspec serve --replicas N` runs: deploy, print the URLs, wait for Ctrl-C, clean up.
-    Returns the exit code (130 after Ctrl-C)."""
-    def interrupt(signum: int, frame: Any) -> None:  # SIGTERM (docker stop, systemd) stops as Ctrl-C does: the app deleted
-        raise KeyboardInterrupt
+    """What `vlmspec serve --replicas N` runs: deploy, print the URLs, wait for SIGTERM or SIGINT,
+    then `stop`. Returns the exit code: 0 once stopped."""
+    signalled: list[int] = []
 
-    started = start_ray(cfg)
-    signal.signal(signal.SIGTERM, interrupt)  # after ray.init, which sets its own (sys.exit: an abort as Ray shuts down)
+    def interrupt(signum: int, frame: Any) -> None:
+        if not signalled:  # the first signal ends the wait; a later one must not break off the clean-up half-way
+            signalled.append(signum)
+            raise KeyboardInterrupt
+
+    started, grace = start_ray(cfg), 0.0
+    for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which sets its own SIGTERM handler (sys.exit: an abort)
+        signal.signal(sig, interrupt)
     try:
         count = (f"{cfg.lo}..{cfg.hi} replicas (autoscaling, {cfg.replicas} at start)" if cfg.autoscaling
                  else f"{cfg.replicas} replica{'' if cfg.replicas == 1 else 's'}")
@@ -211,6 +252,9 @@ def serve_on_ray(spec: EngineSpec, settings: ServerSettings, cfg: RayConfig, dra
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        return 130
+        grace = settings.shutdown_grace_s
+        then = ", then the local Ray shuts down" if started else "; the Ray cluster keeps running"
+        print(f"stopping: new requests get 503, the replicas finish their accepted ones (up to {grace:g} s){then} ...", file=sys.stderr)
     finally:
-        stop(started)
+        stop(started, grace)
+    return 0

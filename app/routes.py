@@ -34,7 +34,8 @@ from .protocol import (DONE_EVENT, APIError, ChatCompletionRequest, ChatInputs, 
                        prepare_chat)
 from .settings import ServerSettings
 from .site import DOCS_OPENAPI_URL, add_site_routes
-from .worker import Engines, Job, Service
+from .job import Job
+from .worker import Engines, Service
 
 logger = logging.getLogger("vlmspec.server")
 UI_PATH = "/ui"  # where the Gradio demo is mounted
@@ -224,10 +225,10 @@ async def _internal(request: Request, exc: Exception) -> JSONResponse:
 async def healthz(request: Request) -> JSONResponse:
     service: Service = request.app.state.service
     settings: ServerSettings = request.app.state.settings
-    ok = service.alive
+    why = service.health()  # None: serving
     active, waiting = service.active, service.waiting
     body = {
-        "status": "ok" if ok else "unavailable",
+        "status": "ok" if why is None else "unavailable" if service.broken() else "draining",
         "model": settings.model,
         "drafter": service.drafter_name,
         "active": active,  # requests decoding in the batch
@@ -236,7 +237,9 @@ async def healthz(request: Request) -> JSONResponse:
         "max_batch": service.max_batch,
         "max_queue": settings.max_queue,
     }
-    return JSONResponse(body, status_code=200 if ok else 503)
+    if why is not None:
+        body["reason"] = why
+    return JSONResponse(body, status_code=200 if why is None else 503)
 
 
 async def prometheus_metrics(request: Request) -> Response:

@@ -1,5 +1,6 @@
-"""Run the service: print its URLs, then uvicorn until interrupted (the CLI's `vlmspec serve` parses
-the options, builds the engine through vlmspec.factory and calls `serve`)."""
+"""Run the service: print its URLs, then uvicorn until SIGTERM or SIGINT, which drain it first
+(`drain.DrainingServer`). The CLI's `vlmspec serve` parses the options, builds the engine through
+vlmspec.factory and calls `serve`."""
 
 from __future__ import annotations
 
@@ -11,24 +12,26 @@ import uvicorn
 
 from vlmspec.engine import SpecEngine
 
+from .drain import DrainingServer
 from .settings import ServerSettings
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+STARTUP_FAILURE = 3  # the exit code when the server did not start (uvicorn's)
 
 
 def serve(engine: SpecEngine, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "info") -> int:
-    """Serve `engine` (and plain decoding over its target) until interrupted. Returns the exit code:
-    0, or 130 after Ctrl-C."""
+    """Serve `engine` (and plain decoding over its target) until SIGTERM or SIGINT, which drain it
+    (`settings.shutdown_grace_s`). Returns the exit code: 0 once stopped, 3 when it did not start."""
     from . import create_app
 
     app = create_app(engine, settings)
     print_urls(settings, engine.drafter.name, host, port, app.state.ui_path, sys.stderr, app.state.docs_path)
-    try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=int(settings.request_timeout_s))
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    # after the drain every request has its answer; what is still being sent gets a few seconds
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    server = DrainingServer(config, app.state.service)
+    server.run()
+    return 0 if server.started else STARTUP_FAILURE
 
 
 @contextmanager

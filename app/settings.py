@@ -23,7 +23,7 @@ class ServerSettings:
     max_image_aspect_ratio: float = 100.0
     max_body_bytes: int = 20 * 1024 * 1024
     remote_image_timeout_s: float = 10.0
-    shutdown_grace_s: float = 30.0  # lifespan shutdown: how long the running generation may finish
+    shutdown_grace_s: float = 30.0  # the drain on SIGTERM / SIGINT (--drain-seconds): how long the accepted requests may finish
     ui: bool = True  # mount the Gradio demo at /ui when gradio is importable (with api_key: a login page)
 
     def __post_init__(self) -> None:
@@ -31,6 +31,8 @@ class ServerSettings:
             raise ValueError(f"invalid server settings: {self}")
         if self.request_timeout_s <= 0:
             raise ValueError("request_timeout_s must be > 0")
+        if self.shutdown_grace_s < 0:
+            raise ValueError("shutdown_grace_s must be >= 0")
 
     def serves(self, model: str) -> bool:
         """Whether `model` names the served model (its name or an alias)."""

@@ -30,7 +30,8 @@ from vlmspec.text import Completion, TextEvent
 
 from .protocol import APIError
 from .settings import ServerSettings
-from .worker import Job, Service
+from .job import Job
+from .worker import Service
 
 
 # what the demo hands the runner: a decoded image, an uploaded file's path or a data URL, or none

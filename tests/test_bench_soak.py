@@ -87,14 +87,14 @@ def test_the_checks_over_a_run_and_their_negative_controls():
 @pytest.mark.skipif(assets.bundled_target() is None, reason="needs the committed toy model (assets/toyworld-vlm)")
 def test_a_short_soak_on_the_toy_passes_every_check(tmp_path, monkeypatch):
     import vlmspec.app.worker as worker
-    from vlmspec import factory
+    from vlmspec import factory, memory
     from vlmspec.app import ServerSettings
     from vlmspec.app.serve import serving
     from vlmspec.bench.soak import soak
 
-    assert worker._MALLOC_TRIM is not None  # glibc (Linux): the worker hands freed heap memory back
+    assert memory._MALLOC_TRIM is not None  # glibc (Linux): the worker hands freed heap memory back
     trims = []
-    monkeypatch.setattr(worker, "release_free_memory", lambda: trims.append(worker._MALLOC_TRIM(0)))
+    monkeypatch.setattr(worker, "release_free_memory", lambda: trims.append(memory._MALLOC_TRIM(0)))
     engine = factory.build_engine(factory.EngineSpec(model="toy", policy="fixed", max_batch=4))
     opts = SoakOptions(minutes=0.25, clients=3, prompts=2, max_tokens=8, shares=(0.2, 0.2, 0.2), long_tokens=700, sample_s=0.5)
     settings = ServerSettings(model="bench", max_batch=4, max_queue=8, request_timeout_s=1.5, max_tokens_cap=1024, ui=False)

@@ -159,7 +159,8 @@ def test_serve_help_lists_its_options(capsys):
 # serve's option -> the ServerSettings field it sets
 SERVE_SETTINGS = {"max_queue": "max_queue", "request_timeout": "request_timeout_s", "max_tokens_cap": "max_tokens_cap",
                   "max_images": "max_images", "max_image_pixels": "max_image_pixels",
-                  "max_image_aspect_ratio": "max_image_aspect_ratio", "max_body_bytes": "max_body_bytes"}
+                  "max_image_aspect_ratio": "max_image_aspect_ratio", "max_body_bytes": "max_body_bytes",
+                  "drain_seconds": "shutdown_grace_s"}
 
 
 def test_serve_sets_every_image_and_body_limit(capsys, monkeypatch):

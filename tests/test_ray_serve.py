@@ -405,3 +405,126 @@ def test_a_replica_killed_mid_load_fails_no_request_silently_and_is_replaced(two
     after = concurrently(url, _bodies(6) * 2)
     assert [s for s, _, _ in after] == [200] * len(after), after
     assert victim not in {r for _, _, r in after} and {r for _, _, r in after} <= ids
+
+
+# ------------------------------------------------------------------------------------------ stopping
+
+
+def test_stop_shuts_down_only_a_ray_it_started_whatever_the_drain_raised(monkeypatch):
+    """`--ray-address`: the application is deleted and the cluster left running; a local Ray this
+    process started: Serve and Ray shut down too, even when draining the replicas failed."""
+    need_ray()
+    import vlmspec.app.ray_serve as ray_serve
+
+    calls: list[str] = []
+
+    def failing_drain(grace_s: float) -> int:
+        calls.append(f"drain {grace_s:g}")
+        raise RuntimeError("no replica answered")
+
+    monkeypatch.setattr(ray_serve, "drain", failing_drain)
+    monkeypatch.setattr(ray_serve.serve, "delete", lambda name: calls.append(f"delete {name}"))
+    monkeypatch.setattr(ray_serve.serve, "shutdown", lambda: calls.append("serve.shutdown"))
+    monkeypatch.setattr(ray_serve.ray, "shutdown", lambda: calls.append("ray.shutdown"))
+    ray_serve.stop(started_ray=False)
+    assert calls == ["delete vlmspec"]  # a joined cluster: our application goes, the cluster stays
+    calls.clear()
+    with pytest.raises(RuntimeError, match="no replica answered"):
+        ray_serve.stop(started_ray=True, grace_s=5)
+    assert calls == ["drain 5", "delete vlmspec", "serve.shutdown", "ray.shutdown"]
+
+
+def test_the_health_check_fails_for_a_dead_worker_not_for_a_draining_one():
+    need_ray()
+    import asyncio
+    from types import SimpleNamespace
+
+    from vlmspec.app.ray_serve import Replica
+
+    def replica(broken: str | None) -> SimpleNamespace:
+        service = SimpleNamespace(broken=lambda: broken)
+        return SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(service=service)), replica_id="r1")
+
+    asyncio.run(Replica.check_health(replica(None)))  # serving, or draining: healthy
+    with pytest.raises(RuntimeError, match="replica r1: the worker thread died: ValueError: x"):
+        asyncio.run(Replica.check_health(replica("the worker thread died: ValueError: x")))
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below `pid` (Linux /proc)."""
+    found: set[int] = set()
+    try:
+        children = [int(c) for task in os.listdir(f"/proc/{pid}/task") for c in open(f"/proc/{pid}/task/{task}/children").read().split()]
+    except OSError:
+        return found
+    for child in children:
+        found |= {child} | _descendants(child)
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except OSError:
+        return False
+
+
+@pytest.mark.ray
+@needs_toy
+def test_sigterm_drains_the_replicas_and_leaves_no_process_of_the_local_ray(tmp_path):
+    """`vlmspec serve --replicas 1` on a local Ray, SIGTERM with a request in flight: new requests get
+    503, the accepted one is answered in full, the process exits 0, and every process it started
+    (GCS, raylet, the Serve controller, the proxy, the replica) is gone."""
+    import signal
+    import subprocess
+    import sys
+
+    need_ray()
+    port, grace = _free_port(), 60
+    argv = [sys.executable, "-m", "vlmspec.cli", "serve", "--model", MODEL, "--drafter", "ngram", "--policy", "fixed", "--device", "cpu",
+            "--dtype", "float32", "--port", str(port), "--replicas", "1", "--max-batch", "1", "--drain-seconds", str(grace),
+            "--request-timeout", "600"]
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(base_url=url, timeout=TIMEOUT_S) as c:
+            deadline = time.monotonic() + 3 * TIMEOUT_S
+            while True:
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+                try:
+                    if c.get("/healthz").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.5)
+            ray_processes = _descendants(proc.pid)
+            body = {"messages": [{"role": "user", "content": "Describe the picture."}], "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:  # one decodes, one waits in the replica's queue
+                futures = [pool.submit(lambda: httpx.post(f"{url}/v1/chat/completions", json=body, timeout=grace + 30)) for _ in range(2)]
+                deadline = time.monotonic() + TIMEOUT_S
+                while c.get("/healthz").json()["active"] + c.get("/healthz").json()["waiting"] < 2:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+                t0 = time.monotonic()
+                proc.send_signal(signal.SIGTERM)
+                while True:  # the replica refuses new requests once it drains
+                    refused = c.post("/v1/chat/completions", json=body)
+                    if refused.status_code != 200 or time.monotonic() - t0 > 30:
+                        break
+                answers = [f.result(timeout=grace + 30) for f in futures]
+            code = proc.wait(timeout=grace + 60)
+            elapsed = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down", refused.text
+    assert [a.status_code for a in answers] == [200, 200] and all(a.json()["usage"]["completion_tokens"] == 300 for a in answers)
+    assert code == 0 and elapsed < grace + 30, (code, elapsed, log.read_text()[-2000:])
+    assert len(ray_processes) >= 3  # the check sees Ray's processes (GCS, raylet, workers) while it runs
+    time.sleep(1.0)
+    left = sorted(p for p in ray_processes if _running(p))
+    assert not left, [open(f"/proc/{p}/cmdline").read().replace("\0", " ")[:120] for p in left]

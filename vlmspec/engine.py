@@ -16,10 +16,16 @@ which is the oracle every other drafter is tested against. The engine knows toke
 detokenization, stop strings and hold-back live in `vlmspec.text`, wrapped around it. Everything
 one request needs travels in its `GenerationConfig` and its `_Request` state, never on the engine;
 `SpecEngine.generate` / `stream` run a `Batch` of one.
+
+A step that fails for one row alone (its drafter session's propose or commit, its controller)
+takes that row out with its `failure` set and steps the others as if it had not been there; an
+exception of the batched work itself (a batched drafter, the target's forward, the verify) is
+raised by `step` and leaves the batch unusable.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections import deque
@@ -157,6 +163,8 @@ class Generation:
                     raise ticket.error
                 for _, event in events:
                     yield event
+            if ticket.request.failure is not None:  # the step failed for this request: it left the batch
+                raise ticket.request.failure.error
         finally:
             if ticket.result is None:
                 batch.cancel(ticket)
@@ -167,6 +175,14 @@ class Generation:
 
     def close(self) -> None:
         self._it.close()
+
+
+@dataclass
+class RowFailure:
+    """Why a request left its batch early: the part of a step that failed for it alone."""
+
+    stage: str  # "draft" (its drafter session's propose) | "commit" (its session's commit, controller, tokens)
+    error: Exception
 
 
 @dataclass
@@ -192,6 +208,7 @@ class _Request:
     done: bool = False
     pending: list[StepEvent] = field(default_factory=list)  # events not yet handed out (the prefill's token)
     result: GenerationResult | None = None  # set when the request leaves its batch
+    failure: RowFailure | None = None  # set when a step failed for this request alone (it left the batch)
 
     def max_depth(self, max_positions: int) -> int:
         """How deep this request may draft now (-1: its context is full)."""
@@ -336,7 +353,9 @@ class Batch:
     def step(self) -> list[tuple["_Request", StepEvent]]:
         """One round: admit waiting requests (`admit`), the prefill tokens of requests that joined, then
         one draft -> verify -> commit over every live request. Requests that finished have left when it
-        returns (their `result` set)."""
+        returns (their `result` set), and so have requests the step failed for alone (their `failure`
+        set, none of their events returned). What it raises belongs to the batch as a whole: the
+        batch cannot go on."""
         self.admit()
         events = [(r, e) for r in self.requests for e in r.pending]
         for r in self.requests:
@@ -384,8 +403,19 @@ class Batch:
         controls = [r.control for r in reqs]
         depths = choose_depths(controls, [r.max_depth(target.max_positions) for r in reqs], batch_cost, self.cost_timing, self.per_row)
         chains = batch_chains(controls, batch_cost)  # goodput rows of a batch draft a chain
-        trees = [t.truncate_depth(d) for t, d in zip(propose_all(self.engine.drafter, [r.session for r in reqs], [r.root for r in reqs], depths, chains), depths)]
+        failed: dict[int, Exception] = {}
+        proposed = propose_all(self.engine.drafter, [r.session for r in reqs], [r.root for r in reqs], depths, chains, failed)
+        trees = [t.truncate_depth(d) for t, d in zip(proposed, depths)]
+        if failed:  # rows whose drafter session failed leave before the forward; the others go on as drafted
+            for b, exc in failed.items():
+                self._fail(reqs[b], "draft", exc)
+            kept = [b for b in range(len(reqs)) if b not in failed]
+            reqs, trees, depths, chains = ([xs[b] for b in kept] for xs in (reqs, trees, depths, chains))
         clock.lap("draft")
+        if not reqs:  # every row's drafter failed
+            for key, sec in clock.t.items():
+                self.timings[key] += sec
+            return []
         out = target.forward_batch([r.state for r in reqs], trees, feature_layers(self.engine.drafter))  # logits [B, N, V]
         verdicts = verify_rows(trees, out.logits, [r.config.sampling for r in reqs], [r.rng for r in reqs])
         clock.lap("verify")
@@ -393,7 +423,8 @@ class Batch:
         clock.lap("commit")
         paths = [torch.tensor(v.path, dtype=torch.long) for v in verdicts]
         for b, (r, t, path) in enumerate(zip(reqs, trees, paths)):
-            r.session.commit(t.tokens[path], out.features[b][to_device(path, out.features.device)])
+            with self._isolated(r):
+                r.session.commit(t.tokens[path], out.features[b][to_device(path, out.features.device)])
         clock.lap("draft")
         seconds = time.perf_counter() - t_step
         if batch_cost is not None and len(reqs) > 1:
@@ -402,14 +433,17 @@ class Batch:
                                      batch_cost.step_seconds(drafted, self.per_row))
         events = []
         for r, t, v, path, depth, chain in zip(reqs, trees, verdicts, paths, depths, chains):
-            drafted_depth = int(t.depth.max())
-            r.stats.observe(t.size - 1, v.num_accepted, drafted_depth)
-            r.control.observe(drafted_depth, v.num_accepted, seconds if len(reqs) == 1 else None,  # a batch's time is not the row's own
-                              t.first_chain_run(v.path), chain)
-            if r.policy != "none":  # plain decoding chooses no depth
-                r.depths.append(depth)
-            r.root = v.next_token
-            events.append((r, _emit(r, t.tokens[path[1:]].tolist() + [v.next_token], t.size - 1, v.num_accepted, depth)))
+            if r.failure is not None:
+                continue
+            with self._isolated(r):
+                drafted_depth = int(t.depth.max())
+                r.stats.observe(t.size - 1, v.num_accepted, drafted_depth)
+                r.control.observe(drafted_depth, v.num_accepted, seconds if len(reqs) == 1 else None,  # a batch's time is not the row's own
+                                  t.first_chain_run(v.path), chain)
+                if r.policy != "none":  # plain decoding chooses no depth
+                    r.depths.append(depth)
+                r.root = v.next_token
+                events.append((r, _emit(r, t.tokens[path[1:]].tolist() + [v.next_token], t.size - 1, v.num_accepted, depth)))
         clock.lap("other")
         self.rounds += 1
         for key, sec in clock.t.items():
@@ -417,6 +451,19 @@ class Batch:
             for r in reqs:
                 r.timings[key] += sec
         return events
+
+    @contextlib.contextmanager
+    def _isolated(self, req: "_Request") -> Iterator[None]:
+        """A row's own part of the step after the forward (stage "commit"): what it raises ends that request alone."""
+        try:
+            yield
+        except Exception as exc:  # one row's session, controller or tokens: no other row's state is touched by them
+            self._fail(req, "commit", exc)
+
+    @staticmethod
+    def _fail(req: "_Request", stage: str, exc: Exception) -> None:
+        """The step failed for `req` alone: it leaves the batch at the end of the step, its `failure` set."""
+        req.failure, req.done = RowFailure(stage, exc), True
 
 
 def _emit(req: _Request, new: list[int], num_drafted: int, num_accepted: int, depth: int = 0) -> StepEvent:
@@ -466,7 +513,8 @@ class SpecEngine:
     def generate_many(self, requests: list[tuple[dict[str, torch.Tensor], GenerationConfig]], slots: int,
                       capacity: int | None = None, prefill_budget: int | None = None) -> list[GenerationResult]:
         """Every request, at most `slots` at a time, each joining as soon as a slot is free; results in
-        order. A request whose admission fails raises its error once the others have finished."""
+        order. A request whose admission (or a step, for it alone) fails raises its error once the
+        others have finished."""
         batch = self.batch(slots, capacity, prefill_budget=prefill_budget)
         tickets = [batch.submit(inputs, config) for inputs, config in requests]
         while not batch.idle:
@@ -474,6 +522,8 @@ class SpecEngine:
         for ticket in tickets:
             if ticket.error is not None:
                 raise ticket.error
+            if ticket.request is not None and ticket.request.failure is not None:
+                raise ticket.request.failure.error
         return [t.result for t in tickets]  # type: ignore[misc]
 
     def _open(self, inputs: dict[str, torch.Tensor], config: GenerationConfig, cache: SlotCache, slot: int) -> _Request:
@@ -497,4 +547,5 @@ class SpecEngine:
         return req
 
 
-__all__ = ["SpecEngine", "Batch", "Ticket", "GenerationConfig", "GenerationResult", "StepEvent", "Generation", "Clock", "TIMING_KEYS"]
+__all__ = ["SpecEngine", "Batch", "Ticket", "GenerationConfig", "GenerationResult", "RowFailure", "StepEvent", "Generation", "Clock",
+           "TIMING_KEYS"]

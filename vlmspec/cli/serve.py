@@ -50,6 +50,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-body-bytes", type=positive_int("--max-body-bytes"), default=20 * 1024 * 1024,
                    help="bytes per request body (413 above), and per remote image with --allow-remote-images; "
                         "the demo's uploads too")
+    p.add_argument("--drain-seconds", type=float_in("--drain-seconds", 0.0, 1e6), default=30.0,
+                   help="on SIGTERM or SIGINT, how long the requests already accepted may run to their end (new ones get 503 "
+                        "meanwhile; what is left then gets 503), before the server stops and exits 0; with --replicas, "
+                        "each replica's graceful shutdown")
     p.add_argument("--no-ui", action="store_true", help="do not mount the Gradio demo at /ui")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="uvicorn's log level")
     scale = p.add_argument_group("scale out on Ray Serve (any of these: the app as a Ray Serve deployment behind Ray's HTTP proxy; "
@@ -146,7 +150,7 @@ def server_settings(args: argparse.Namespace, model: str, ui: bool):
         allow_remote_images=args.allow_remote_images, max_batch=args.max_batch, max_queue=args.max_queue,
         request_timeout_s=args.request_timeout, max_tokens_cap=args.max_tokens_cap, max_images=args.max_images,
         max_image_pixels=args.max_image_pixels, max_image_aspect_ratio=args.max_image_aspect_ratio, max_body_bytes=args.max_body_bytes,
-        ui=ui,
+        shutdown_grace_s=args.drain_seconds, ui=ui,
     )
 
 

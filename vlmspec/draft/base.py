@@ -98,18 +98,32 @@ def feature_layers(drafter: Drafter) -> tuple[int, ...] | None:
 
 
 def propose_all(drafter: Drafter, sessions: list[DraftSession], roots: list[int], max_depths: list[int],
-                chains: list[bool] | None = None) -> list[DraftTree]:
+                chains: list[bool] | None = None, failed: dict[int, Exception] | None = None) -> list[DraftTree]:
     """One tree per row (session), each after its root and within its own max depth; a row with
     `chains[b]` gets its first-child chain (`DraftTree.first_chain`: one node per level), which a
     drafter with `propose_batch` grows alone (EAGLE: top-1 per level, a row-sized slice of each
-    level's forward instead of top_k)."""
+    level's forward instead of top_k).
+
+    failed: given, a session whose own `propose` raises is recorded there by row (its tree: the
+    root alone) and the other rows are drafted as usual; a drafter with `propose_batch` drafts the
+    rows together, so what it raises belongs to no one row and is raised."""
     chains = chains or [False] * len(sessions)
     batched = getattr(drafter, "propose_batch", None)
     if batched is not None:
         trees = batched(sessions, roots, max_depths, chains)
     else:
-        trees = [s.propose(root, depth) for s, root, depth in zip(sessions, roots, max_depths)]
+        trees = [_propose_row(b, s, root, depth, failed) for b, (s, root, depth) in enumerate(zip(sessions, roots, max_depths))]
     return [t.first_chain(d) if c else t for t, d, c in zip(trees, max_depths, chains)]
+
+
+def _propose_row(row: int, session: DraftSession, root: int, max_depth: int, failed: dict[int, Exception] | None) -> DraftTree:
+    if failed is None:
+        return session.propose(root, max_depth)
+    try:
+        return session.propose(root, max_depth)
+    except Exception as exc:  # one row's session: recorded for the engine, which ends that request alone (`Batch`)
+        failed[row] = exc
+        return DraftTree.root_only(root)
 
 
 class NoDrafter:

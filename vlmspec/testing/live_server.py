@@ -1,4 +1,5 @@
-"""uvicorn in a background thread on 127.0.0.1 and a free port, for tests against a live server."""
+"""uvicorn in a background thread on 127.0.0.1 and a free port, for tests against a live server.
+The server of a vlmspec app drains as `vlmspec serve` does on SIGTERM: `srv.server.drain()`."""
 
 from __future__ import annotations
 
@@ -16,8 +17,11 @@ class LiveServer:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
+        from vlmspec.app.drain import DrainingServer
+
         config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(config)
+        service = getattr(app.state, "service", None)  # create_app's apps have one
+        self.server = DrainingServer(config, service) if service is not None else uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     @property
