@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from draft_profile import decode  # noqa: E402
 
-import vlmspec.engine  # noqa: E402
+import vlmspec.engine.batch  # noqa: E402
 from vlmspec.bench.batch import prompts  # noqa: E402
 from vlmspec.factory import EngineSpec, build_engine  # noqa: E402
 from vlmspec.target.sdpa import decoding_sdpa  # noqa: E402
@@ -75,12 +75,12 @@ def main() -> int:
     print("| prompt set | cuDNN's SDPA | drafting ms per step: median / slowest | steps | wall s |\n|---|---|---:|---:|---:|", flush=True)
     for label in ("first time", "again"):
         for key, cudnn in zip("ABCD", (True, False, True, False)):
-            vlmspec.engine.decoding_sdpa = (lambda device: contextlib.nullcontext()) if cudnn else decoding_sdpa
+            vlmspec.engine.batch.decoding_sdpa = (lambda device: contextlib.nullcontext()) if cudnn else decoding_sdpa
             t = time.perf_counter()
             ms, steps = decode(engine, sets[key], 24, 4)
             print(f"| set {key}, {label} | {'allowed' if cudnn else 'left out'} | {statistics.median(ms):.1f} / {max(ms):.1f} | "
                   f"{steps} | {time.perf_counter() - t:.2f} |", flush=True)
-    vlmspec.engine.decoding_sdpa = decoding_sdpa
+    vlmspec.engine.batch.decoding_sdpa = decoding_sdpa
     return 0
 
 

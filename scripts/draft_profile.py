@@ -68,9 +68,9 @@ def main() -> int:
     if args.cudnn_sdpa:
         import contextlib
 
-        import vlmspec.engine
+        import vlmspec.engine.batch
 
-        vlmspec.engine.decoding_sdpa = lambda device: contextlib.nullcontext()  # torch's own choice of backend
+        vlmspec.engine.batch.decoding_sdpa = lambda device: contextlib.nullcontext()  # torch's own choice of backend
     lines = [f"`{' '.join(['python3', *sys.argv])}`", "",
              f"{args.model}, {args.dtype} on {args.device}, {args.batch} rows, {args.tokens} tokens each, fixed policy"
              + (", cuDNN's SDPA allowed" if args.cudnn_sdpa else ""), "",

@@ -236,7 +236,7 @@ def test_the_engine_prefills_and_steps_inside_decoding_sdpa(monkeypatch):
     target's device. Negative control: a prefill called outside the engine is not inside it."""
     import contextlib
 
-    from vlmspec import engine as engine_module
+    from vlmspec.engine import batch as engine_module  # where the batch's steps and prefills call it
     from vlmspec.draft import NoDrafter
     from vlmspec.engine import GenerationConfig, SpecEngine
 

@@ -6,7 +6,7 @@ import contextlib
 import pytest
 import torch
 
-import vlmspec.engine
+import vlmspec.engine.batch
 from vlmspec.draft.base import TreeConfig
 from vlmspec.draft.eagle import EagleDrafter
 from vlmspec.engine import GenerationConfig, SpecEngine
@@ -45,7 +45,7 @@ def test_a_batched_generation_never_takes_cudnns_sdpa(monkeypatch):
 
     generate()  # warm-up
     ours = _op_counts(generate)
-    monkeypatch.setattr(vlmspec.engine, "decoding_sdpa", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(vlmspec.engine.batch, "decoding_sdpa", lambda device: contextlib.nullcontext())
     torchs = _op_counts(generate)
     print(f"\nSDPA calls, cuDNN's among them: engine {ours}; torch's own choice {torchs}")
     assert ours.get(SDPA, 0) > 0

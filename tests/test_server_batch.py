@@ -183,14 +183,14 @@ def test_every_answer_in_a_batch_equals_its_answer_alone(server, client, expecte
 
 def test_negative_control_a_batch_that_mixes_up_its_rows_changes_answers(server, client, expected, paced, monkeypatch):
     """The check above must catch a batch that hands one row another row's logits."""
-    import vlmspec.engine
+    import vlmspec.engine.batch
 
-    real = vlmspec.engine.verify_rows
+    real = vlmspec.engine.batch.verify_rows
 
     def mixed_up(trees, logits, *args, **kwargs):
         return real(trees, logits.roll(1, dims=0) if logits.shape[0] > 1 else logits, *args, **kwargs)
 
-    monkeypatch.setattr(vlmspec.engine, "verify_rows", mixed_up)
+    monkeypatch.setattr(vlmspec.engine.batch, "verify_rows", mixed_up)
     got = together(server.url, MIXED)
     assert differing(expected, got), "a batch whose rows swapped their logits answered like the rows alone"
 

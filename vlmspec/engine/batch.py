@@ -1,32 +1,10 @@
-"""The speculative decoding loop, on token ids, over a batch of requests (a batch of one included).
-
-    ticket = batch.submit(inputs, config)                   # queued; admitted by a step
-    batch.step():                                            # one round over every live request
-        admit waiting tickets into free slots, FCFS, under the step's prefill budget
-                                                            # (prefill into the slot, first token: root)
-        depth_b  = control_b.choose(max_depth_b)            # how deep each row drafts (vlmspec.control)
-        trees    = propose_all(drafter, sessions, roots, depths, chains)   # per-row trees (EAGLE: rows together)
-        out      = target.forward_batch(states, trees)      # ONE target forward over every row's nodes
-        verdicts = verify_rows(trees, out.logits, ...)      # each row: accepted path + recovered/bonus token
-        target.commit_batch(states, paths); session_b.commit(...)  # keep each row's accepted KV entries
-        control_b.observe(...); emit each row's tokens      # rows that finished leave; their slot is free
-
-With the `none` drafter every tree is the root alone and this is plain autoregressive decoding,
-which is the oracle every other drafter is tested against. The engine knows token ids only:
-detokenization, stop strings and hold-back live in `vlmspec.text`, wrapped around it. Everything
-one request needs travels in its `GenerationConfig` and its `_Request` state, never on the engine;
-`SpecEngine.generate` / `stream` run a `Batch` of one.
-
-A step that fails for one row alone (its drafter session's propose or commit, its controller)
-takes that row out with its `failure` set and steps the others as if it had not been there; an
-exception of the batched work itself (a batched drafter, the target's forward, the verify) is
-raised by `step` and leaves the batch unusable.
-"""
+"""`Batch`: requests decoded together in the slots of one KV cache, the one place requests are
+admitted (`submit`, then each `step` admits under its prefill budget and runs one draft -> verify ->
+commit round over every live request)."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -35,146 +13,14 @@ from typing import Any, Iterator
 import torch
 
 from vlmspec.batch_control import BatchTiming, batch_chains, choose_depths
-from vlmspec.control import Controller, Policy, Speculation, SpeculationOptions
-from vlmspec.draft.base import Drafter, NoDrafter, PromptContext, TreeConfig, feature_layers, propose_all
-from vlmspec.sampling import SamplingParams, next_token
-from vlmspec.stats import SpecStats
+from vlmspec.control import Controller
+from vlmspec.draft.base import TreeConfig, feature_layers, propose_all
+from vlmspec.engine.types import TIMING_KEYS, Clock, GenerationConfig, GenerationResult, StepEvent
 from vlmspec.errors import ContextLengthError
-from vlmspec.slot_cache import SlotCache
-from vlmspec.target import Target, TargetState, decoding_sdpa
+from vlmspec.stats import SpecStats
+from vlmspec.target import TargetState, decoding_sdpa
 from vlmspec.transfer import to_device
 from vlmspec.verify.acceptance import verify_rows
-
-TIMING_KEYS = ("prefill", "draft", "verify", "commit", "other")
-
-
-@dataclass
-class GenerationConfig:
-    """Per-request options of the token-level engine."""
-
-    max_new_tokens: int = 128
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    seed: int | None = None
-    ignore_eos: bool = False
-    tree: TreeConfig | None = None  # this request's draft-tree shape (None: the drafter's default)
-    speculation: SpeculationOptions = field(default_factory=SpeculationOptions)  # policy, max depth, tree budget
-    policy: Policy | None = None  # an explicit policy object (benches, tests); wins over speculation.policy
-    sync_timings: bool = True  # on CUDA, synchronise before each timing lap (exact split, one sync per lap)
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-
-
-@dataclass
-class StepEvent:
-    """What one target forward pass produced."""
-
-    token_ids: list[int]  # tokens emitted by this pass (cut at EOS / max tokens)
-    num_drafted: int  # drafted nodes in the tree (root excluded)
-    num_accepted: int  # accepted drafted tokens (tau of this pass = num_accepted + 1)
-    depth: int = 0  # levels the controller chose to draft this pass (0: a plain step, and the prefill's token)
-
-
-@dataclass
-class GenerationResult:
-    token_ids: list[int]
-    finish_reason: str  # "stop" (EOS) | "length" (max tokens or context)
-    prompt_tokens: int
-    stats: SpecStats  # counters of this generation's verify forwards
-    elapsed_s: float
-    timings: dict[str, float]  # seconds: prefill, draft, verify, commit, other
-    policy: str = "fixed"  # the speculation policy that ran ("none": plain decoding, no depths)
-    depths: list[int] = field(default_factory=list)  # [step]: levels the controller chose, per verify forward
-
-    @property
-    def num_target_forwards(self) -> int:  # prefill + verify forwards
-        return 1 + self.stats.num_drafts
-
-    @property
-    def num_drafted(self) -> int:
-        return self.stats.num_draft_tokens
-
-    @property
-    def num_accepted(self) -> int:
-        return self.stats.num_accepted_tokens
-
-    @property
-    def mean_accepted_length(self) -> float:  # tokens per verify forward, bonus included
-        return self.stats.mean_accepted_length
-
-    @property
-    def acceptance_by_position(self) -> list[float]:
-        return self.stats.acceptance_by_position
-
-    @property
-    def tokens_per_s(self) -> float:
-        return len(self.token_ids) / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "token_ids": self.token_ids,
-            "finish_reason": self.finish_reason,
-            "prompt_tokens": self.prompt_tokens,
-            "num_target_forwards": self.num_target_forwards,
-            "num_drafted": self.num_drafted,
-            "num_accepted": self.num_accepted,
-            "mean_accepted_length": self.mean_accepted_length,
-            "acceptance_by_position": self.acceptance_by_position,
-            "elapsed_s": self.elapsed_s,
-            "tokens_per_s": self.tokens_per_s,
-            "timings": self.timings,
-            "policy": self.policy,
-            "depths": self.depths,
-        }
-
-
-class Clock:
-    """Wall-clock laps by phase. On CUDA it synchronises first, so GPU work lands in its own phase."""
-
-    def __init__(self, device: torch.device, sync: bool = True) -> None:
-        self.t = dict.fromkeys(TIMING_KEYS, 0.0)
-        self._sync = sync and device.type == "cuda"
-        self._last = time.perf_counter()
-
-    def lap(self, key: str) -> None:
-        if self._sync:
-            torch.cuda.synchronize()
-        now = time.perf_counter()
-        self.t[key] += now - self._last
-        self._last = now
-
-
-class Generation:
-    """An iterable of one request's StepEvents (a batch of one); `result` is set once iteration ends.
-    `close()` stops it early."""
-
-    def __init__(self, engine: "SpecEngine", inputs: dict[str, torch.Tensor], config: GenerationConfig) -> None:
-        self.result: GenerationResult | None = None
-        self._it = self._run(engine, inputs, config)
-
-    def _run(self, engine: "SpecEngine", inputs: dict[str, torch.Tensor], config: GenerationConfig) -> Iterator[StepEvent]:
-        batch = Batch(engine, slots=1)
-        ticket = batch.submit(inputs, config)
-        try:
-            while ticket.result is None:
-                events = batch.step()
-                if ticket.error is not None:  # raised before anything was emitted (e.g. ContextLengthError)
-                    raise ticket.error
-                for _, event in events:
-                    yield event
-            if ticket.request.failure is not None:  # the step failed for this request: it left the batch
-                raise ticket.request.failure.error
-        finally:
-            if ticket.result is None:
-                batch.cancel(ticket)
-            self.result = ticket.result
-
-    def __iter__(self) -> Iterator[StepEvent]:
-        return self._it
-
-    def close(self) -> None:
-        self._it.close()
 
 
 @dataclass
@@ -262,8 +108,9 @@ class Batch:
     (docs/adaptive.md, "Depths per row").
     """
 
-    def __init__(self, engine: "SpecEngine", slots: int = 1, capacity: int | None = None, per_row_depths: bool = False,
+    def __init__(self, engine: Any, slots: int = 1, capacity: int | None = None, per_row_depths: bool = False,
                  prefill_budget: int | None = None) -> None:
+        # engine: the `SpecEngine` (vlmspec.engine.spec) whose target, drafter and `_open` the batch uses
         if slots < 1:
             raise ValueError(f"a batch needs at least one slot, got {slots}")
         if prefill_budget is not None and prefill_budget < 1:
@@ -479,73 +326,3 @@ def _emit(req: _Request, new: list[int], num_drafted: int, num_accepted: int, de
             break
     req.emitted.extend(keep)
     return StepEvent(keep, num_drafted, num_accepted, depth)
-
-
-class SpecEngine:
-    def __init__(self, target: Target, drafter: Drafter, speculation: Speculation | None = None) -> None:
-        if not isinstance(drafter, NoDrafter):
-            target.check_speculative()  # e.g. conv / recurrent state: plain decoding only, said at load
-        self.target = target
-        self.drafter = drafter
-        self.speculation = speculation or Speculation()  # default policy + cost model (read-only)
-
-    def request_tree(self, config: GenerationConfig) -> TreeConfig | None:
-        """The tree shape of a request: its own or the drafter's, within its tree budget."""
-        tree = config.tree or self.drafter.tree
-        budget = config.speculation.tree_tokens
-        return tree if tree is None or budget is None else dataclasses.replace(tree, total_tokens=budget)
-
-    def generate(self, inputs: dict[str, torch.Tensor], config: GenerationConfig) -> GenerationResult:
-        gen = self.stream(inputs, config)
-        for _ in gen:
-            pass
-        assert gen.result is not None
-        return gen.result
-
-    def stream(self, inputs: dict[str, torch.Tensor], config: GenerationConfig) -> Generation:
-        return Generation(self, inputs, config)
-
-    def batch(self, slots: int, capacity: int | None = None, per_row_depths: bool = False,
-              prefill_budget: int | None = None) -> Batch:
-        """A batch of `slots` requests decoded together (see `Batch`)."""
-        return Batch(self, slots, capacity, per_row_depths, prefill_budget)
-
-    def generate_many(self, requests: list[tuple[dict[str, torch.Tensor], GenerationConfig]], slots: int,
-                      capacity: int | None = None, prefill_budget: int | None = None) -> list[GenerationResult]:
-        """Every request, at most `slots` at a time, each joining as soon as a slot is free; results in
-        order. A request whose admission (or a step, for it alone) fails raises its error once the
-        others have finished."""
-        batch = self.batch(slots, capacity, prefill_budget=prefill_budget)
-        tickets = [batch.submit(inputs, config) for inputs, config in requests]
-        while not batch.idle:
-            batch.step()
-        for ticket in tickets:
-            if ticket.error is not None:
-                raise ticket.error
-            if ticket.request is not None and ticket.request.failure is not None:
-                raise ticket.request.failure.error
-        return [t.result for t in tickets]  # type: ignore[misc]
-
-    def _open(self, inputs: dict[str, torch.Tensor], config: GenerationConfig, cache: SlotCache, slot: int) -> _Request:
-        """Prefill into `slot`, open the drafter's session, pick the first token."""
-        target = self.target
-        t_start = time.perf_counter()
-        clock = Clock(target.device, config.sync_timings)
-        state, out = target.prefill(inputs, visual=self.drafter.needs_visual, cache=cache, slot=slot, layers=feature_layers(self.drafter))
-        clock.lap("prefill")
-        prompt = PromptContext(inputs["input_ids"][0].cpu(), out.features, inputs, out.image_mask, out.image_embeds, out.attention,
-                               kv=state.entries)
-        tree = self.request_tree(config)
-        session = self.drafter.start(prompt, tree)
-        clock.lap("draft")
-        rng = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
-        policy = config.policy or self.speculation.policy(config.speculation.policy)
-        name = "none" if isinstance(self.drafter, NoDrafter) else policy.name  # plain decoding: no policy at work
-        req = _Request(config, state, session, policy.start(), name, tree, rng,
-                       set() if config.ignore_eos else target.eos_token_ids, clock.t, state.seq_len, t_start)
-        req.root = next_token(out.logits[0], config.sampling, rng)
-        return req
-
-
-__all__ = ["SpecEngine", "Batch", "Ticket", "GenerationConfig", "GenerationResult", "RowFailure", "StepEvent", "Generation", "Clock",
-           "TIMING_KEYS"]

@@ -1,0 +1,116 @@
+"""`SpecEngine`: a target and a drafter, the request's first step (`_open`: prefill, the drafter's
+session, the first token), and `generate` / `stream` / `generate_many` over a `Batch`."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Iterator
+
+import torch
+
+from vlmspec.control import Speculation
+from vlmspec.draft.base import Drafter, NoDrafter, PromptContext, TreeConfig, feature_layers
+from vlmspec.engine.batch import Batch, _Request
+from vlmspec.engine.types import Clock, GenerationConfig, GenerationResult, StepEvent
+from vlmspec.sampling import next_token
+from vlmspec.slot_cache import SlotCache
+from vlmspec.target import Target
+
+
+class Generation:
+    """An iterable of one request's StepEvents (a batch of one); `result` is set once iteration ends.
+    `close()` stops it early."""
+
+    def __init__(self, engine: "SpecEngine", inputs: dict[str, torch.Tensor], config: GenerationConfig) -> None:
+        self.result: GenerationResult | None = None
+        self._it = self._run(engine, inputs, config)
+
+    def _run(self, engine: "SpecEngine", inputs: dict[str, torch.Tensor], config: GenerationConfig) -> Iterator[StepEvent]:
+        batch = Batch(engine, slots=1)
+        ticket = batch.submit(inputs, config)
+        try:
+            while ticket.result is None:
+                events = batch.step()
+                if ticket.error is not None:  # raised before anything was emitted (e.g. ContextLengthError)
+                    raise ticket.error
+                for _, event in events:
+                    yield event
+            if ticket.request.failure is not None:  # the step failed for this request: it left the batch
+                raise ticket.request.failure.error
+        finally:
+            if ticket.result is None:
+                batch.cancel(ticket)
+            self.result = ticket.result
+
+    def __iter__(self) -> Iterator[StepEvent]:
+        return self._it
+
+    def close(self) -> None:
+        self._it.close()
+
+
+class SpecEngine:
+    def __init__(self, target: Target, drafter: Drafter, speculation: Speculation | None = None) -> None:
+        if not isinstance(drafter, NoDrafter):
+            target.check_speculative()  # e.g. conv / recurrent state: plain decoding only, said at load
+        self.target = target
+        self.drafter = drafter
+        self.speculation = speculation or Speculation()  # default policy + cost model (read-only)
+
+    def request_tree(self, config: GenerationConfig) -> TreeConfig | None:
+        """The tree shape of a request: its own or the drafter's, within its tree budget."""
+        tree = config.tree or self.drafter.tree
+        budget = config.speculation.tree_tokens
+        return tree if tree is None or budget is None else dataclasses.replace(tree, total_tokens=budget)
+
+    def generate(self, inputs: dict[str, torch.Tensor], config: GenerationConfig) -> GenerationResult:
+        gen = self.stream(inputs, config)
+        for _ in gen:
+            pass
+        assert gen.result is not None
+        return gen.result
+
+    def stream(self, inputs: dict[str, torch.Tensor], config: GenerationConfig) -> Generation:
+        return Generation(self, inputs, config)
+
+    def batch(self, slots: int, capacity: int | None = None, per_row_depths: bool = False,
+              prefill_budget: int | None = None) -> Batch:
+        """A batch of `slots` requests decoded together (see `Batch`)."""
+        return Batch(self, slots, capacity, per_row_depths, prefill_budget)
+
+    def generate_many(self, requests: list[tuple[dict[str, torch.Tensor], GenerationConfig]], slots: int,
+                      capacity: int | None = None, prefill_budget: int | None = None) -> list[GenerationResult]:
+        """Every request, at most `slots` at a time, each joining as soon as a slot is free; results in
+        order. A request whose admission (or a step, for it alone) fails raises its error once the
+        others have finished."""
+        batch = self.batch(slots, capacity, prefill_budget=prefill_budget)
+        tickets = [batch.submit(inputs, config) for inputs, config in requests]
+        while not batch.idle:
+            batch.step()
+        for ticket in tickets:
+            if ticket.error is not None:
+                raise ticket.error
+            if ticket.request is not None and ticket.request.failure is not None:
+                raise ticket.request.failure.error
+        return [t.result for t in tickets]  # type: ignore[misc]
+
+    def _open(self, inputs: dict[str, torch.Tensor], config: GenerationConfig, cache: SlotCache, slot: int) -> _Request:
+        """Prefill into `slot`, open the drafter's session, pick the first token."""
+        target = self.target
+        t_start = time.perf_counter()
+        clock = Clock(target.device, config.sync_timings)
+        state, out = target.prefill(inputs, visual=self.drafter.needs_visual, cache=cache, slot=slot, layers=feature_layers(self.drafter))
+        clock.lap("prefill")
+        prompt = PromptContext(inputs["input_ids"][0].cpu(), out.features, inputs, out.image_mask, out.image_embeds, out.attention,
+                               kv=state.entries)
+        tree = self.request_tree(config)
+        session = self.drafter.start(prompt, tree)
+        clock.lap("draft")
+        rng = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
+        policy = config.policy or self.speculation.policy(config.speculation.policy)
+        name = "none" if isinstance(self.drafter, NoDrafter) else policy.name  # plain decoding: no policy at work
+        req = _Request(config, state, session, policy.start(), name, tree, rng,
+                       set() if config.ignore_eos else target.eos_token_ids, clock.t, state.seq_len, t_start)
+        req.root = next_token(out.logits[0], config.sampling, rng)
+        return req
