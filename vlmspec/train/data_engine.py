@@ -2,10 +2,11 @@
 batched engine (plain rows, `cfg.slots` at once), resumable shard by shard.
 
     for each shard k not yet complete (vlmspec.train.data_plan.plan_shard: a pure function of the config and k):
-        round 0: the target writes the user turn of each Magpie sample (sampled, its own seed; a turn
-                 that did not end, is too short, held out or a repeat is tried again, then templated)
-        round t: every sample with a turn t (follow-ups: after an answer that ended) -> the dialogue so
-                 far through the chat template -> one engine row; the answer decoded
+        every sample's rows through one Batch (`run_samples`), each row joining as soon as a slot is free:
+          a Magpie sample: the target writes its user turn (sampled, its own seed; a turn that did not end,
+                           is too short, held out or one of the shard's given turns is tried again, then templated)
+          then each user turn in order: the dialogue so far through the chat template -> one row -> the answer
+          (a follow-up turn is asked after a cut answer too, as a user would; `meta.ended` says which were cut)
         images saved under images/k/, the shard written atomically, the manifest rewritten (vlmspec.data.corpus)
 
 Each row carries its own sampling parameters and seed (`GenerationConfig.seed`), and a row's tokens
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -49,16 +51,20 @@ class Turn:
 @dataclass
 class _Sample:
     spec: SampleSpec
-    turns: list[str] = field(default_factory=list)  # the user turns as sent
+    turns: list[str | None] = field(default_factory=list)  # the user turns as sent (None: not written yet)
     done: list[Turn] = field(default_factory=list)
     prompt_origin: str = "given"  # given | magpie | template
+    attempts: int = 0  # Magpie tries so far
 
-    def next_turn(self) -> int | None:
-        """The index of the turn to answer next, None when the dialogue is over."""
+    def next_row(self) -> tuple[str, int] | None:
+        """("prompt", attempt) while the target still writes the first user turn, then ("answer", t)
+        for the next turn to answer; None when the dialogue is over (every turn answered, or an empty answer)."""
+        if self.turns and self.turns[0] is None:
+            return "prompt", self.attempts
         t = len(self.done)
-        if t >= len(self.turns) or (t and (not self.done[-1].ended or not self.done[-1].answer.strip())):
+        if t >= len(self.turns) or (t and not self.done[-1].answer.strip()):
             return None
-        return t
+        return "answer", t
 
 
 @dataclass
@@ -67,28 +73,8 @@ class RunStats:
     rows: int = 0
     answer_tokens: int = 0
     prompt_tokens: int = 0
+    written_tokens: int = 0  # tokens of the user turns the target wrote (Magpie rows)
     seconds: float = 0.0
-
-
-def run_rows(engine: SpecEngine, rows: list[tuple[dict[str, torch.Tensor], GenerationConfig]], slots: int,
-             on_done: Callable[[int, GenerationResult], None]) -> list[GenerationResult]:
-    """Every row through one `Batch` of `slots`, each joining when a slot is free (as
-    `SpecEngine.generate_many`), `on_done(i, result)` as each finishes; results in order."""
-    batch = engine.batch(slots)
-    waiting = list(enumerate(rows))
-    running: dict[int, Any] = {}
-    results: dict[int, GenerationResult] = {}
-    while waiting or batch.requests:
-        while waiting and not batch.full:
-            i, (inputs, config) = waiting.pop(0)
-            running[i] = batch.add(inputs, config)
-        batch.step()
-        for i, req in list(running.items()):
-            if req.result is not None:
-                results[i] = req.result
-                del running[i]
-                on_done(i, req.result)
-    return [results[i] for i in range(len(rows))]
 
 
 def _answer_text(tokenizer: Any, result: GenerationResult) -> Turn:
@@ -98,40 +84,14 @@ def _answer_text(tokenizer: Any, result: GenerationResult) -> Turn:
     return Turn(text, ended, result.prompt_tokens, len(result.token_ids))
 
 
-def write_prompts(engine: SpecEngine, cfg: DataConfig, samples: list[_Sample], stats: RunStats) -> None:
-    """Round 0: the target writes the user turn of each Magpie sample (`magpie_attempts` tries each,
-    then its templated instruction); a turn must end, be usable and new within the shard."""
-    target = engine.target
-    pending = [s for s in samples if s.spec.turns and s.spec.turns[0] is None]
-    if not pending:
-        return
-    tokenizer = target.tokenizer
-    opening = user_turn_opening(tokenizer) if getattr(tokenizer, "chat_template", None) else None
-    seen = {prompt_key(s.turns[0]) for s in samples if s.turns and s.turns[0]}
-    for attempt in range(cfg.magpie_attempts if opening is not None else 0):
-        rows = []
-        for s in pending:
-            enc = tokenizer(opening + s.spec.magpie_start, return_tensors="pt", add_special_tokens=False)
-            inputs = model_inputs(target, {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
-            rows.append((inputs, GenerationConfig(cfg.magpie_tokens, MAGPIE_SAMPLING, seed=s.spec.seed * 7 + attempt)))
-        results = run_rows(engine, rows, cfg.slots, lambda i, r: None)
-        left = []
-        for s, r in zip(pending, results):
-            stats.rows += 1
-            text = (s.spec.magpie_start + decode(tokenizer, r.token_ids)).strip()
-            if r.finish_reason == "stop" and usable_instruction(text, seen):
-                seen.add(prompt_key(text))
-                s.turns[0], s.prompt_origin = text, "magpie"
-            else:
-                left.append(s)
-        pending = left
-        if not pending:
-            break
-    for s in pending:
-        s.turns[0], s.prompt_origin = s.spec.fallback, "template"
+def _prompt_row(engine: SpecEngine, cfg: DataConfig, s: _Sample, opening: str) -> tuple[dict[str, torch.Tensor], GenerationConfig]:
+    """The chat template's opening of a user turn + the sample's start: the target writes the rest (Magpie)."""
+    enc = engine.target.tokenizer(opening + s.spec.magpie_start, return_tensors="pt", add_special_tokens=False)
+    inputs = model_inputs(engine.target, {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
+    return inputs, GenerationConfig(cfg.magpie_tokens, MAGPIE_SAMPLING, seed=s.spec.seed * 7 + s.attempts)
 
 
-def _row(engine: SpecEngine, cfg: DataConfig, s: _Sample, t: int) -> tuple[dict[str, torch.Tensor], GenerationConfig]:
+def _answer_row(engine: SpecEngine, cfg: DataConfig, s: _Sample, t: int) -> tuple[dict[str, torch.Tensor], GenerationConfig]:
     """The dialogue up to user turn t as model inputs, and this row's generation config."""
     n_images = len(s.spec.images)
     if t == 0:
@@ -143,9 +103,19 @@ def _row(engine: SpecEngine, cfg: DataConfig, s: _Sample, t: int) -> tuple[dict[
     return inputs, GenerationConfig(cfg.max_new_tokens, s.spec.sampling, seed=s.spec.seed + 1000 * t)
 
 
+def _took_prompt(cfg: DataConfig, s: _Sample, text: str, ended: bool, seen: set[str]) -> None:
+    """A written user turn kept (ended, usable, not one of the shard's given turns), else tried again;
+    after `magpie_attempts` tries the sample's templated instruction."""
+    s.attempts += 1
+    if ended and usable_instruction(text, seen):
+        s.turns[0], s.prompt_origin = text, "magpie"
+    elif s.attempts >= cfg.magpie_attempts:
+        s.turns[0], s.prompt_origin = s.spec.fallback, "template"
+
+
 class Progress:
     """The run's progress bar (tqdm, on stderr): samples done of the total, rate and ETA, and the
-    answer tokens per second of this run; None-safe (no bar when progress is off)."""
+    answer tokens per second of this run; no bar when progress is off."""
 
     def __init__(self, total: int, initial: int, show: bool) -> None:
         from tqdm import tqdm
@@ -165,26 +135,50 @@ class Progress:
             self.bar.close()
 
 
-def answer(engine: SpecEngine, cfg: DataConfig, samples: list[_Sample], stats: RunStats, progress: Progress | None) -> None:
-    """Rounds 1..: every sample's next turn answered by the target, until every dialogue is over."""
-    while True:
-        todo = [(s, t) for s in samples if (t := s.next_turn()) is not None]
-        if not todo:
-            return
-        rows = [_row(engine, cfg, s, t) for s, t in todo]
-
-        def done(i: int, result: GenerationResult) -> None:
-            s, _ = todo[i]
-            s.done.append(_answer_text(engine.target.tokenizer, result))
+def run_samples(engine: SpecEngine, cfg: DataConfig, samples: list[_Sample], stats: RunStats, progress: Progress | None = None) -> None:
+    """Every row of every sample through ONE `Batch` of `cfg.slots`: a row joins as soon as a slot is
+    free, and a sample's next row (its answer after its written prompt, its next follow-up turn)
+    joins as soon as the row before it finished, so no round waits for the slowest row of another.
+    Each row's tokens depend on its own inputs, sampling and seed only, not on when it ran."""
+    tokenizer = engine.target.tokenizer
+    opening = user_turn_opening(tokenizer) if getattr(tokenizer, "chat_template", None) else None
+    seen = {prompt_key(q) for s in samples for q in s.spec.turns if q}
+    for s in samples:
+        if s.turns and s.turns[0] is None and (opening is None or cfg.magpie_attempts == 0):
+            s.turns[0], s.prompt_origin = s.spec.fallback, "template"
+    batch = engine.batch(cfg.slots)
+    queue = deque(samples)  # samples whose next row may join
+    running: dict[int, tuple[_Sample, str, Any]] = {}
+    while queue or batch.requests:
+        while queue and not batch.full:
+            s = queue.popleft()
+            nxt = s.next_row()
+            if nxt is None:
+                continue
+            kind, t = nxt
+            inputs, config = _prompt_row(engine, cfg, s, opening) if kind == "prompt" else _answer_row(engine, cfg, s, t)
+            req = batch.add(inputs, config)
+            running[id(req)] = (s, kind, req)
+        batch.step()
+        for key, (s, kind, req) in list(running.items()):
+            if req.result is None:
+                continue
+            del running[key]
+            r = req.result
             stats.rows += 1
-            stats.answer_tokens += len(result.token_ids)
-            stats.prompt_tokens += result.prompt_tokens
-            over = s.next_turn() is None
+            if kind == "prompt":
+                stats.written_tokens += len(r.token_ids)
+                _took_prompt(cfg, s, (s.spec.magpie_start + decode(tokenizer, r.token_ids)).strip(), r.finish_reason == "stop", seen)
+            else:
+                s.done.append(_answer_text(tokenizer, r))
+                stats.answer_tokens += len(r.token_ids)
+                stats.prompt_tokens += r.prompt_tokens
+            over = s.next_row() is None
             stats.samples += over
             if progress is not None:
-                progress.tick(len(result.token_ids), over)
-
-        run_rows(engine, rows, cfg.slots, done)
+                progress.tick(len(r.token_ids) if kind == "answer" else 0, over)
+            if not over:
+                queue.appendleft(s)  # a started dialogue goes on first: its shard finishes sooner
 
 
 def _save_image(folder: Path, rel: str, data: bytes) -> str:
@@ -222,15 +216,15 @@ def generate_shard(engine: SpecEngine, cfg: DataConfig, folder: Path, k: int, re
     t0 = time.perf_counter()
     stats = RunStats()
     samples = [_Sample(spec, list(spec.turns)) for spec in plan_shard(cfg, k, res)]
-    write_prompts(engine, cfg, samples, stats)
-    answer(engine, cfg, samples, stats, progress)
+    run_samples(engine, cfg, samples, stats, progress)
     records = [r for j, s in enumerate(samples) if (r := record(folder, k, j, s)) is not None]
     entry = corpus.write_shard(folder, k, records)
     by_source: dict[str, int] = {}
     for r in records:
         by_source[r["source"]] = by_source.get(r["source"], 0) + 1
     entry.update(planned=len(samples), dropped_empty=len(samples) - len(records), by_source=by_source, rows=stats.rows,
-                 answer_tokens=stats.answer_tokens, prompt_tokens=stats.prompt_tokens, seconds=round(time.perf_counter() - t0, 3))
+                 answer_tokens=stats.answer_tokens, prompt_tokens=stats.prompt_tokens, written_tokens=stats.written_tokens,
+                 seconds=round(time.perf_counter() - t0, 3))
     return entry
 
 
@@ -274,7 +268,7 @@ def _totals(shards: list[dict[str, Any]]) -> dict[str, Any]:
     for e in shards:
         for s, n in e["by_source"].items():
             by_source[s] = by_source.get(s, 0) + n
-    keys = ("lines", "planned", "dropped_empty", "rows", "answer_tokens", "prompt_tokens", "seconds")
+    keys = ("lines", "planned", "dropped_empty", "rows", "answer_tokens", "prompt_tokens", "written_tokens", "seconds")
     return {"shards": len(shards), **{k: round(sum(e[k] for e in shards), 3) for k in keys}, "by_source": by_source}
 
 
@@ -322,4 +316,4 @@ def generate_corpus(engine: SpecEngine, cfg: DataConfig, out: str | Path, res: R
     return run
 
 
-__all__ = ["CorpusRun", "RunStats", "generate_corpus", "generate_shard", "run_rows", "write_prompts"]
+__all__ = ["CorpusRun", "RunStats", "generate_corpus", "generate_shard", "run_samples"]
