@@ -5,6 +5,7 @@ options here and calls the library (engines through `vlmspec.factory`); nothing 
     vlmspec serve           vlmspec/cli/serve.py      (lazily imports vlmspec.app)
     vlmspec bench [run|batch|verify-cost|kernel|server]   vlmspec/cli/bench.py
     vlmspec train | eval-drafter                          vlmspec/cli/train.py
+    vlmspec data (a corpus the target answers; --verify)  vlmspec/cli/data.py
     vlmspec export DRAFTER --format speculators           vlmspec/cli/export.py
     vlmspec build-target                                  vlmspec/cli/build.py
     (how the bundled targets were trained, and the research suites: python -m vlmspec.recipes)
@@ -21,6 +22,7 @@ import sys
 from typing import NoReturn, Sequence
 
 from vlmspec.cli import bench, build, export, generate, serve, train
+from vlmspec.cli import data as data_cmd
 from vlmspec.cli.options import EXIT_USAGE, UsageError
 from vlmspec.errors import VlmspecError
 
@@ -65,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.register(sub)
     bench.register(sub)
     train.register(sub)
+    data_cmd.register(sub)
     export.register(sub)
     build.register(sub)
     _document(parser)

@@ -30,7 +30,8 @@ VISUAL_CHOICES = ("none", "gate", "uniform", "attention", "pool", "conv", "resam
 def register(sub: argparse._SubParsersAction) -> None:
     d = sub.add_parser("train", help="distil an EAGLE-style draft head from a frozen target (online logits)")
     d.add_argument("--target", help="target VLM folder or hub id (default: models/smolvlm-toyworld when built with trained parts, else the toy; 'toy' selects the toy)")
-    d.add_argument("--data", default="toyworld", help="'toyworld' or a LLaVA-style JSONL file")
+    d.add_argument("--data", default="toyworld", help="'toyworld', a LLaVA-style JSONL file, or a corpus folder of `vlmspec data` "
+                                                     "(its shards checked against its manifest first)")
     d.add_argument("--out", required=True, help="run folder: checkpoint/, drafter/, train_curve.png")
     d.add_argument("--steps", type=positive_int("--steps"), default=1000, help='training steps')
     d.add_argument("--batch-size", type=positive_int("--batch-size"), default=8, help='samples per step')
@@ -98,8 +99,8 @@ def run_train(args: argparse.Namespace) -> int:
 
     spec = engine_spec(args, model=args.target, **process_device(args.device))
     factory.resolve_model(spec.model)  # no bundled model and no --target: say so before anything else
-    if args.data != "toyworld" and not Path(args.data).is_file():
-        raise UsageError(f"data file not found: {args.data} (use 'toyworld' or a JSONL file)")
+    if args.data != "toyworld" and not Path(args.data).is_file() and not (Path(args.data) / "manifest.json").is_file():
+        raise UsageError(f"data file not found: {args.data} (use 'toyworld', a JSONL file or a `vlmspec data` corpus folder)")
     if args.resume and not (Path(args.out) / "checkpoint").is_dir():
         raise UsageError(f"--resume: no checkpoint in {args.out}/checkpoint")
     if args.init_from:

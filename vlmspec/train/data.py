@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from vlmspec.data import toyworld
+from vlmspec.data import corpus, toyworld
 from vlmspec.data.heldout import Conversation, toyworld_conversation
 from vlmspec.errors import VlmspecError
 from vlmspec.inputs import load_image_file, user_turn
@@ -119,9 +119,15 @@ def toyworld_stream(
 
 def load_jsonl(path: str | Path, skip_bad: bool = True) -> tuple[list[Conversation], list[str]]:
     """LLaVA-style JSONL: {"images": [paths relative to the file], "conversations": [{"from": "human",
-    "value": "<image>\\n..."}, {"from": "gpt", "value": "..."}]}. Returns (conversations, problems);
-    a bad line is skipped and reported (file:line: why), or raises DataError when skip_bad=False."""
+    "value": "<image>\\n..."}, {"from": "gpt", "value": "..."}, more human / gpt pairs: follow-up turns],
+    "open_end": the last answer was cut (optional)}. Returns (conversations, problems); a bad line is
+    skipped and reported (file:line: why), or raises DataError when skip_bad=False.
+
+    `path` may also be a corpus folder of `vlmspec data` (manifest.json + shards): every shard is
+    checked against the manifest first, and a corrupt one raises DataError naming its path."""
     path = Path(path)
+    if path.is_dir() and (path / corpus.MANIFEST).is_file():
+        return _load_corpus(path, skip_bad)
     if not path.is_file():
         raise DataError(f"data file not found: {path}")
     convs: list[Conversation] = []
@@ -142,21 +148,50 @@ def load_jsonl(path: str | Path, skip_bad: bool = True) -> tuple[list[Conversati
     return convs, problems
 
 
+def _load_corpus(folder: Path, skip_bad: bool) -> tuple[list[Conversation], list[str]]:
+    """Every checked shard of a `vlmspec data` corpus folder, in order."""
+    try:
+        shards = corpus.checked_shards(folder)
+    except corpus.CorpusError as exc:
+        raise DataError(str(exc)) from None
+    convs: list[Conversation] = []
+    problems: list[str] = []
+    for shard in shards:
+        c, p = load_jsonl(shard, skip_bad)
+        convs += c
+        problems += p
+    return convs, problems
+
+
+def _pairs(turns: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(user turn, answer) pairs in order: each human turn with the gpt turn after it."""
+    pairs, question = [], None
+    for t in turns:
+        if t["from"] in ("human", "user"):
+            question = t["value"]
+        elif t["from"] in ("gpt", "assistant") and question is not None:
+            pairs.append((question, t["value"]))
+            question = None
+    return pairs
+
+
 def _parse_record(rec: dict[str, Any], root: Path) -> Conversation:
     turns = rec["conversations"]
     if not isinstance(turns, list) or len(turns) < 2:
         raise ValueError("'conversations' needs a human turn and a gpt turn")
-    human = next(t["value"] for t in turns if t["from"] in ("human", "user"))
-    answer = next(t["value"] for t in turns if t["from"] in ("gpt", "assistant"))
-    if not isinstance(human, str) or not isinstance(answer, str) or not answer.strip():
+    pairs = _pairs(turns)
+    if not pairs:
+        raise ValueError("'conversations' needs a human turn and a gpt turn after it")
+    if any(not isinstance(q, str) or not isinstance(a, str) or not a.strip() for q, a in pairs):
         raise ValueError("empty or non-text turn")
+    (human, answer), followups = pairs[0], pairs[1:]
     images = []
     for rel in rec.get("images") or ([rec["image"]] if rec.get("image") else []):
         images.append(load_image_file(root / rel))
     if human.count("<image>") not in (0, len(images)):
         raise ValueError(f"{human.count('<image>')} <image> tags for {len(images)} images")
     prompt = human.replace("<image>\n", "").replace("<image>", "").strip()
-    return Conversation(prompt, answer, images, rec.get("task", ""))
+    return Conversation(prompt, answer, images, rec.get("task", ""), followups=followups, open_end=bool(rec.get("open_end", False)))
 
 
 __all__ = ["Conversation", "DataError", "encode_conversations", "load_jsonl", "messages", "toyworld_conversation", "toyworld_stream"]

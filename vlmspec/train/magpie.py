@@ -25,6 +25,7 @@ the config (seeded per batch).
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 
 from vlmspec.data.heldout import TEXT_PROMPTS, Conversation
+from vlmspec.data.prompts import is_heldout, prompt_key
 
 _MARK = "\x00MAGPIE\x00"
 
@@ -41,6 +43,25 @@ INSTRUCTION_OPENERS = (
     "Translate", "Suggest", "Tell me", "Compare", "Define", "Who", "When", "Which", "Create",
     "Calculate", "Can you", "Rewrite", "Classify", "Generate", "Provide", "Recommend", "Is",
     "Help me", "Make", "Convert", "Correct", "Plan",
+)
+# the data engine's wider spread (`vlmspec data`): INSTRUCTION_OPENERS (kept as they are: `vlmspec train
+# --text-style varied` caches its pairs by them) and these
+MORE_OPENERS = (
+    "Could you", "I need", "I want to", "Please", "Imagine", "Pretend you are", "Draft", "Outline", "Brainstorm",
+    "Analyze", "Evaluate", "Predict", "Estimate", "Solve", "Prove", "Simplify", "Paraphrase", "Shorten", "Expand",
+    "Edit", "Proofread", "Format", "Sort", "Rank", "Organize", "Schedule", "Design", "Invent", "Compose", "Sketch",
+    "Teach me", "Quiz me", "Show me", "Walk me through", "Break down", "Distinguish", "Contrast", "Identify",
+    "Find", "Choose", "Where", "Do you know", "What if", "Should I", "Is it true that", "What's the difference",
+    "In what ways", "How many", "How much", "How long", "I'm trying to", "My friend says", "I have a question:",
+    "Act as", "Role-play", "Argue", "Debate", "Critique", "Review", "Fix", "Debug", "Optimize", "Write a function",
+    "Write a letter", "Write a poem", "Write a story", "Write an email", "Give me ideas", "Give me a list",
+    "Tell me a fact", "Tell me a joke", "Recommend a book", "Suggest a recipe", "Describe how", "Explain why",
+)
+ENGINE_OPENERS = INSTRUCTION_OPENERS + MORE_OPENERS
+# how a topic leads into a user turn ("{topic}" filled in); a lead ending in ", " lowercases the opener after it
+TOPIC_LEADS = (
+    "About {topic}: ", "Regarding {topic}, ", "On the subject of {topic}, ", "I'm curious about {topic}. ",
+    "Question about {topic}: ", "I've been reading about {topic}. ", "For a project on {topic}, ", "Thinking about {topic}, ",
 )
 
 
@@ -55,6 +76,18 @@ class MagpieConfig:
     top_p: float = 0.95
     max_rounds: int = 12  # give up after this many prompt batches
     openers: tuple[str, ...] = ()  # user turns start with these, cycled over the batch slots (() = Magpie's open turn)
+
+
+def magpie_start(rng: random.Random, topics: tuple[str, ...], topic_share: float = 0.5) -> tuple[str, str, str | None]:
+    """(the start of a sampled user turn, its opener, its topic or None): an opener of ENGINE_OPENERS,
+    led in by a topic (TOPIC_LEADS) with probability `topic_share`; the model writes the rest."""
+    opener = rng.choice(ENGINE_OPENERS)
+    if not topics or rng.random() >= topic_share:
+        return opener, opener, None
+    topic = rng.choice(topics)
+    lead = rng.choice(TOPIC_LEADS).format(topic=topic)
+    first = opener if not lead.endswith(", ") or opener.startswith("I ") or opener.startswith("I'") else opener[0].lower() + opener[1:]
+    return lead + first, opener, topic
 
 
 def user_turn_opening(tokenizer: Any) -> str:
@@ -95,6 +128,12 @@ def _key(prompt: str) -> str:
 
 def _usable(prompt: str, seen: set[str]) -> bool:
     return len(prompt.split()) >= 3 and "<|" not in prompt and _key(prompt) not in seen
+
+
+def usable_instruction(prompt: str, seen: set[str]) -> bool:
+    """The data engine's filter of a sampled user turn: of at least 3 words, no template token, not a
+    held-out prompt (`vlmspec.data.prompts.is_heldout`), not in `seen` (keys of `prompt_key`)."""
+    return len(prompt.split()) >= 3 and "<|" not in prompt and not is_heldout(prompt) and prompt_key(prompt) not in seen
 
 
 Pair = tuple[str, str, bool]  # (instruction, greedy answer, the answer ended within answer_tokens)
@@ -156,4 +195,4 @@ def as_conversation(pair: Pair) -> Conversation:
     return Conversation(prompt, answer, task="magpie", open_end=not ended)
 
 
-__all__ = ["INSTRUCTION_OPENERS", "MagpieConfig", "Pair", "as_conversation", "cached_pairs", "magpie_pairs", "user_turn_opening"]
+__all__ = ["ENGINE_OPENERS", "INSTRUCTION_OPENERS", "MORE_OPENERS", "TOPIC_LEADS", "magpie_start", "MagpieConfig", "Pair", "as_conversation", "cached_pairs", "magpie_pairs", "usable_instruction", "user_turn_opening"]
