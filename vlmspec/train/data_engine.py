@@ -149,22 +149,24 @@ def run_samples(engine: SpecEngine, cfg: DataConfig, samples: list[_Sample], sta
     batch = engine.batch(cfg.slots)
     queue = deque(samples)  # samples whose next row may join
     running: dict[int, tuple[_Sample, str, Any]] = {}
-    while queue or batch.requests:
-        while queue and not batch.full:
+    while queue or not batch.idle:
+        while queue and len(batch.waiting) + len(batch.requests) < cfg.slots:  # a free slot's next row is ready
             s = queue.popleft()
             nxt = s.next_row()
             if nxt is None:
                 continue
             kind, t = nxt
             inputs, config = _prompt_row(engine, cfg, s, opening) if kind == "prompt" else _answer_row(engine, cfg, s, t)
-            req = batch.add(inputs, config)
-            running[id(req)] = (s, kind, req)
+            ticket = batch.submit(inputs, config)
+            running[id(ticket)] = (s, kind, ticket)
         batch.step()
-        for key, (s, kind, req) in list(running.items()):
-            if req.result is None:
+        for key, (s, kind, ticket) in list(running.items()):
+            if ticket.error is not None:
+                raise ticket.error
+            if ticket.result is None:
                 continue
             del running[key]
-            r = req.result
+            r = ticket.result
             stats.rows += 1
             if kind == "prompt":
                 stats.written_tokens += len(r.token_ids)
