@@ -423,3 +423,5 @@ def test_a_batch_takes_out_the_row_whose_drafter_failed_and_steps_the_others_unc
     assert reqs[0].failure is None and reqs[2].failure is None
     with pytest.raises(InjectedFault):  # a request of its own raises what failed it, as before
         engine.generate(*requests[1])
+    with pytest.raises(InjectedFault):  # so do several, once the others have finished
+        engine.generate_many(requests, slots=3)

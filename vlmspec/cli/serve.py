@@ -53,7 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drain-seconds", type=float_in("--drain-seconds", 0.0, 1e6), default=30.0,
                    help="on SIGTERM or SIGINT, how long the requests already accepted may run to their end (new ones get 503 "
                         "meanwhile; what is left then gets 503), before the server stops and exits 0; with --replicas, "
-                        "each replica's graceful shutdown")
+                        "every replica's drain (and Ray's graceful shutdown of it)")
     p.add_argument("--no-ui", action="store_true", help="do not mount the Gradio demo at /ui")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="uvicorn's log level")
     scale = p.add_argument_group("scale out on Ray Serve (any of these: the app as a Ray Serve deployment behind Ray's HTTP proxy; "
