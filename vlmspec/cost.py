@@ -64,7 +64,8 @@ def measure_cost(engine: SpecEngine, inputs: dict, depths: tuple[int, ...] | Non
     nodes = dict.fromkeys(depths, float("inf"))  # [depth]: fewest nodes drafted per step at that depth (mean of a run)
     for _ in range(repeats):
         for depth in depths:
-            gen = engine.stream(inputs, GenerationConfig(max_new_tokens=max(tokens, depth + 2), ignore_eos=True, policy=FixedPolicy(depth)))
+            gen = engine.stream(inputs, GenerationConfig(max_new_tokens=max(tokens, depth + 2), ignore_eos=True, policy=FixedPolicy(depth),
+                                                     remember=False))
             drafted = [e.num_drafted for e in gen if e.depth == depth]  # steps at this depth (not the prefill, not the capped last ones)
             r = gen.result
             assert r is not None
@@ -98,7 +99,8 @@ def measure_batch_cost(engine: SpecEngine, inputs: dict, sizes: tuple[int, ...],
     by_size = [(1, single or measure_cost(engine, inputs))]
     steps = tokens * repeats * len(depths)
     chain = dataclasses.replace(tree, top_k=1, total_tokens=max(max(depths), 1))
-    config = GenerationConfig(max_new_tokens=steps * (max(depths) + 1) + 2, ignore_eos=True, policy=_TakingTurns(depths), tree=chain)
+    config = GenerationConfig(max_new_tokens=steps * (max(depths) + 1) + 2, ignore_eos=True, policy=_TakingTurns(depths), tree=chain,
+                              remember=False)
     for size in sorted({b for b in sizes if b > 1}):
         seconds: dict[int, list[float]] = {}  # [depth the step really drafted]: its seconds
         asked: dict[int, list[float]] = {}  # [depth asked for]: the same (a drafter that proposed nothing here)

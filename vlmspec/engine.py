@@ -51,6 +51,11 @@ class GenerationConfig:
     speculation: SpeculationOptions = field(default_factory=SpeculationOptions)  # policy, max depth, tree budget
     policy: Policy | None = None  # an explicit policy object (benches, tests); wins over speculation.policy
     sync_timings: bool = True  # on CUDA, synchronise before each timing lap (exact split, one sync per lap)
+    # a drafter that learns from traffic (`--drafter suffix`): whose earlier answers this request may be
+    # drafted from and whose pool its answer joins (None: the shared pool; the service: one per API key),
+    # and whether its answer is kept for later requests at all
+    tenant: str | None = None
+    remember: bool = True
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -303,6 +308,9 @@ class Batch:
         self.free.sort()
         req.result = GenerationResult(req.emitted, req.finish, req.prompt_tokens, req.stats, time.perf_counter() - req.t_start,
                                       dict(req.timings), req.policy, req.depths)
+        finish = getattr(req.session, "finish", None)  # a drafter that learns from traffic keeps the answer
+        if finish is not None:
+            finish(req.emitted)
 
     def _round(self, reqs: list["_Request"]) -> list[tuple["_Request", StepEvent]]:
         """Draft for every row, verify every row in one target forward, commit, emit."""
@@ -412,7 +420,7 @@ class SpecEngine:
         state, out = target.prefill(inputs, visual=self.drafter.needs_visual, cache=cache, slot=slot, layers=feature_layers(self.drafter))
         clock.lap("prefill")
         prompt = PromptContext(inputs["input_ids"][0].cpu(), out.features, inputs, out.image_mask, out.image_embeds, out.attention,
-                               kv=state.entries)
+                               kv=state.entries, tenant=config.tenant, remember=config.remember)
         tree = self.request_tree(config)
         session = self.drafter.start(prompt, tree)
         clock.lap("draft")
