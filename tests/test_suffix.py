@@ -20,6 +20,7 @@ from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.inputs import encode_prompt
 from vlmspec.sampling import SamplingParams
 from vlmspec.testing.tiny import tiny_image
+from vlmspec.tree import DraftTree
 
 NEW = 48
 TREE = TreeConfig(depth=4, top_k=3, total_tokens=10)
@@ -115,7 +116,11 @@ def test_the_store_s_memory_follows_its_budget_not_its_traffic():
 # ------------------------------------------------------------------------------------------ the drafter
 def _answer(drafter, prompt, answer, tenant=None, remember=True):
     """A request that emitted `answer`, its answer then kept (what the engine does at the end)."""
-    s = drafter.start(_ctx(prompt, tenant, remember))
+    _answer_with(drafter, _ctx(prompt, tenant, remember), answer)
+
+
+def _answer_with(drafter, context, answer):
+    s = drafter.start(context)
     s.propose(answer[0], 4)
     s.commit(torch.tensor(answer), torch.zeros(len(answer), 4))
     s.finish(answer)
@@ -125,9 +130,23 @@ def test_protocol_and_the_pool_drafts_a_repeated_answer_whole():
     d = SuffixDrafter(DEEP, store=SuffixStore())
     assert isinstance(d, Drafter) and isinstance(d.start(_ctx([1, 2])), DraftSession)
     _answer(d, [40, 41, 42], [50, 51, 52, 53, 54, 55, 56])
-    tree = d.start(_ctx([40, 41, 42])).propose(50, 10)
-    assert tree.tokens.tolist() == [50, 51, 52, 53, 54] and tree.expected_accepted() == 4.0  # a 4-token match: 4 nodes
-    assert d.counters.hits == 1 and d.counters.global_hits == 1 and d.index_tokens == 3 + 7
+    again = d.start(_ctx([40, 41, 42]))
+    tree = again.propose(50, 10)
+    # the match: the prompt's fingerprint, its 3 tokens and the root: 5 tokens, 5 nodes (spec_factor 1)
+    assert tree.tokens.tolist() == [50, 51, 52, 53, 54, 55] and tree.expected_accepted() == 5.0 and again.sure
+    assert d.counters.hits == 1 and d.counters.global_hits == 1 and d.index_tokens == 1 + 3 + 7
+
+
+def test_the_fingerprint_tells_the_same_prompt_from_another_image_with_the_same_question():
+    d = SuffixDrafter(DEEP, store=SuffixStore())
+    question = torch.tensor([40, 41, 42])
+    image = {"pixel_values": torch.ones(2, 3, 8, 8)}
+    _answer_with(d, PromptContext(question, torch.zeros(3, 4), dict(image)), [50, 51, 52, 53, 54, 55])
+    same = d.start(PromptContext(question, torch.zeros(3, 4), {"pixel_values": torch.ones(2, 3, 8, 8)}))
+    assert same.propose(50, 10).size == 6 and same.sure
+    other = d.start(PromptContext(question, torch.zeros(3, 4), {"pixel_values": torch.zeros(2, 3, 8, 8)}))
+    tree = other.propose(50, 10)  # the same question's answer is still proposed, from a shorter match, and not as sure
+    assert tree.tokens.tolist()[:2] == [50, 51] and tree.size == 5 and not other.sure
 
 
 def test_a_tenant_is_never_drafted_another_tenant_s_answer():
@@ -139,11 +158,11 @@ def test_a_tenant_is_never_drafted_another_tenant_s_answer():
     shared = d.start(_ctx([40, 41, 42])).propose(90, 10)  # the shared pool (no tenant) holds none of it either
     assert shared.size == 1
     # negative control: the same request under the owner's key is drafted the answer
-    assert d.start(_ctx([40, 41, 42], tenant="a")).propose(90, 10).tokens.tolist()[1:] == secret[1:5]  # a 4-token match: 4 nodes
+    assert d.start(_ctx([40, 41, 42], tenant="a")).propose(90, 10).tokens.tolist()[1:] == secret[1:]
     # and without tenant keys (both None) the other request IS drafted it
     d2 = SuffixDrafter(DEEP, store=SuffixStore())
     _answer(d2, [40, 41, 42], secret)
-    assert d2.start(_ctx([40, 41, 42])).propose(90, 10).tokens.tolist()[1:] == secret[1:5]  # a 4-token match: 4 nodes
+    assert d2.start(_ctx([40, 41, 42])).propose(90, 10).tokens.tolist()[1:] == secret[1:]
 
 
 def test_memory_can_be_turned_off_per_drafter_and_per_request():
@@ -242,3 +261,67 @@ def test_tenants_through_the_engine():
     a = engine.generate(inputs, config)  # negative control: the owner's repeat is drafted from the pool
     assert counters.global_hits > 0 and a.token_ids == b.token_ids
     assert a.mean_accepted_length > 3 * b.mean_accepted_length
+
+
+# ------------------------------------------------------------------------------------------ the hybrid's choice
+class _Head:
+    """A model drafter whose every tree is a chain of `depth` tokens 100, 101, ... with path probabilities
+    `probs` (its own estimate); it records the depths it was asked for."""
+
+    name, needs_visual = "head", False
+
+    def __init__(self, probs):
+        self.tree, self.probs, self.asked = TreeConfig(depth=len(probs), top_k=1, total_tokens=len(probs)), probs, []
+
+    def start(self, prompt, tree=None):
+        return self
+
+    def propose(self, root, max_depth):
+        self.asked.append(max_depth)
+        n = min(max_depth, len(self.probs))
+        chain = DraftTree.chain(root, list(range(100, 100 + n)))
+        return DraftTree(chain.tokens, chain.parents, path_probs=torch.tensor([1.0, *self.probs[:n]]))
+
+    def commit(self, token_ids, features):
+        return None
+
+
+def test_the_hybrid_takes_the_likelier_tree_skips_the_head_where_it_cannot_win_and_learns_whom_to_trust():
+    head = _Head([0.9, 0.8, 0.7])  # E = 2.4
+    hybrid = HybridDrafter(head, SuffixDrafter(DEEP, store=SuffixStore()))
+    fresh = hybrid.start(_ctx([40, 41, 42]))
+    assert fresh.propose(7, 8).tokens.tolist() == [7, 100, 101, 102]  # nothing in the store: the head's tree
+    _answer(hybrid.suffix, [40, 41, 42], [50, 51, 52, 53, 54, 55])
+    head.asked.clear()
+    again = hybrid.start(_ctx([40, 41, 42]))
+    assert again.propose(50, 8).tokens.tolist()[:3] == [50, 51, 52] and head.asked == [0]  # a sure repeat: the head ran nothing
+    assert hybrid.counters.eagle_skipped == 1
+    # another image's answer to the same question: a 4-node tree (E 4 > 2.4) taken while it is trusted ...
+    other = PromptContext(torch.tensor([40, 41, 42]), torch.zeros(3, 4), {"pixel_values": torch.zeros(1)})
+    for _ in range(12):  # ... and each time the target rejects its first token
+        s = hybrid.start(other)
+        picked = s.propose(50, 8)
+        s.commit(torch.tensor([50]), torch.zeros(1, 4))
+    assert picked.tokens.tolist() == [50, 100, 101, 102]  # by now the head's tree is the likelier
+    assert hybrid.calibration.scale("suffix") < 0.4 < hybrid.calibration.scale("suffix_sure") == 1.0
+
+
+def test_the_repeating_workload_and_its_passes():
+    from vlmspec.bench.repeat import pass_markdown, pass_report, repeat_plan
+
+    plan = repeat_plan(4, 0.5)
+    assert plan.items == (0, 1, 2, 3, 0, 1, 2, 3) and plan.repeat == (False,) * 4 + (True,) * 4 and plan.share == 0.5
+    assert repeat_plan(4, 0.2).items == (0, 1, 2, 3, 0) and repeat_plan(3, 0.0).repeat == (False,) * 3
+    with pytest.raises(ValueError):
+        repeat_plan(4, 1.0)
+    seen = []
+
+    def summarise(keep):
+        seen.append([i for i in range(8) if keep(i)])
+        return {"hf_generate": {"tokens_per_s": 1.0, "speedup_vs_hf_generate": 1.0, "mean_accepted_length": None},
+                "vlmspec_suffix": {"tokens_per_s": 3.0, "speedup_vs_hf_generate": 3.0, "mean_accepted_length": 6.0}}
+
+    report = pass_report(plan, summarise, lambda m, keep: [2.0, 3.0, 4.0] if keep(7) else [1.0], ["vlmspec_suffix"])
+    assert seen == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert report["repeat"]["vs_hf_generate"]["vlmspec_suffix"]["median"] == 3.0
+    assert "repeats (prompts asked before)" in pass_markdown(report) and "3.00x [2.00, 4.00]" in pass_markdown(report)

@@ -4,42 +4,72 @@ likelier tree per step and per row.
     drafter = HybridDrafter(eagle, suffix)           # both built by the composition root (vlmspec.factory)
     trees = drafter.propose_batch(sessions, roots, max_depths, chains)
 
-Each row's suffix tree comes first (a few dict lookups). Its expected accepted length E_s (the sum
-of its nodes' observed probabilities, `DraftTree.expected_accepted`) is compared with what the
-EAGLE head could give: no more than one token per level of its depth, so where E_s reaches that
-ceiling (`HybridConfig.skip_at` of it) the head drafts nothing for the row this step (its pairs
-wait for its next draft, as a plain step's do) and the suffix tree is proposed; a repeated answer
-is drafted from the store at the cost of the lookups. Elsewhere the head drafts (every such row in
-its one batched forward per level), and each row gets the tree of the higher expected accepted
-length, the head's being the sum of its nodes' cumulative draft probabilities: the head keeps its
-wins on fresh text. Rows asked for a chain compare chains. Either tree is verified as usual, so
-the output is the target's (lossless).
+Each drafter estimates its tree's expected accepted length E (`DraftTree.expected_accepted`): the
+suffix tree the sum of its nodes' observed frequencies, the head's the sum of its nodes' cumulative
+draft probabilities. Neither is calibrated (a continuation seen once has frequency 1; a head may
+be over- or under-confident), so the hybrid scales each by how its picked trees fared: the
+decayed ratio of tokens accepted to tokens expected (`Calibration`), kept apart for the head, for
+suffix trees from a `sure` match (the same prompt answered the same way so far: the pool's match
+covered the whole context) and for the other suffix trees (another request's answer to the same
+question, a template).
+
+Each row's suffix tree comes first (a few dict lookups). Where its scaled E reaches the most the
+head could give the row (one token per level of its depth, scaled the same way; `skip_at` of it)
+the head drafts nothing for the row this step (its pairs wait for its next draft, as a plain
+step's do): a repeated answer is drafted from the store at the cost of the lookups. Elsewhere the
+head drafts (every such row in its one batched forward per level) and each row gets the tree of
+the higher scaled E: the head keeps its wins on fresh text. Rows asked for a chain compare chains.
+Either tree is verified as usual, so the output is the target's (lossless).
 
 The goodput policy (`vlmspec.control`) prices the row as it prices any drafter: from what the
-row's proposals had accepted; the hybrid's choice raises that acceptance where either drafter is
-sure, and an empty suffix tree beside a head that drafts is never proposed.
+row's proposals had accepted; the hybrid raises that acceptance where either drafter is sure.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import dataclasses
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from vlmspec.draft.base import DraftSession, Drafter, PromptContext, TreeConfig
 from vlmspec.draft.suffix import SuffixDrafter
 from vlmspec.tree import DraftTree
 
+KINDS = ("eagle", "suffix", "suffix_sure")  # the trees the calibration keeps apart
+
 
 @dataclass(frozen=True)
 class HybridConfig:
-    """skip_at: the head skips a row whose suffix tree's expected accepted length reaches this share
-    of the most the head could give it (its depth this step); 1.0: only where the head cannot win."""
+    """skip_at: the head skips a row whose suffix tree's scaled E reaches this share of the most the
+    head could give it (1.0: only where the head cannot win); decay: per picked tree of a kind, older
+    trees count this much less in its calibration; prior: the calibration's pseudo-tokens at ratio 1."""
 
     skip_at: float = 1.0
+    decay: float = 0.95
+    prior: float = 4.0
 
     def __post_init__(self) -> None:
-        if not self.skip_at > 0:
-            raise ValueError(f"skip_at must be > 0, got {self.skip_at}")
+        if not (self.skip_at > 0 and 0 < self.decay <= 1 and self.prior > 0):
+            raise ValueError(f"need skip_at > 0, decay in (0, 1], prior > 0, got {self}")
+
+
+@dataclass
+class Calibration:
+    """Per kind of tree (`KINDS`): decayed tokens accepted and tokens expected of the picked trees."""
+
+    config: HybridConfig
+    accepted: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
+    expected: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
+
+    def scale(self, kind: str) -> float:
+        """accepted / expected, a `prior` of pseudo-tokens at 1.0 mixed in, within [0.05, 2]."""
+        p = self.config.prior
+        return min(2.0, max(0.05, (self.accepted[kind] + p) / (self.expected[kind] + p)))
+
+    def observe(self, kind: str, expected: float, accepted: int) -> None:
+        d = self.config.decay
+        self.accepted[kind] = d * self.accepted[kind] + accepted
+        self.expected[kind] = d * self.expected[kind] + expected
 
 
 @dataclass
@@ -63,6 +93,7 @@ class HybridDrafter:
         assert eagle.tree is not None, "the hybrid's model drafter needs a tree"
         self.eagle, self.suffix, self.config = eagle, suffix, config or HybridConfig()
         self.counters = HybridCounters()
+        self.calibration = Calibration(self.config)
         e, s = eagle.tree, suffix.tree
         self.tree = TreeConfig(depth=max(e.depth, s.depth), top_k=e.top_k, total_tokens=max(e.total_tokens, s.total_tokens))
 
@@ -79,23 +110,30 @@ class HybridDrafter:
         return self.suffix.store
 
     def metrics(self) -> dict[str, Any]:
-        return {**self.suffix.metrics(), **self.counters.as_dict()}
+        return {**self.suffix.metrics(), **self.counters.as_dict(), **{f"scale_{k}": self.calibration.scale(k) for k in KINDS}}
 
     def observe(self, tokens: list[int], tenant: str | None = None) -> None:
         self.suffix.observe(tokens, tenant)
 
     def start(self, prompt: PromptContext, tree: TreeConfig | None = None) -> DraftSession:
-        """Each part's own tree, or both the request's `tree`."""
-        return _HybridSession(self, self.eagle.start(prompt, tree), self.suffix.start(prompt, tree), (tree or self.eagle.tree).depth)
+        """Each part's own tree; a request's other `tree` (the engine passes the drafter's own when the
+        request names none) is the suffix part's, and caps the head's depth and nodes."""
+        own = tree is None or tree == self.tree
+        mine = self.suffix.tree if own else tree
+        head = self.eagle.tree if own else dataclasses.replace(
+            tree, depth=min(tree.depth, self.eagle.tree.depth), total_tokens=min(tree.total_tokens, self.eagle.tree.total_tokens))
+        return _HybridSession(self, self.eagle.start(prompt, head), self.suffix.start(prompt, mine), head.depth)
 
     def propose_batch(self, sessions: list["_HybridSession"], roots: list[int], max_depths: list[int],
                       chains: list[bool] | None = None) -> list[DraftTree]:
         """Every row's tree (module docstring); rows whose suffix tree the head cannot beat run no head."""
         chains = chains or [False] * len(sessions)
+        cal = self.calibration
         mine = [s.suffix.propose(root, d) for s, root, d in zip(sessions, roots, max_depths)]
-        mine_e = [_expected(t, d, c) for t, d, c in zip(mine, max_depths, chains)]
-        head_depths = [0 if e >= self.config.skip_at * min(s.eagle_depth, d) else d
-                       for s, e, d in zip(sessions, mine_e, max_depths)]
+        kinds = ["suffix_sure" if s.suffix.sure else "suffix" for s in sessions]
+        scored = [cal.scale(k) * _expected(t, d, c) for t, k, d, c in zip(mine, kinds, max_depths, chains)]
+        ceiling = [self.config.skip_at * cal.scale("eagle") * min(s.eagle_depth, d) for s, d in zip(sessions, max_depths)]
+        head_depths = [0 if t.size > 1 and e >= top else d for t, e, top, d in zip(mine, scored, ceiling, max_depths)]
         heads = [s.eagle for s in sessions]
         batched = getattr(self.eagle, "propose_batch", None)
         if batched is not None:
@@ -103,14 +141,19 @@ class HybridDrafter:
         else:
             theirs = [h.propose(root, d) for h, root, d in zip(heads, roots, head_depths)]
         out = []
-        for t_s, e_s, t_e, hd, d, c in zip(mine, mine_e, theirs, head_depths, max_depths, chains):
+        for s, t_s, kind, e_s, t_e, hd, d, c in zip(sessions, mine, kinds, scored, theirs, head_depths, max_depths, chains):
+            s.picked = None
             if d <= 0 or (t_s.size == 1 and t_e.size == 1):
                 out.append(t_e if t_e.size > 1 else t_s)
                 continue
-            suffix_wins = hd == 0 or t_e.size == 1 or (t_s.size > 1 and e_s >= _expected(t_e, d, c))
+            e_e = _expected(t_e, d, c)
+            suffix_wins = t_e.size == 1 or (t_s.size > 1 and e_s >= cal.scale("eagle") * e_e)
             self.counters.suffix_trees += suffix_wins
             self.counters.eagle_trees += not suffix_wins
             self.counters.eagle_skipped += hd == 0
+            s.picked = (kind, _expected(t_s, d, c)) if suffix_wins else ("eagle", e_e)
+            if not suffix_wins:
+                s.suffix.discard()
             out.append(t_s if suffix_wins else t_e)
         return out
 
@@ -130,12 +173,17 @@ class _HybridSession:
 
     def __init__(self, drafter: HybridDrafter, eagle: DraftSession, suffix: DraftSession, eagle_depth: int) -> None:
         self.drafter, self.eagle, self.suffix, self.eagle_depth = drafter, eagle, suffix, eagle_depth
+        self.picked: tuple[str, float] | None = None  # the last step's tree: its kind and expected accepted length
 
     def propose(self, root: int, max_depth: int) -> DraftTree:
         """A batch of one of `HybridDrafter.propose_batch`."""
         return self.drafter.propose_batch([self], [root], [max_depth])[0]
 
     def commit(self, token_ids, features) -> None:  # noqa: ANN001 - as DraftSession.commit
+        """Both parts see the committed tokens; the picked tree's kind learns how far it was accepted."""
+        if self.picked is not None:
+            self.drafter.calibration.observe(*self.picked, int(token_ids.shape[0]) - 1)
+            self.picked = None
         self.eagle.commit(token_ids, features)
         self.suffix.commit(token_ids, features)
 
@@ -143,4 +191,4 @@ class _HybridSession:
         self.suffix.finish(tokens)  # type: ignore[attr-defined]
 
 
-__all__ = ["HybridConfig", "HybridCounters", "HybridDrafter"]
+__all__ = ["Calibration", "HybridConfig", "HybridCounters", "HybridDrafter"]

@@ -24,6 +24,7 @@ answer, so a repeated question matches from its answer's first token.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -51,6 +52,7 @@ class SuffixConfig:
     index: IndexConfig = field(default_factory=IndexConfig)  # the request's own index
     local: bool = True  # draft from the request's own prompt and answer too
     prompt_tail: int = 16  # prompt tokens kept before each answer in the store (0: the answer alone)
+    fingerprint: bool = True  # a pseudo-token naming the whole prompt (ids, images) heads each stored answer
 
     def __post_init__(self) -> None:
         if self.prompt_tail < 0:
@@ -107,43 +109,62 @@ class SuffixDrafter:
 
 
 class _SuffixSession:
-    """One request: its own index over prompt + answer, its tenant, the last proposal's size."""
+    """One request: its own index over prompt + answer, its tenant, the last proposal's size.
+
+    Its pool context is [fingerprint] + the prompt's tail + the answer so far: what an answer is
+    stored after (`finish`), so the same request's earlier answer matches back over the whole
+    context, and another request's (another image, the same question) falls short of it by the
+    fingerprint at least. `sure` says the last proposal's pool match covered the whole context
+    (at most the index's `max_match` tokens): the same prompt, answered the same way so far."""
 
     def __init__(self, drafter: SuffixDrafter, tree: TreeConfig, prompt: PromptContext) -> None:
         self.drafter, self.tree, self.config = drafter, tree, drafter.config
         self.tenant, self.remember = prompt.tenant, prompt.remember
         ids = prompt.token_ids.tolist()
-        self.prompt_tail = ids[len(ids) - self.config.prompt_tail :] if self.config.prompt_tail else []
-        self.local = SuffixIndex(self.config.index)
-        self.history = self.local.docs[self.local.add(ids)] if self.config.local else ids  # every token in the target KV
+        self.local = SuffixIndex(self.config.index) if self.config.local else None
+        if self.local is not None:
+            self.local.add(ids)
         store = drafter.store
+        tail = ids[len(ids) - self.config.prompt_tail :] if self.config.prompt_tail else []
+        self.head = ([prompt_fingerprint(prompt)] if store is not None and self.config.fingerprint else []) + tail
+        self.pooled = list(self.head)  # the pool context: head + the answer so far (its last tokens)
         self.window = max(self.config.index.max_match, store.index_config.max_match if store is not None else 0)
         self.drafted = 0  # drafted nodes of the last proposal
+        self.pooled_best = self.sure = False  # it came from the pool; that match covered the whole context
 
     def propose(self, root: int, max_depth: int) -> DraftTree:
         """The likelier of the request's own tree and its tenant's pool's (`tree.path_probs` summed)."""
         depth = min(self.tree.depth, max_depth)
-        self.drafted = 0
+        self.drafted, self.sure = 0, False
         if depth <= 0:
             return DraftTree.root_only(root)
         counters, limits, budget, top_k = self.drafter.counters, self.config.limits, self.tree.total_tokens, self.tree.top_k
         counters.proposals += 1
-        context = self.history[-self.window :] + [root]
-        best, source = DraftTree.root_only(root), None
-        if self.config.local:
-            best = suffix_tree(self.local, context, depth, budget, limits, top_k)[0]
-            source = "local"
+        best, pooled_best = DraftTree.root_only(root), False
+        if self.local is not None:
+            best = suffix_tree(self.local, self.local.docs[0][-self.window :] + [root], depth, budget, limits, top_k)[0]
         store = self.drafter.store
         if store is not None:
-            pooled = store.tree(context, self.tenant, depth, budget, limits, top_k)[0]
+            context = self.pooled[-self.window :] + [root]
+            pooled, length = store.tree(context, self.tenant, depth, budget, limits, top_k)
             if pooled.size > 1 and (best.size == 1 or pooled.expected_accepted() > best.expected_accepted()):
-                best, source = pooled, "global"
-        self.drafted = best.size - 1
+                best, pooled_best = pooled, True
+                self.sure = length >= min(len(context), store.index_config.max_match)
+        self.drafted, self.pooled_best = best.size - 1, pooled_best
         if self.drafted:
             counters.hits += 1
-            counters.global_hits += source == "global"
+            counters.global_hits += pooled_best
             counters.drafted_tokens += self.drafted
         return best
+
+    def discard(self) -> None:
+        """The last proposal was not verified (the hybrid proposed the head's tree): uncount it."""
+        if self.drafted:
+            counters = self.drafter.counters
+            counters.hits -= 1
+            counters.global_hits -= self.pooled_best
+            counters.drafted_tokens -= self.drafted
+            self.drafted = 0
 
     def commit(self, token_ids: torch.Tensor, features: torch.Tensor) -> None:
         """token_ids [k]: the root and the accepted tokens (features unused)."""
@@ -151,17 +172,31 @@ class _SuffixSession:
         if self.drafted:
             self.drafter.counters.accepted_tokens += len(tokens) - 1
             self.drafted = 0
-        if self.config.local:
+        if self.local is not None:
             self.local.extend(0, tokens)
-        else:
-            self.history.extend(tokens)
-        if not self.config.local and len(self.history) > 4 * self.window:
-            del self.history[: -self.window]  # only the last tokens are ever matched
+        self.pooled.extend(tokens)
+        if len(self.pooled) > 4 * self.window:
+            del self.pooled[: -self.window]  # only the last tokens are ever matched
 
     def finish(self, tokens: list[int]) -> None:
-        """The request's answer (every emitted token) joins its tenant's pool, after its prompt's tail."""
+        """The request's answer (every emitted token) joins its tenant's pool, after its head."""
         if self.remember and self.drafter.store is not None and tokens:
-            self.drafter.store.add(self.prompt_tail + list(tokens), self.tenant)
+            self.drafter.store.add(self.head + list(tokens), self.tenant)
 
 
-__all__ = ["SuffixConfig", "SuffixCounters", "SuffixDrafter", "suffix_tree_config"]
+def prompt_fingerprint(prompt: PromptContext, samples: int = 1 << 16) -> int:
+    """A pseudo-token naming the whole prompt: a hash of its token ids and of every input tensor
+    (pixels, grids; at most `samples` evenly spaced elements of each), negative so it is never a
+    token the target emits (nothing is ever drafted from it: it only starts stored answers)."""
+    h = hashlib.blake2b(digest_size=7)
+    h.update(prompt.token_ids.cpu().numpy().tobytes())
+    for key in sorted(prompt.inputs):
+        value = prompt.inputs[key]
+        if isinstance(value, torch.Tensor) and key not in ("input_ids", "attention_mask"):
+            flat = value.detach().reshape(-1)
+            flat = flat[:: max(1, flat.numel() // samples)].cpu().contiguous()
+            h.update(key.encode() + flat.view(torch.uint8).numpy().tobytes())
+    return -1 - int.from_bytes(h.digest(), "big")
+
+
+__all__ = ["SuffixConfig", "SuffixCounters", "SuffixDrafter", "prompt_fingerprint", "suffix_tree_config"]
