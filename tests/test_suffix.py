@@ -325,3 +325,11 @@ def test_the_repeating_workload_and_its_passes():
     assert seen == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert report["repeat"]["vs_hf_generate"]["vlmspec_suffix"]["median"] == 3.0
     assert "repeats (prompts asked before)" in pass_markdown(report) and "3.00x [2.00, 4.00]" in pass_markdown(report)
+
+
+def test_bench_load_sends_the_repeating_mix_in_order():
+    from vlmspec.bench.load import LoadOptions, bodies
+
+    today = bodies("bench", LoadOptions((1,), 2, 8, 3, 0), "goodput")
+    mixed = bodies("bench", LoadOptions((1,), 2, 8, 3, 0, repeat_share=0.5), "goodput")
+    assert len(today) == 3 and mixed == today + today  # three distinct requests, then each again
