@@ -333,3 +333,19 @@ def test_bench_load_sends_the_repeating_mix_in_order():
     today = bodies("bench", LoadOptions((1,), 2, 8, 3, 0), "goodput")
     mixed = bodies("bench", LoadOptions((1,), 2, 8, 3, 0, repeat_share=0.5), "goodput")
     assert len(today) == 3 and mixed == today + today  # three distinct requests, then each again
+
+
+def test_under_the_goodput_policy_a_repeat_still_drafts_deep_and_parity_holds():
+    from vlmspec.control import CostModel, Speculation
+    from vlmspec.cost import cost_depths
+
+    assert cost_depths(24) == (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 18, 24) and cost_depths(5) == (0, 1, 2, 3, 4, 5)
+    target = tiny_target("llava")
+    inputs = encode_prompt(target, "describe the image in detail", [tiny_image(0)])
+    ref = _hf_greedy(target, inputs, NEW)
+    cost = CostModel.fit({0: 1.0, 1: 1.2, 8: 1.4, 16: 1.6})  # a 16-node chain verifies in 1.6 plain steps
+    engine = SpecEngine(target, SuffixDrafter(DEEP, store=SuffixStore()), Speculation("goodput", cost))
+    config = GenerationConfig(max_new_tokens=NEW, ignore_eos=True)
+    first, second = engine.generate(inputs, config), engine.generate(inputs, config)
+    assert first.token_ids == ref == second.token_ids and first.policy == "goodput"
+    assert second.mean_accepted_length >= 3 * first.mean_accepted_length and max(second.depths) == DEEP.depth

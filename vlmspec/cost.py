@@ -45,11 +45,22 @@ def tree_nodes(tree: TreeConfig, depth: int) -> int:
     return min(tree.total_tokens, depth * tree.top_k)
 
 
+def cost_depths(depth: int) -> tuple[int, ...]:
+    """The depths a cost model is measured at: every one up to 8, then every half again (12, 18, ...)
+    and `depth` itself; `CostModel.fit` reads between them linearly. A deep tree (the suffix
+    drafter's 24 levels) is then measured at 12 depths, not 25."""
+    out, d = list(range(min(depth, 8) + 1)), 8
+    while d * 3 // 2 < depth:
+        d = d * 3 // 2
+        out.append(d)
+    return tuple(sorted({*out, depth}))
+
+
 def measure_cost(engine: SpecEngine, inputs: dict, depths: tuple[int, ...] | None = None, tokens: int = 16, repeats: int = 3,
                  prefix: int = 256) -> CostModel:
     """The cost model of the goodput policy: seconds per engine step at each drafted depth (default
     every depth from 0 to the drafter's full depth, or the default tree's for a drafter without
-    one), fitted into a `CostModel` (its table holds each measured depth).
+    one; past depth 8 at `cost_depths`), fitted into a `CostModel` (its table holds each measured depth).
 
     Each depth's step is timed through the engine on `inputs` (greedy, `tokens` new tokens, the
     fastest of `repeats` rounds over all depths, so a drifting machine moves them together): the
@@ -59,7 +70,7 @@ def measure_cost(engine: SpecEngine, inputs: dict, depths: tuple[int, ...] | Non
     the missing nodes is added, timed on the target directly (`time_tree_extras`, a `prefix`-token
     context, the one-token step and each tree back to back)."""
     tree = engine.drafter.tree or TreeConfig()
-    depths = tuple(sorted({0, *(depths or range(tree.depth + 1))}))
+    depths = tuple(sorted({0, *(depths or cost_depths(tree.depth))}))
     best = dict.fromkeys(depths, float("inf"))  # [depth]: fastest seconds per step
     nodes = dict.fromkeys(depths, float("inf"))  # [depth]: fewest nodes drafted per step at that depth (mean of a run)
     for _ in range(repeats):
