@@ -45,11 +45,22 @@ def tree_nodes(tree: TreeConfig, depth: int) -> int:
     return min(tree.total_tokens, depth * tree.top_k)
 
 
+def cost_depths(depth: int) -> tuple[int, ...]:
+    """The depths a cost model is measured at: every one up to 8, then every half again (12, 18, ...)
+    and `depth` itself; `CostModel.fit` reads between them linearly. A deep tree (the suffix
+    drafter's 24 levels) is then measured at 12 depths, not 25."""
+    out, d = list(range(min(depth, 8) + 1)), 8
+    while d * 3 // 2 < depth:
+        d = d * 3 // 2
+        out.append(d)
+    return tuple(sorted({*out, depth}))
+
+
 def measure_cost(engine: SpecEngine, inputs: dict, depths: tuple[int, ...] | None = None, tokens: int = 16, repeats: int = 3,
                  prefix: int = 256) -> CostModel:
     """The cost model of the goodput policy: seconds per engine step at each drafted depth (default
     every depth from 0 to the drafter's full depth, or the default tree's for a drafter without
-    one), fitted into a `CostModel` (its table holds each measured depth).
+    one; past depth 8 at `cost_depths`), fitted into a `CostModel` (its table holds each measured depth).
 
     Each depth's step is timed through the engine on `inputs` (greedy, `tokens` new tokens, the
     fastest of `repeats` rounds over all depths, so a drifting machine moves them together): the
@@ -59,12 +70,13 @@ def measure_cost(engine: SpecEngine, inputs: dict, depths: tuple[int, ...] | Non
     the missing nodes is added, timed on the target directly (`time_tree_extras`, a `prefix`-token
     context, the one-token step and each tree back to back)."""
     tree = engine.drafter.tree or TreeConfig()
-    depths = tuple(sorted({0, *(depths or range(tree.depth + 1))}))
+    depths = tuple(sorted({0, *(depths or cost_depths(tree.depth))}))
     best = dict.fromkeys(depths, float("inf"))  # [depth]: fastest seconds per step
     nodes = dict.fromkeys(depths, float("inf"))  # [depth]: fewest nodes drafted per step at that depth (mean of a run)
     for _ in range(repeats):
         for depth in depths:
-            gen = engine.stream(inputs, GenerationConfig(max_new_tokens=max(tokens, depth + 2), ignore_eos=True, policy=FixedPolicy(depth)))
+            gen = engine.stream(inputs, GenerationConfig(max_new_tokens=max(tokens, depth + 2), ignore_eos=True, policy=FixedPolicy(depth),
+                                                     remember=False))
             drafted = [e.num_drafted for e in gen if e.depth == depth]  # steps at this depth (not the prefill, not the capped last ones)
             r = gen.result
             assert r is not None
@@ -98,7 +110,8 @@ def measure_batch_cost(engine: SpecEngine, inputs: dict, sizes: tuple[int, ...],
     by_size = [(1, single or measure_cost(engine, inputs))]
     steps = tokens * repeats * len(depths)
     chain = dataclasses.replace(tree, top_k=1, total_tokens=max(max(depths), 1))
-    config = GenerationConfig(max_new_tokens=steps * (max(depths) + 1) + 2, ignore_eos=True, policy=_TakingTurns(depths), tree=chain)
+    config = GenerationConfig(max_new_tokens=steps * (max(depths) + 1) + 2, ignore_eos=True, policy=_TakingTurns(depths), tree=chain,
+                              remember=False)
     for size in sorted({b for b in sizes if b > 1}):
         seconds: dict[int, list[float]] = {}  # [depth the step really drafted]: its seconds
         asked: dict[int, list[float]] = {}  # [depth asked for]: the same (a drafter that proposed nothing here)

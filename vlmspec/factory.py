@@ -27,7 +27,8 @@ import torch
 from vlmspec import assets
 from vlmspec.control import POLICIES, CostModel, Speculation
 from vlmspec.cost import measured_costs
-from vlmspec.draft import NoDrafter, TreeConfig, check_drafter_name, default_tree, load_drafter
+from vlmspec.draft import NoDrafter, SuffixStore, TreeConfig, check_drafter_name, default_tree, load_drafter
+from vlmspec.draft import HYBRID_SUFFIX
 from vlmspec.draft.base import Drafter
 from vlmspec.engine import SpecEngine
 from vlmspec.errors import ConfigError
@@ -51,6 +52,7 @@ class EngineSpec:
     policy: str = "goodput"  # the default speculation policy of the engine's requests (goodput | fixed)
     max_batch: int = 1  # requests decoded together at most (the service's batch): the goodput cost model is measured up to it
     packed_weights: bool = True  # CPU: the target's decode steps over linear weights packed for oneDNN where exact (bf16)
+    suffix_memory: int = 200_000  # `suffix` / hybrid drafters: tokens of earlier answers kept across requests, all tenants (0: none)
 
 
 # the prompt the cost model is measured on at build (step times hardly depend on the prompt)
@@ -114,6 +116,8 @@ def resolve_drafter(drafter: str, model: str) -> str:
     """'auto' and 'eagle' -> the EAGLE drafter shipped for `model` (the toy's, the default
     model's: `assets.shipped_drafter`); 'auto' -> n-gram for any other model."""
     check_drafter_name(drafter)  # an unknown name is said before any model is loaded
+    if drafter in ("hybrid", BUNDLED_DRAFTER_NAME + HYBRID_SUFFIX):  # the shipped EAGLE drafter beside the suffix drafter
+        return resolve_drafter(BUNDLED_DRAFTER_NAME, model) + HYBRID_SUFFIX
     if drafter not in ("auto", BUNDLED_DRAFTER_NAME):
         return drafter
     shipped = assets.shipped_drafter(model)
@@ -141,10 +145,14 @@ def load(spec: EngineSpec) -> Target:
                        packed_weights=spec.packed_weights)
 
 
-def drafter_for(spec: EngineSpec, target: Target) -> Drafter:
-    """The drafter of `spec` for an already loaded target (DrafterLoadError / ConfigError)."""
+def drafter_for(spec: EngineSpec, target: Target, store: SuffixStore | None = None) -> Drafter:
+    """The drafter of `spec` for an already loaded target (DrafterLoadError / ConfigError). A drafter
+    that learns from traffic (`suffix`, `X+suffix`) gets `store`, else a new one of
+    `spec.suffix_memory` tokens (none when that is 0): one per engine, so one per model served."""
     name = resolve_drafter(spec.drafter, target.name)
-    return load_drafter(name, target, tree_config(spec, str(target.device), name))
+    if store is None and spec.suffix_memory > 0 and (name == "suffix" or name.endswith(HYBRID_SUFFIX)):
+        store = SuffixStore(spec.suffix_memory)
+    return load_drafter(name, target, tree_config(spec, str(target.device), name), store=store)
 
 
 def build_engine(spec: EngineSpec) -> SpecEngine:

@@ -20,6 +20,10 @@ class DraftTree:
     # child order ([N, V] float). None: children were chosen deterministically (q = one-hot per
     # child), which is what the verifier assumes for any drafter that gives no probabilities.
     draft_probs: torch.Tensor | None = None
+    # path_probs[i] = the drafter's estimate that the target's path passes through node i ([N] float,
+    # root 1.0): EAGLE's cumulative draft probability, the suffix drafter's observed frequency. Their
+    # sum over the drafted nodes is the tree's expected accepted length. None: no estimate.
+    path_probs: torch.Tensor | None = None
     depth: torch.Tensor = field(init=False)  # [N] long, depth[0] = 0
 
     def __post_init__(self) -> None:
@@ -36,6 +40,8 @@ class DraftTree:
         self.depth = torch.tensor(depth, dtype=torch.long)
         if self.draft_probs is not None:
             assert self.draft_probs.shape[0] == n, "draft_probs must be [N, V]"
+        if self.path_probs is not None:
+            assert self.path_probs.shape == (n,), "path_probs must be [N]"
 
     @classmethod
     def root_only(cls, root: int) -> "DraftTree":
@@ -50,6 +56,11 @@ class DraftTree:
     @property
     def size(self) -> int:
         return int(self.tokens.shape[0])
+
+    def expected_accepted(self) -> float | None:
+        """The drafter's expected accepted length of this tree (drafted tokens, bonus excluded): the sum
+        of its drafted nodes' `path_probs`; None when the drafter gave none."""
+        return None if self.path_probs is None else float(self.path_probs[1:].sum())
 
     def children(self) -> list[list[int]]:
         """children[i] = node ids of i's children, in order (the order siblings are tried in)."""
@@ -108,7 +119,8 @@ class DraftTree:
         new_parents = torch.where(parents >= 0, remap[parents.clamp(min=0)], parents)
         assert bool((new_parents[1:] >= 0).all()), "selection is not closed under parents"
         probs = None if self.draft_probs is None else self.draft_probs[keep]
-        return DraftTree(self.tokens[keep], new_parents, probs)
+        reach = None if self.path_probs is None else self.path_probs[keep]
+        return DraftTree(self.tokens[keep], new_parents, probs, reach)
 
 
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:

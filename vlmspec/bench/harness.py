@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from vlmspec import factory
+from vlmspec.bench.repeat import RepeatPlan, pass_markdown, pass_report, repeat_plan
 from vlmspec.bench.runner import WaysRun, run_ways
 from vlmspec.data.heldout import Conversation, adversarial, heldout
 from vlmspec.draft import NgramDrafter, NoDrafter
@@ -171,22 +172,29 @@ def run_bench(
     repeats: int = 1,
     hf_lookup: int = 10,
     progress: bool = True,
+    plan: RepeatPlan | None = None,
+    skip: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """drafters: name -> Drafter for the vlmspec methods. Returns {"methods": {...}, "env": {...}}.
-    Every method on every prompt through `runner.run_ways` (interleaved, order rotated)."""
+    Every method on every prompt through `runner.run_ways` (interleaved, order rotated), but the
+    methods in `skip`. A drafter that learns from traffic keeps each prompt's last round only; with
+    a `plan` that repeats prompts (`vlmspec.bench.repeat`), "passes" has each pass apart."""
     sampling = SamplingParams(temperature=temperature)
     vision = VisionTimer(target.model)
-    encoded = [encode_prompt(target, c.prompt, c.images) for c in prompts]
-    hf_prefill = [_hf_prefill_seconds(target, inputs) for inputs in encoded]
+    once = {id(c): encode_prompt(target, c.prompt, c.images) for c in {id(c): c for c in prompts}.values()}  # a repeat: encoded once
+    prefill_s = {key: _hf_prefill_seconds(target, inputs) for key, inputs in once.items()}
+    encoded, hf_prefill = [once[id(c)] for c in prompts], [prefill_s[id(c)] for c in prompts]
     calls: dict[str, Callable[[dict[str, torch.Tensor], GenerationConfig], tuple[list[int], Any]]] = {
         "hf_generate": lambda inputs, cfg: (_hf_run(target, inputs, cfg, None), None),
         "hf_prompt_lookup": lambda inputs, cfg: (_hf_run(target, inputs, cfg, hf_lookup), None)}
     for name, d in drafters.items():
         calls[f"vlmspec_{name}"] = _engine_call(SpecEngine(target, d))
+    calls = {m: c for m, c in calls.items() if m == "hf_generate" or m not in skip}
 
     def way(call: Callable) -> Callable[[int, int], tuple[list[int], Any, float, float]]:
         def run(pi: int, rnd: int) -> tuple[list[int], Any, float, float]:
-            cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, seed=1000 * pi + rnd)
+            cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, seed=1000 * pi + rnd,
+                                   remember=rnd == warmup + repeats - 1)  # the prompt's last round only
             if target.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(target.device)
             with vision.measure() as vis:
@@ -198,14 +206,26 @@ def run_bench(
     run = run_ways({m: way(c) for m, c in calls.items()}, len(encoded), "hf_generate", repeats, warmup,
                    fails=(RuntimeError, ValueError, TypeError, NotImplementedError), sync=_sync,
                    progress="bench" if progress else None)
-    stats = {m: MethodStats(error=run.errors.get(m)) for m in calls}
-    for t in run.runs:
-        ids, result, vis_s, peak = t.result
-        stats[t.way].add(ids, t.seconds, vis_s, result, hf_prefill[t.item], peak)
+    stats = _method_stats(run, list(calls), hf_prefill)
     if temperature == 0:
         _check_parity(target, encoded, run, stats)
     out = _summaries(stats, temperature)
-    return {"methods": out, "env": environment(target, temperature, max_new_tokens, len(prompts), warmup, repeats)}
+    report = {"methods": out, "env": environment(target, temperature, max_new_tokens, len(prompts), warmup, repeats)}
+    if plan is not None and any(plan.repeat):
+        report["passes"] = pass_report(plan, lambda keep: _summaries(_method_stats(run, list(calls), hf_prefill, keep), temperature),
+                                       lambda m, keep: list(run.paired(m, keep).ratios), [m for m in calls if m != "hf_generate"])
+        report["env"]["repeat_share"] = plan.share
+    return report
+
+
+def _method_stats(run: WaysRun, methods: list[str], hf_prefill: list[float], keep: Callable[[int], bool] | None = None) -> dict[str, MethodStats]:
+    """Each method's counters over its measured runs on the prompts `keep` accepts (all by default)."""
+    stats = {m: MethodStats(error=run.errors.get(m)) for m in methods}
+    for t in run.runs:
+        if keep is None or keep(t.item):
+            ids, result, vis_s, peak = t.result
+            stats[t.way].add(ids, t.seconds, vis_s, result, hf_prefill[t.item], peak)
+    return stats
 
 
 def _engine_call(engine: SpecEngine) -> Callable[[dict[str, torch.Tensor], GenerationConfig], tuple[list[int], Any]]:
@@ -350,6 +370,8 @@ def markdown_table(report: dict[str, Any]) -> str:
             + " | ".join(f"{s['time_breakdown_s'][k]:.2f}" for k in BREAKDOWN)
             + f" | {fmt(s.get('draft_per_step_vs_target_step'))} | {s['peak_memory_mb']:.0f} | {match} |"
         )
+    if "passes" in report:
+        lines.append(pass_markdown(report["passes"]))
     measured = env["prompts"] * env["repeats"]
     if measured < MIN_MEASURED:
         lines.append(f"\nwarning: {measured} measured generations per method (fewer than {MIN_MEASURED}): on a shared "
@@ -398,23 +420,30 @@ class RunOptions:
     max_new_tokens: int = 96
     warmup: int = 1
     repeats: int = 1
-    eagle: tuple[str, ...] = ()  # EAGLE drafter folders; () = the drafter shipped for the target, if any
+    eagle: tuple[str, ...] = ()  # EAGLE drafter folders, self[:E], suffix, hybrid; () = the drafter shipped for the target, if any
+    repeat_share: float = 0.0  # this share of the requests repeat earlier ones (`vlmspec.bench.repeat`; 0.5: a second pass)
+    skip: tuple[str, ...] = ()  # methods left out (e.g. hf_prompt_lookup, vlmspec_ngram); never hf_generate
 
     def __post_init__(self) -> None:
         if self.n < 1 or self.max_new_tokens < 1 or self.repeats < 1 or self.warmup < 0 or self.temperature < 0:
             raise ValueError(f"n, max_new_tokens and repeats must be >= 1, warmup and temperature >= 0: {self}")
+        if not 0.0 <= self.repeat_share < 1.0:
+            raise ValueError(f"repeat_share must be in [0, 1), got {self.repeat_share}")
 
 
 def bench_drafters(spec: EngineSpec, target: Target, eagle: tuple[str, ...] = ()) -> dict[str, Drafter]:
     """none, ngram, and one drafter per entry of `eagle`: an EAGLE folder (default: the drafter
-    `spec`'s "auto" resolves to, when that is a trained one) or `self` / `self:E` (self-speculation),
-    each with `spec`'s tree knobs over its own default for the target's device (`factory.tree_config`)."""
+    `spec`'s "auto" resolves to, when that is a trained one), `self` / `self:E` (self-speculation),
+    `suffix` or `hybrid` / `X+suffix` (each with a cross-request store of its own), each with
+    `spec`'s tree knobs over its own default for the target's device (`factory.tree_config`)."""
     drafters: dict[str, Drafter] = {"none": NoDrafter(), "ngram": NgramDrafter(factory.tree_config(spec, str(target.device)))}
     auto = factory.resolve_drafter("auto", target.name)
     folders = 0
     for entry in eagle or ([auto] if auto not in ("ngram", "none") else []):
-        if entry == "self" or entry.startswith("self:"):
+        if entry == "self" or entry.startswith("self:") or entry == "suffix":
             name = entry
+        elif entry == "hybrid" or entry.endswith("+suffix"):
+            name = "hybrid" if "hybrid" not in drafters else f"hybrid_{Path(entry.removesuffix('+suffix')).name}"
         else:
             name, folders = ("eagle" if folders == 0 else f"eagle_{Path(entry).name}"), folders + 1
         drafters[name] = factory.drafter_for(replace(spec, drafter=entry), target)
@@ -426,7 +455,9 @@ def bench(spec: EngineSpec, opts: RunOptions, progress: bool = True) -> dict[str
     target = factory.load(spec)
     drafters = bench_drafters(spec, target, opts.eagle)
     prompts = load_prompts(opts.prompts, opts.n)
-    report = run_bench(target, drafters, prompts, opts.temperature, opts.max_new_tokens, opts.warmup, opts.repeats, progress=progress)
+    plan = repeat_plan(len(prompts), opts.repeat_share)
+    report = run_bench(target, drafters, [prompts[i] for i in plan.items], opts.temperature, opts.max_new_tokens, opts.warmup, opts.repeats,
+                       progress=progress, plan=plan, skip=opts.skip)
     # each drafting method's tree: the spec's knobs over its drafter's measured default, else the device's
     report["env"]["trees"] = {f"vlmspec_{name}": [d.tree.depth, d.tree.top_k, d.tree.total_tokens]
                               for name, d in drafters.items() if d.tree is not None}

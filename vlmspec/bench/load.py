@@ -7,7 +7,11 @@ instructions, in turn: `bench.batch.mixed_conversations`), streamed, at temperat
 so every answer has `max_tokens` tokens (or, with `ignore_eos=False`, each answer ends where the
 model ends it, as a user gets it: the mix's answers average 23 tokens on the default model, and
 `ignore_eos` fills the rest of the 64 with the model's end-of-turn token over and over;
-docs/serving.md compares the two). The ways differ only in each request's own options:
+docs/serving.md compares the two). With `repeat_share` (the repeating mix, #73) a level sends the
+mix's distinct requests, then that share of repeats of them, every one of them: what a drafter
+that learns from traffic (`--drafter suffix`, `hybrid`) drafts from (its store lives in the
+server, so a level also sees the answers of the levels before it). The ways differ only in each
+request's own options:
 
     plain      "speculative": false                         (rows of the batch that never draft)
     fixed      "speculation": {"policy": "fixed"}           (the drafter's full tree every step)
@@ -46,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from vlmspec.bench.batch import mixed_conversations
+from vlmspec.bench.repeat import repeat_plan
 from vlmspec.bench.server import chat_body, delta_text, sse_events
 from vlmspec.stats import percentile, rotated
 
@@ -69,10 +74,13 @@ class LoadOptions:
     prompts: int = 12  # distinct held-out requests, sent in turn
     warmup: int = 1  # unmeasured requests per way before the sweep
     ignore_eos: bool = True  # every answer runs to max_tokens (False: answers end at the model's end of turn)
+    repeat_share: float | None = None  # the repeating mix (`vlmspec.bench.repeat`): this share of each level's requests repeat earlier ones
 
     def __post_init__(self) -> None:
         if not self.concurrency or min(self.concurrency) < 1 or min(self.requests, self.max_tokens, self.prompts) < 1 or self.warmup < 0:
             raise ValueError(f"concurrency levels, requests, max_tokens and prompts must be >= 1, warmup >= 0: {self}")
+        if self.repeat_share is not None and not 0.0 <= self.repeat_share < 1.0:
+            raise ValueError(f"repeat_share must be in [0, 1), got {self.repeat_share}")
 
 
 @dataclass
@@ -93,8 +101,12 @@ class Endpoint:
 
 
 def bodies(model: str, opts: LoadOptions, way: str) -> list[dict[str, Any]]:
+    """The requests of a level, in the order they are sent: the mix's `prompts` distinct ones, then,
+    with `repeat_share`, that share of repeats of them (`repeat_plan`: a second pass at 0.5)."""
     extra = {"ignore_eos": opts.ignore_eos, "stream_options": {"include_usage": True}, **WAYS[way]}
-    return [{**chat_body(conv, model, opts.max_tokens, stream=True), **extra} for conv in mixed_conversations(opts.prompts)]
+    convs = mixed_conversations(opts.prompts)
+    order = range(len(convs)) if opts.repeat_share is None else repeat_plan(len(convs), opts.repeat_share).items
+    return [{**chat_body(convs[i], model, opts.max_tokens, stream=True), **extra} for i in order]
 
 
 def _one(client: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -247,10 +259,11 @@ def sweep(endpoints: list[Endpoint], opts: LoadOptions, progress: bool = True,
             run_level(e, reqs[e.label], 1, opts.warmup)
     levels: list[dict[str, Any]] = []
     report = {"options": {"concurrency": list(opts.concurrency), "requests": opts.requests, "max_tokens": opts.max_tokens,
-                          "prompts": opts.prompts, "warmup": opts.warmup, "ignore_eos": opts.ignore_eos}, "planned": len(endpoints) * len(opts.concurrency), "levels": levels}
+                          "prompts": opts.prompts, "warmup": opts.warmup, "ignore_eos": opts.ignore_eos, "repeat_share": opts.repeat_share}, "planned": len(endpoints) * len(opts.concurrency), "levels": levels}
     for k, clients in enumerate(opts.concurrency):
         for e in rotated(endpoints, k):
-            level = run_level(e, reqs[e.label], clients, max(opts.requests, 2 * clients))
+            whole = len(reqs[e.label]) if opts.repeat_share is not None else 0  # the repeating mix: every request of it
+            level = run_level(e, reqs[e.label], clients, max(opts.requests, 2 * clients, whole))
             levels.append({"way": e.way, "max_batch": e.max_batch, "series": e.label, **level})
             if progress:
                 print(f"  {e.label:>18} x{clients:<3} {level['tokens_per_s']:7.1f} tokens/s  p50 {level['latency_p50_s']:.2f} s  "
@@ -325,6 +338,9 @@ def markdown(report: dict[str, Any]) -> str:
         head = (f"{env.get('model', '?')}, {env.get('dtype', '?')} on {env.get('device', '?')} ({env.get('threads', '?')} threads{packed}), drafter "
                 f"{env.get('drafter', '?')}; {o['max_tokens']} tokens per request {length}, at least {o['requests']} requests per level "
                 f"(2 per client); baseline: the one-at-a-time service (max_batch 1) with its default policy ({env.get('default_policy', '?')})")
+    if o.get("repeat_share") is not None:
+        head += (f"; the repeating mix: {o['prompts']} distinct requests, then {o['repeat_share']:.0%} of each level's requests "
+                 "repeating them")
     replicas = any(lv.get("replicas") for lv in report["levels"])  # a column when the service names its replicas
     if len(report["levels"]) < report.get("planned", 0):
         head += f"\n\n**Stopped part way: {len(report['levels'])} of {report['planned']} levels measured.**"

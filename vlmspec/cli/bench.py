@@ -40,13 +40,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                                      "vlmspec none / ngram / eagle (T=0 parity checked)")
     r.add_argument("--model", help="target folder or hub id (default: models/smolvlm-toyworld when built with trained parts, else the toy; 'toy' selects the toy)")
     r.add_argument("--drafter", action="append", default=[],
-                   help="EAGLE drafter folder, or self / self:E for self-speculation (repeatable; default: the EAGLE drafter shipped for the model, if any)")
+                   help="EAGLE drafter folder, eagle, self / self:E for self-speculation, suffix, or hybrid / DIR+suffix "
+                        "(repeatable; default: the EAGLE drafter shipped for the model, if any)")
     r.add_argument("--prompts", default="test", help="'test' / 'val' (held-out ToyWorld), 'text' (held-out text-only instructions) or a LLaVA-style JSONL")
     r.add_argument("-n", type=positive_int("-n"), default=12, help="number of prompts")
     r.add_argument("--temperature", type=float_in("--temperature", 0.0, 100.0), default=0.0, help='sampling temperature (0 = greedy, where every method must match HF generate)')
     r.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=96, help='new tokens per prompt')
     r.add_argument("--warmup", type=non_negative_int("--warmup"), default=1, help="unmeasured runs per prompt and method")
     r.add_argument("--repeats", type=positive_int("--repeats"), default=1, help="measured runs per prompt and method")
+    r.add_argument("--repeat-share", type=float_in("--repeat-share", 0.0, 0.95), default=0.0,
+                   help="this share of the requests repeat earlier ones, after the -n prompts (0.5: each prompt again, a second "
+                        "pass); each pass is reported apart (a drafter that learns from traffic: suffix, hybrid)")
+    r.add_argument("--skip", default="", help="methods to leave out, comma-separated (e.g. hf_prompt_lookup,vlmspec_ngram)")
     add_tree_args(r)
     add_device_args(r)
     r.add_argument("--json", dest="json_path", help="write the results JSON here")
@@ -150,7 +155,8 @@ def run_bench(args: argparse.Namespace) -> int:
     from vlmspec.bench.harness import RunOptions, bench, mismatched, near_tie_divergences, save_report
 
     opts = RunOptions(prompts=args.prompts, n=args.n, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                      warmup=args.warmup, repeats=args.repeats, eagle=tuple(args.drafter))
+                      warmup=args.warmup, repeats=args.repeats, eagle=tuple(args.drafter), repeat_share=args.repeat_share,
+                      skip=tuple(m.strip() for m in args.skip.split(",") if m.strip()))
     report = bench(engine_spec(args, drafter="auto"), opts)  # the drafters: --drafter folders, none, ngram
     report["env"]["command"] = args.command_line
     print(save_report(report, out=Path(args.out) if args.out else None, json_path=Path(args.json_path) if args.json_path else None))

@@ -39,6 +39,9 @@ def register(which: argparse._SubParsersAction) -> None:
     ld.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                     help="every answer runs to --max-new-tokens past the model's end of turn, so every request is as long "
                          "(the default); --no-ignore-eos: each answer ends where the model ends it, as users get it")
+    ld.add_argument("--repeat-share", type=float_in("--repeat-share", 0.0, 0.95), default=None,
+                    help="the repeating mix: each level sends the --prompts distinct requests, then this share of repeats of "
+                         "them (0.5: a second pass), every one of them (default: today's mix, requests sent in turn)")
     ld.add_argument("--max-batch", type=int_list("--max-batch"), default=(16,),
                     help="the batched service's --max-batch; several (e.g. 4,8,16): one server each, every batched way on each, interleaved")
     ld.add_argument("--ways", default=None,
@@ -104,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
     ServerSettings, serving = _service("load")
     from vlmspec.bench.load import Endpoint, LoadOptions, remote, sweep
 
-    opts = LoadOptions(tuple(args.concurrency), args.requests, args.max_new_tokens, args.prompts, args.warmup, args.ignore_eos)
+    opts = LoadOptions(tuple(args.concurrency), args.requests, args.max_new_tokens, args.prompts, args.warmup, args.ignore_eos,
+                       args.repeat_share)
     if args.url:
         import httpx
 

@@ -116,8 +116,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default="auto",
                    help="'none' (plain decoding), 'ngram', 'eagle' (the EAGLE drafter shipped for the model: the toy's or the default "
                         "model's), 'self' / 'self:E' / 'self:E:K' (the target's own first layers: exit after layer E, draft over the "
-                        "first K token ids), a drafter folder, or a drafter's hub id (org/name) "
-                        "(default: auto = eagle where one is shipped for the model, ngram otherwise)")
+                        "first K token ids), 'suffix' (SuffixDecoding: from earlier answers and the request's own text), 'hybrid' "
+                        "(eagle + suffix, the likelier tree per step; DIR+suffix for another EAGLE drafter), a drafter folder, or a "
+                        "drafter's hub id (org/name) (default: auto = eagle where one is shipped for the model, ngram otherwise)")
+    p.add_argument("--suffix-memory", type=non_negative_int("--suffix-memory"), default=None, metavar="TOKENS",
+                   help="suffix / hybrid drafters: tokens of earlier answers kept across requests, oldest evicted first "
+                        "(default 200000; 0: no cross-request memory, each request drafts from its own prompt and answer)")
     add_device_args(p)
     p.add_argument("--attention", default="auto", choices=ATTENTION_CHOICES, help="tree attention: auto = SDPA over grouped heads in place on CPU, transformers' SDPA elsewhere; triton = the Triton tree kernel (CUDA); sdpa = transformers' own")
     p.add_argument("--packed-weights", action=argparse.BooleanOptionalAction, default=True,
@@ -135,7 +139,8 @@ def engine_spec(args: argparse.Namespace, **overrides: object):
     """The `EngineSpec` of the parsed options (fields a parser lacks keep their defaults)."""
     from vlmspec.factory import EngineSpec
 
-    fields = ("model", "drafter", "device", "dtype", "attention", "packed_weights", "tree_depth", "tree_topk", "tree_tokens", "policy")
+    fields = ("model", "drafter", "device", "dtype", "attention", "packed_weights", "tree_depth", "tree_topk", "tree_tokens", "policy",
+              "suffix_memory")
     values = {f: getattr(args, f) for f in fields if getattr(args, f, None) is not None}
     values.update(overrides)
     spec = EngineSpec(**values)  # type: ignore[arg-type]

@@ -6,13 +6,18 @@ from pathlib import Path
 
 from vlmspec.draft.base import Drafter, DraftSession, NoDrafter, PromptContext, TreeConfig
 from vlmspec.draft.ngram import NgramDrafter
+from vlmspec.draft.suffix import SuffixDrafter, suffix_tree_config
+from vlmspec.draft.suffix_index import SuffixStore
 from vlmspec.errors import ConfigError, DrafterLoadError
 
-MODEL_FREE = ("none", "ngram", "self")
+MODEL_FREE = ("none", "ngram", "self", "suffix")
+HYBRID_SUFFIX = "+suffix"  # `X+suffix`: drafter X (an EAGLE drafter) beside the suffix drafter, the likelier tree per row
 
 
-def load_drafter(spec: str, target, tree: TreeConfig | None = None) -> Drafter:
-    """`none` | `ngram` | `self` (self-speculation, DEL's dynamic exit) | `self:E` (exit after layer E)
+def load_drafter(spec: str, target, tree: TreeConfig | None = None, store: SuffixStore | None = None) -> Drafter:
+    """`none` | `ngram` | `suffix` (SuffixDecoding over `store`, the cross-request memory the caller
+    made; None: each request's own text only) | `X+suffix` (drafter X beside it, `HybridDrafter`)
+    | `self` (self-speculation, DEL's dynamic exit) | `self:E` (exit after layer E)
     | `self:E:K` / `self:auto:K` (over the first K token ids) | a drafter folder | a drafter's hub id
     ("org/name"), checked against target.
 
@@ -22,6 +27,15 @@ def load_drafter(spec: str, target, tree: TreeConfig | None = None) -> Drafter:
         return NoDrafter()
     if spec == "ngram":
         return NgramDrafter(tree)
+    if spec == "suffix":
+        return SuffixDrafter(tree, store=store)
+    if spec.endswith(HYBRID_SUFFIX) and spec != HYBRID_SUFFIX:
+        from vlmspec.draft.hybrid import HybridDrafter
+
+        model = load_drafter(spec[: -len(HYBRID_SUFFIX)], target, tree)
+        if model.tree is None or isinstance(model, SuffixDrafter):
+            raise DrafterLoadError(f"drafter {spec!r}: the part before {HYBRID_SUFFIX} must be a drafter that drafts a tree (eagle, a folder)")
+        return HybridDrafter(model, SuffixDrafter(suffix_tree_config(target.device), store=store))
     if spec == "self" or spec.startswith("self:"):
         from vlmspec.draft.self_spec import SelfSpecConfig, SelfSpecDrafter
 
@@ -47,15 +61,22 @@ def check_drafter_name(spec: str) -> None:
     not a folder, not a hub id. Needs no target, so the CLI says it before loading a model."""
     from vlmspec.draft.eagle import looks_like_hub_id
 
-    named = spec in ("auto", "eagle") or spec.split(":")[0] in MODEL_FREE
+    if spec.endswith(HYBRID_SUFFIX) and spec != HYBRID_SUFFIX:
+        spec = spec[: -len(HYBRID_SUFFIX)]  # the model drafter beside the suffix drafter
+    named = spec in ("auto", "eagle", "hybrid") or spec.split(":")[0] in MODEL_FREE
     if not named and not Path(spec).expanduser().is_dir() and not looks_like_hub_id(spec):
         raise DrafterLoadError(f"drafter {spec!r} is none of 'auto', 'eagle', 'none', 'ngram', 'self', 'self:E', 'self:E:K', "
-                               "nor a drafter folder or a hub id (org/name)")
+                               "nor a drafter folder or a hub id (org/name), nor 'suffix', 'hybrid', 'eagle+suffix' or 'DIR+suffix'")
 
 
 def default_tree(spec: str, device: str) -> TreeConfig | None:
     """The tree shape drafter `spec` was measured best with on `device`'s type (an EAGLE drafter's
-    config, `tree_defaults`); None for model-free drafters and drafters that record none."""
+    config, `tree_defaults`; the suffix drafter's own, `suffix_tree_config`; `X+suffix`: X's); None
+    for the other model-free drafters and drafters that record none."""
+    if spec == "suffix":
+        return suffix_tree_config(device)
+    if spec.endswith(HYBRID_SUFFIX) and spec != HYBRID_SUFFIX:
+        spec = spec[: -len(HYBRID_SUFFIX)]
     if spec.split(":")[0] in MODEL_FREE:  # none, ngram, self[:E[:K]]
         return None
     from vlmspec.draft.eagle import CONFIG_NAME, EagleDrafter, looks_like_hub_id
@@ -66,4 +87,5 @@ def default_tree(spec: str, device: str) -> TreeConfig | None:
     return EagleDrafter.default_tree(spec, device)
 
 
-__all__ = ["Drafter", "DraftSession", "NoDrafter", "NgramDrafter", "PromptContext", "TreeConfig", "check_drafter_name", "default_tree", "load_drafter"]
+__all__ = ["HYBRID_SUFFIX", "Drafter", "DraftSession", "NoDrafter", "NgramDrafter", "PromptContext", "SuffixDrafter", "SuffixStore", "TreeConfig",
+           "check_drafter_name", "default_tree", "load_drafter"]

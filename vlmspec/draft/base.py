@@ -9,6 +9,9 @@ state (its own KV cache, the token history, the request's tree shape). The engin
     session.commit(tokens, features)         # tokens [k] now in the target KV (root + accepted),
                                              # features [k, H] the target's features for them
 
+A session may also have `finish(tokens)`: the engine calls it once, when the request leaves its
+batch, with every token the request emitted (a drafter that learns from traffic keeps them there).
+
 A drafter may name `feature_layers` (a tuple of target layer ids, EAGLE-3): its features are then
 those layers' hidden states, concatenated, [k, m x H], from the same target forwards
 (`vlmspec.target.model.layer_features`); without it (or None) they are the last hidden state.
@@ -67,6 +70,11 @@ class PromptContext:
     # (keys, values) [1, kv_heads, L, head_dim]): read, never written, by drafters that reuse the
     # target's own layers (self-speculation)
     kv: Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+    # for drafters that learn from traffic (`vlmspec.draft.suffix`): whose earlier answers this request
+    # may be drafted from, and whose pool its answer joins (None: the shared pool); `remember` False:
+    # its answer is kept for nothing once it ends (GenerationConfig.tenant / .remember)
+    tenant: str | None = None
+    remember: bool = True
 
 
 @runtime_checkable

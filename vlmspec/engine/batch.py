@@ -240,6 +240,9 @@ class Batch:
         self.free.sort()
         req.result = GenerationResult(req.emitted, req.finish, req.prompt_tokens, req.stats, time.perf_counter() - req.t_start,
                                       dict(req.timings), req.policy, req.depths)
+        finish = getattr(req.session, "finish", None)  # a drafter that learns from traffic keeps the answer
+        if finish is not None and req.failure is None:
+            finish(req.emitted)
 
     def _round(self, reqs: list["_Request"]) -> list[tuple["_Request", StepEvent]]:
         """Draft for every row, verify every row in one target forward, commit, emit."""

@@ -103,7 +103,7 @@ class SpecEngine:
         state, out = target.prefill(inputs, visual=self.drafter.needs_visual, cache=cache, slot=slot, layers=feature_layers(self.drafter))
         clock.lap("prefill")
         prompt = PromptContext(inputs["input_ids"][0].cpu(), out.features, inputs, out.image_mask, out.image_embeds, out.attention,
-                               kv=state.entries)
+                               kv=state.entries, tenant=config.tenant, remember=config.remember)
         tree = self.request_tree(config)
         session = self.drafter.start(prompt, tree)
         clock.lap("draft")

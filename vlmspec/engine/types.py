@@ -29,6 +29,11 @@ class GenerationConfig:
     speculation: SpeculationOptions = field(default_factory=SpeculationOptions)  # policy, max depth, tree budget
     policy: Policy | None = None  # an explicit policy object (benches, tests); wins over speculation.policy
     sync_timings: bool = True  # on CUDA, synchronise before each timing lap (exact split, one sync per lap)
+    # a drafter that learns from traffic (`--drafter suffix`): whose earlier answers this request may be
+    # drafted from and whose pool its answer joins (None: the shared pool; the service: one per API key),
+    # and whether its answer is kept for later requests at all
+    tenant: str | None = None
+    remember: bool = True
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

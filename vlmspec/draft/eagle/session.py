@@ -274,7 +274,8 @@ def propose_rows(sessions: list[_EagleSession], roots: list[int], max_depths: li
             keep = [0, *sorted(order)]
             new_id = {node: n for n, node in enumerate(keep)}  # on the host: the kept nodes renumbered
             trees[i] = DraftTree(torch.tensor([tokens[j] for j in keep], dtype=torch.long),
-                                 torch.tensor([-1, *(new_id[parents[j]] for j in keep[1:])], dtype=torch.long))
+                                 torch.tensor([-1, *(new_id[parents[j]] for j in keep[1:])], dtype=torch.long),
+                                 path_probs=torch.tensor(scores, dtype=torch.float64)[keep].exp().float())  # cumulative draft probs
     return trees  # type: ignore[return-value]
 
 

@@ -1,0 +1,202 @@
+"""`--drafter suffix`: SuffixDecoding (Oliaro et al., NeurIPS 2025), model-free drafting from the
+service's own traffic and from the request itself.
+
+    store = SuffixStore(max_tokens=200_000)          # the composition root's: one per model (vlmspec.factory)
+    drafter = SuffixDrafter(tree, SuffixConfig(), store)     # store None: no cross-request memory
+    session = drafter.start(prompt)                  # prompt.tenant: whose pool it reads and joins
+    tree = session.propose(root, max_depth)          # a frequency tree, verified as any draft tree
+    session.finish(emitted)                          # the engine, when the request leaves: the answer joins the pool
+
+Each step matches the longest suffix of the request's context (prompt + answer so far + root) in
+two indexes (`vlmspec.draft.suffix_index`): the request's own (its prompt and answer, grown at every
+commit) and its tenant's pool of earlier answers in the store. Each match gives a tree whose
+branches follow how often each continuation was observed there, scored by empirical probability
+(the product of its path's child frequencies), the best `total_tokens` nodes within `depth` kept
+and at most `spec_factor` x the match length of them (a longer match earns a longer draft); the
+tree with the higher expected accepted length (the sum of its nodes' probabilities) is proposed.
+Verification is the engine's, so the output is the target's whatever is proposed (lossless).
+
+The tenant key keeps pools apart: a request of tenant A is never drafted from B's answers (None is
+the shared pool of requests that name none). The store's budget bounds its memory; the oldest
+answers are evicted first. `SuffixConfig.prompt_tail` tokens of each prompt are kept before its
+answer, so a repeated question matches from its answer's first token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from vlmspec.draft.base import DraftSession, PromptContext, TreeConfig
+from vlmspec.draft.suffix_index import DraftLimits, IndexConfig, SuffixIndex, SuffixStore, suffix_tree
+from vlmspec.tree import DraftTree
+
+
+def suffix_tree_config(device: str | torch.device = "cpu") -> TreeConfig:
+    """The suffix drafter's default tree: deep and narrow, as a repeated answer is drafted whole.
+    CPU: 24 nodes verify in about 1.7 plain steps on the default model (bf16,
+    docs/measured/drafter-default/verify_cost_bf16.json); GPU: vLLM's suffix default depth, 64 nodes."""
+    if torch.device(device).type == "cuda":
+        return TreeConfig(depth=24, top_k=8, total_tokens=64)
+    return TreeConfig(depth=24, top_k=4, total_tokens=24)
+
+
+@dataclass(frozen=True)
+class SuffixConfig:
+    """The suffix drafter's knobs (the store's budget is the store's own)."""
+
+    limits: DraftLimits = field(default_factory=DraftLimits)  # min probability of a node, speculation length per match length
+    index: IndexConfig = field(default_factory=IndexConfig)  # the request's own index
+    local: bool = True  # draft from the request's own prompt and answer too
+    prompt_tail: int = 16  # prompt tokens kept before each answer in the store (0: the answer alone)
+    fingerprint: bool = True  # a pseudo-token naming the whole prompt (ids, images) heads each stored answer
+
+    def __post_init__(self) -> None:
+        if self.prompt_tail < 0:
+            raise ValueError(f"prompt_tail must be >= 0, got {self.prompt_tail}")
+
+
+@dataclass
+class SuffixCounters:
+    """Plain counters over every request of a drafter (the service's metrics read them)."""
+
+    proposals: int = 0  # steps that asked for a draft (max depth > 0)
+    hits: int = 0  # of those, the steps that drafted at least one token
+    global_hits: int = 0  # hits whose tree came from the cross-request store
+    drafted_tokens: int = 0  # nodes proposed (roots excluded)
+    accepted_tokens: int = 0  # of those, accepted by the target
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class SuffixDrafter:
+    """Model-free: drafts from the suffix indexes (module docstring). `store` is shared by every
+    request of the drafter, passed in by whoever builds it (None: each request drafts from its own
+    prompt and answer only)."""
+
+    name = "suffix"
+    needs_visual = False
+
+    def __init__(self, tree: TreeConfig | None = None, config: SuffixConfig | None = None, store: SuffixStore | None = None) -> None:
+        self.tree = tree or suffix_tree_config()
+        self.config = config or SuffixConfig()
+        self.store = store
+        self.counters = SuffixCounters()
+
+    @property
+    def index_tokens(self) -> int:
+        """Tokens held in the cross-request store (0 without one)."""
+        return 0 if self.store is None else self.store.tokens
+
+    def metrics(self) -> dict[str, Any]:
+        """The counters, the store's size and its own counters, as plain numbers."""
+        out: dict[str, Any] = {**self.counters.as_dict(), "index_tokens": self.index_tokens}
+        if self.store is not None:
+            out.update({f"store_{k}": v for k, v in asdict(self.store.stats).items()})
+        return out
+
+    def observe(self, tokens: list[int], tenant: str | None = None) -> None:
+        """Keep an answer produced elsewhere (another engine, a log) for later requests of `tenant`."""
+        if self.store is not None:
+            self.store.add(list(tokens), tenant)
+
+    def start(self, prompt: PromptContext, tree: TreeConfig | None = None) -> DraftSession:
+        return _SuffixSession(self, tree or self.tree, prompt)
+
+
+class _SuffixSession:
+    """One request: its own index over prompt + answer, its tenant, the last proposal's size.
+
+    Its pool context is [fingerprint] + the prompt's tail + the answer so far: what an answer is
+    stored after (`finish`), so the same request's earlier answer matches back over the whole
+    context, and another request's (another image, the same question) falls short of it by the
+    fingerprint at least. `sure` says the last proposal's pool match covered the whole context
+    (at most the index's `max_match` tokens): the same prompt, answered the same way so far."""
+
+    def __init__(self, drafter: SuffixDrafter, tree: TreeConfig, prompt: PromptContext) -> None:
+        self.drafter, self.tree, self.config = drafter, tree, drafter.config
+        self.tenant, self.remember = prompt.tenant, prompt.remember
+        ids = prompt.token_ids.tolist()
+        self.local = SuffixIndex(self.config.index) if self.config.local else None
+        if self.local is not None:
+            self.local.add(ids)
+        store = drafter.store
+        tail = ids[len(ids) - self.config.prompt_tail :] if self.config.prompt_tail else []
+        self.head = ([prompt_fingerprint(prompt)] if store is not None and self.config.fingerprint else []) + tail
+        self.pooled = list(self.head)  # the pool context: head + the answer so far (its last tokens)
+        self.window = max(self.config.index.max_match, store.index_config.max_match if store is not None else 0)
+        self.drafted = 0  # drafted nodes of the last proposal
+        self.pooled_best = self.sure = False  # it came from the pool; that match covered the whole context
+
+    def propose(self, root: int, max_depth: int) -> DraftTree:
+        """The likelier of the request's own tree and its tenant's pool's (`tree.path_probs` summed)."""
+        depth = min(self.tree.depth, max_depth)
+        self.drafted, self.sure = 0, False
+        if depth <= 0:
+            return DraftTree.root_only(root)
+        counters, limits, budget, top_k = self.drafter.counters, self.config.limits, self.tree.total_tokens, self.tree.top_k
+        counters.proposals += 1
+        best, pooled_best = DraftTree.root_only(root), False
+        if self.local is not None:
+            best = suffix_tree(self.local, self.local.docs[0][-self.window :] + [root], depth, budget, limits, top_k)[0]
+        store = self.drafter.store
+        if store is not None:
+            context = self.pooled[-self.window :] + [root]
+            pooled, length = store.tree(context, self.tenant, depth, budget, limits, top_k)
+            if pooled.size > 1 and (best.size == 1 or pooled.expected_accepted() > best.expected_accepted()):
+                best, pooled_best = pooled, True
+                self.sure = length >= min(len(context), store.index_config.max_match)
+        self.drafted, self.pooled_best = best.size - 1, pooled_best
+        if self.drafted:
+            counters.hits += 1
+            counters.global_hits += pooled_best
+            counters.drafted_tokens += self.drafted
+        return best
+
+    def discard(self) -> None:
+        """The last proposal was not verified (the hybrid proposed the head's tree): uncount it."""
+        if self.drafted:
+            counters = self.drafter.counters
+            counters.hits -= 1
+            counters.global_hits -= self.pooled_best
+            counters.drafted_tokens -= self.drafted
+            self.drafted = 0
+
+    def commit(self, token_ids: torch.Tensor, features: torch.Tensor) -> None:
+        """token_ids [k]: the root and the accepted tokens (features unused)."""
+        tokens = token_ids.tolist()
+        if self.drafted:
+            self.drafter.counters.accepted_tokens += len(tokens) - 1
+            self.drafted = 0
+        if self.local is not None:
+            self.local.extend(0, tokens)
+        self.pooled.extend(tokens)
+        if len(self.pooled) > 4 * self.window:
+            del self.pooled[: -self.window]  # only the last tokens are ever matched
+
+    def finish(self, tokens: list[int]) -> None:
+        """The request's answer (every emitted token) joins its tenant's pool, after its head."""
+        if self.remember and self.drafter.store is not None and tokens:
+            self.drafter.store.add(self.head + list(tokens), self.tenant)
+
+
+def prompt_fingerprint(prompt: PromptContext, samples: int = 1 << 16) -> int:
+    """A pseudo-token naming the whole prompt: a hash of its token ids and of every input tensor
+    (pixels, grids; at most `samples` evenly spaced elements of each), negative so it is never a
+    token the target emits (nothing is ever drafted from it: it only starts stored answers)."""
+    h = hashlib.blake2b(digest_size=7)
+    h.update(prompt.token_ids.cpu().numpy().tobytes())
+    for key in sorted(prompt.inputs):
+        value = prompt.inputs[key]
+        if isinstance(value, torch.Tensor) and key not in ("input_ids", "attention_mask"):
+            flat = value.detach().reshape(-1)
+            flat = flat[:: max(1, flat.numel() // samples)].cpu().contiguous()
+            h.update(key.encode() + flat.view(torch.uint8).numpy().tobytes())
+    return -1 - int.from_bytes(h.digest(), "big")
+
+
+__all__ = ["SuffixConfig", "SuffixCounters", "SuffixDrafter", "prompt_fingerprint", "suffix_tree_config"]
