@@ -54,8 +54,12 @@ def target_fields(target: Target) -> dict[str, Any]:
     """The fields of a target's config a head depends on: its family, the width and vocabulary it
     reads and writes, the layers it can read, where positions end, and an image's tokens."""
     tc = target.text_config
+    try:
+        layers = getattr(tc, "num_hidden_layers", None)
+    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError (per-layer configs)
+        layers = None
     return {"model_type": str(getattr(target.model.config, "model_type", "")), "hidden_size": int(tc.hidden_size),
-            "vocab_size": int(tc.vocab_size), "num_hidden_layers": target_depth(target), "max_position_embeddings": target.max_positions,
+            "vocab_size": int(tc.vocab_size), "num_hidden_layers": layers, "max_position_embeddings": target.max_positions,
             "rope_theta": _rope_theta(tc), "image_tokens": target.image_tokens}
 
 
