@@ -58,7 +58,7 @@ demo: setup
 	$(VENV)/bin/vlmspec generate --image $(DEMO_IMAGE) --prompt "$(DEMO_PROMPT)" --max-new-tokens 128
 
 # on a CUDA machine (python3 with PyTorch, no install, no network): GPU tests, CUDA benches, one table
-# about 10 minutes (scripts/gpu-check.sh); without CUDA it says so and exits 0
+# about 13 minutes, 15 where the default model is built (scripts/gpu-check.sh); without CUDA it says so and exits 0
 gpu-check:
 	bash scripts/gpu-check.sh $(OUT)
 

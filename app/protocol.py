@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from vlmspec.control import SpeculationOptions
 from vlmspec.engine import GenerationConfig
 from vlmspec.errors import InputError
-from vlmspec.inputs import load_image_url
+from vlmspec.inputs import chat_messages, load_image_url
 from vlmspec.sampling import SamplingParams
 from vlmspec.text import Completion
 
@@ -346,25 +346,9 @@ def generation_config(req: ChatCompletionRequest, settings: ServerSettings) -> t
 
 def to_hf_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
     """OpenAI messages (plain dicts) -> HF chat-template messages and the image URLs in order, as
-    (param, url) pairs. Roles are kept (``developer`` is sent as ``system``); a string content is one
-    text part; an image part becomes a ``{"type": "image"}`` placeholder where it was."""
-    hf: list[dict[str, Any]] = []
-    urls: list[tuple[str, str]] = []
-    for i, msg in enumerate(messages):
-        role = "system" if msg["role"] == "developer" else msg["role"]
-        content = msg["content"]
-        parts: list[dict[str, Any]] = []
-        if isinstance(content, str):
-            parts.append({"type": "text", "text": content})
-        else:
-            for j, part in enumerate(content):
-                if part["type"] == "text":
-                    parts.append({"type": "text", "text": part["text"]})
-                else:
-                    parts.append({"type": "image"})
-                    urls.append((f"messages.{i}.content.{j}.image_url.url", part["image_url"]["url"]))
-        hf.append({"role": role, "content": parts})
-    return hf, urls
+    (param, url) pairs (`vlmspec.inputs.chat_messages`: roles kept, ``developer`` sent as ``system``,
+    a string content one text part, an image part a ``{"type": "image"}`` placeholder where it was)."""
+    return chat_messages(messages)
 
 
 # ------------------------------------------------------------------------------------------ responses

@@ -1,6 +1,6 @@
 """The layer rule, checked on the import graph (imports inside functions included):
 
-    recipes -> cli -> app -> train / bench -> factory -> text -> engine -> draft -> target / verify -> core (inputs, sampling, ...)
+    recipes -> cli -> app -> train / bench -> llm -> factory -> text -> engine -> draft -> target / verify -> core (inputs, sampling, ...)
 
 A module may import its own layer and the layers below it, never one above; and no two modules
 import each other, directly or through others (no cycle). `app/` and `recipes/` are installed as `vlmspec.app` and `vlmspec.recipes`.
@@ -19,6 +19,7 @@ LAYERS = [
     ("engine", ("vlmspec.engine", "vlmspec.control", "vlmspec.batch_control", "vlmspec.cost")),
     ("text", ("vlmspec.text",)),
     ("factory", ("vlmspec.factory",)),
+    ("api", ("vlmspec.llm",)),  # `from vlmspec import LLM`: the facade over the composition root
     ("tools", ("vlmspec.train", "vlmspec.bench")),
     ("app", ("vlmspec.app", "vlmspec.testing")),
     ("cli", ("vlmspec.cli",)),

@@ -85,6 +85,7 @@ def test_bad_scale_out_options_fail_in_one_line_before_anything_loads(capsys, ar
 
 def test_an_unreachable_ray_address_fails_in_one_line(capsys, monkeypatch):
     need_ray()  # the address is checked once Ray is there (without it the line says what to install)
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)  # (joining may set it: not past this test)
     port = _free_port()  # nothing listens there
     t0 = time.monotonic()
     code, err = _serve_error(capsys, ["--replicas", "2", "--ray-address", f"127.0.0.1:{port}"])
@@ -104,6 +105,57 @@ def test_without_ray_the_scale_out_options_say_what_to_install(capsys, monkeypat
         code, err = _serve_error(capsys, argv)
         assert code == 2 and err == "vlmspec serve: error: --replicas, --min/--max-replicas and --ray-address need Ray Serve: " \
                                     "pip install 'vlmspec[ray]'", err
+
+
+def _auth(tmp_path, env: dict[str, str], token: str | None = None):
+    from vlmspec.app.ray_config import client_auth
+
+    if token is not None:
+        (tmp_path / ".ray").mkdir(parents=True, exist_ok=True)
+        (tmp_path / ".ray" / "auth_token").write_text(token)
+    return client_auth(env, tmp_path)
+
+
+def test_joining_a_cluster_sends_a_token_where_one_is_here(tmp_path):
+    """The client-side decision (#75), no cluster needed: token mode where this machine has a token
+    and RAY_AUTH_MODE is unset (as `ray start` decides for a head), Ray's explicit mode respected,
+    and with no token one line of what to export."""
+    auth = _auth(tmp_path, {}, token="abc\n")
+    assert auth.env == {"RAY_AUTH_MODE": "token"} and "the token in ~/.ray/auth_token" in auth.note
+    auth = _auth(tmp_path / "none", {"RAY_AUTH_TOKEN": "abc"})
+    assert auth.env == {"RAY_AUTH_MODE": "token"} and "$RAY_AUTH_TOKEN" in auth.note
+    good, bad = tmp_path / "tok", tmp_path / "missing"
+    good.write_text("abc")
+    assert _auth(tmp_path / "none", {"RAY_AUTH_TOKEN_PATH": str(good)}).env == {"RAY_AUTH_MODE": "token"}
+    auth = _auth(tmp_path / "none", {"RAY_AUTH_TOKEN_PATH": str(bad)})
+    assert auth.env == {} and f"RAY_AUTH_TOKEN_PATH={bad} is not a readable token file" in auth.hint
+    # no token anywhere (an empty file is none): nothing set, and the line says what to export
+    auth = _auth(tmp_path / "empty", {}, token="")
+    assert auth.env == {} and not auth.note
+    assert "export RAY_AUTH_MODE=token RAY_AUTH_TOKEN=<the token in the head's ~/.ray/auth_token>" in auth.hint
+    # an explicit mode is Ray's: never overridden
+    auth = _auth(tmp_path, {"RAY_AUTH_MODE": "disabled"})
+    assert auth.env == {} and "RAY_AUTH_MODE=disabled here" in auth.hint
+    auth = _auth(tmp_path, {"RAY_AUTH_MODE": "token"})
+    assert auth.env == {} and not auth.note and "`ray get-auth-token` on its head" in auth.hint
+
+
+def test_serve_with_a_ray_address_sets_token_auth_up_before_ray_loads(capsys, monkeypatch, tmp_path):
+    import vlmspec.cli.serve as serve_cli
+
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("abc")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    real = serve_cli.importlib.util.find_spec
+    monkeypatch.setattr(serve_cli.importlib.util, "find_spec", lambda name, *a: None if name == "ray.serve" else real(name, *a) or object())
+    code, err = _serve_error(capsys, ["--replicas", "2", "--ray-address", "auto"])  # stops at Ray Serve missing, after the decision
+    assert code == 2 and err.splitlines()[0] == "ray: token authentication on (RAY_AUTH_MODE=token, the token in ~/.ray/auth_token)", err
+    assert os.environ.get("RAY_AUTH_MODE") == "token"
+    monkeypatch.delenv("RAY_AUTH_MODE")
+    code, err = _serve_error(capsys, ["--replicas", "2"])  # a local Ray: Ray sets its own up, nothing is changed here
+    assert code == 2 and "RAY_AUTH_MODE" not in os.environ and not err.startswith("ray:"), err
 
 
 def test_one_process_serving_never_imports_ray():

@@ -13,6 +13,9 @@
 - Each shipped EAGLE drafter is committed next to the model it was trained for
   (`shipped_drafter`): the toy's in assets/toyworld-vlm-drafter, the default model's in
   assets/smolvlm-toyworld-drafter (issue #20).
+- A drafter records the target it was trained for by name (`model_name`: 'toy', these models'
+  names, another folder's name with its path, or a hub id); `recorded_model` turns the record back
+  into a --model on this machine.
 """
 
 from __future__ import annotations
@@ -62,3 +65,34 @@ def shipped_drafter(model: str | Path) -> Path | None:
         if folder == target.resolve() and (drafter / "config.json").is_file():
             return drafter
     return None
+
+
+def _known() -> dict[str, Path]:
+    return {TOY_NAME: BUNDLED_TARGET, DEFAULT_TARGET_NAME: DEFAULT_TARGET, BASE_TARGET.name: BASE_TARGET}
+
+
+KNOWN_MODELS = tuple(_known())  # the models a drafter's record names without a path: found here by name
+
+
+def model_name(model: str | Path) -> str:
+    """The name a drafter records for its target: 'toy' (the toy's folder), the default model's or
+    the untrained assembly's name (their folders), another folder's name, or the hub id as given."""
+    path = Path(model)
+    if not path.is_dir():
+        return str(model)
+    folder = os.path.realpath(path)  # (never raises: a folder behind a symlink loop is just not one of them)
+    return next((name for name, known in _known().items() if folder == os.path.realpath(known)), Path(folder).name)
+
+
+def recorded_model(name: str, path: str = "") -> str | None:
+    """The --model a drafter's record (`model_name`, and the folder's path where it was another
+    folder) stands for on this machine: 'toy', a known model's folder when it is built, the recorded
+    folder where it still is, or the hub id; None when that model is not here."""
+    if name == TOY_NAME:
+        return TOY_NAME
+    if name in KNOWN_MODELS:
+        folder = _known()[name]
+        return str(folder) if (folder / "config.json").is_file() else None
+    if path:
+        return path if Path(path).is_dir() else None
+    return name  # recorded without a folder: a hub id

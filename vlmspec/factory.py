@@ -6,7 +6,8 @@ The CLI, the server and the benchmarks build engines here and nowhere else:
     engine = build_engine(spec)                  # SpecEngine(target, drafter)
     target = load(spec)                          # the target alone (training, evaluation)
 
-Resolution rules: no model -> the aligned real target when it is built (`vlmspec build-target`
+Resolution rules: no model -> the target a drafter folder records it was trained for (its config's
+`trained_for`), else the aligned real target when it is built (`vlmspec build-target`
 with the trained parts), else the committed toy; "toy" -> the toy; drafter "auto" -> the EAGLE drafter shipped for that model (the toy's, the
 default model's), else n-gram; "eagle" -> that drafter (the name the service shows for it); device None -> CUDA when available; dtype "auto" -> bfloat16 on CUDA, float32 on CPU;
 policy "goodput" (the default) -> the engine's cost model is measured at build (`vlmspec.cost.measured_costs`:
@@ -27,8 +28,7 @@ import torch
 from vlmspec import assets
 from vlmspec.control import POLICIES, CostModel, Speculation
 from vlmspec.cost import measured_costs
-from vlmspec.draft import NoDrafter, SuffixStore, TreeConfig, check_drafter_name, default_tree, load_drafter
-from vlmspec.draft import HYBRID_SUFFIX
+from vlmspec.draft import HYBRID_SUFFIX, NoDrafter, SuffixStore, TreeConfig, check_drafter_name, default_tree, load_drafter, recorded_target
 from vlmspec.draft.base import Drafter
 from vlmspec.engine import SpecEngine
 from vlmspec.errors import ConfigError
@@ -100,9 +100,11 @@ def bf16_cpu_warning(device: str, bf16: bool, cpuinfo: str | None = None) -> str
             "slower than float32 here; use float32 (drop --autocast, or --dtype float32)")
 
 
-def resolve_model(model: str | None) -> str:
-    """None -> the aligned real target when it is built, else the committed toy; 'toy' -> the toy;
-    anything else as given."""
+def resolve_model(model: str | None, drafter: str | None = None) -> str:
+    """None -> the target `drafter` records it was trained for (`model_of_drafter`), else the aligned
+    real target when it is built, else the committed toy; 'toy' -> the toy; anything else as given."""
+    if model is None and drafter is not None:
+        model = model_of_drafter(drafter)
     if model == assets.TOY_NAME or (model is None and assets.default_target() is None):
         if assets.bundled_target() is None:
             raise ConfigError(f"the toy model is missing ({assets.BUNDLED_TARGET}): pass --model DIR|HUB_ID")
@@ -110,6 +112,22 @@ def resolve_model(model: str | None) -> str:
     if model:
         return model
     return str(assets.default_target())
+
+
+def model_of_drafter(drafter: str) -> str | None:
+    """The --model a drafter folder records it was trained for (`vlmspec train` writes it; a
+    speculators drafter names its verifier), as found on this machine; None when it records none.
+    ConfigError when that model is not here, saying what to pass."""
+    record = recorded_target(drafter)
+    if record is None:
+        return None
+    model = assets.recorded_model(record["model"], record.get("path") or "")
+    if model is None:
+        where = f" (at {record['path']})" if record.get("path") else ""
+        build = " (`make setup` builds it)" if record["model"] in assets.KNOWN_MODELS else ""
+        raise ConfigError(f"drafter {drafter} was trained for {record['model']}{where}, which is not on this machine{build}: "
+                          "pass --model with that model's folder or hub id")
+    return model
 
 
 def resolve_drafter(drafter: str, model: str) -> str:
@@ -141,7 +159,7 @@ def tree_config(spec: EngineSpec, device: str, drafter: str | None = None) -> Tr
 def load(spec: EngineSpec) -> Target:
     """The target of `spec` (TargetLoadError when it cannot be loaded)."""
     device = resolve_device(spec.device)
-    return load_target(resolve_model(spec.model), device=device, dtype=resolve_dtype(spec.dtype, device), attention=spec.attention,
+    return load_target(resolve_model(spec.model, spec.drafter), device=device, dtype=resolve_dtype(spec.dtype, device), attention=spec.attention,
                        packed_weights=spec.packed_weights)
 
 

@@ -13,6 +13,8 @@ conversation goes through the target's own chat template with ``add_generation_p
 then through its processor.
 
     load_image_file("photo.jpg")                             # -> RGB PIL image, or InputError
+    load_image(pil_image | path | b"..." | "data:..." | "https://...", limits)   # whatever the caller holds
+    chat_messages(openai_or_hf_messages)                    # -> template messages + each image's source
     encode_prompt(target, "Describe the image.", [image])   # one user turn: images first, then the text
     encode_messages(target, messages, images)               # a whole conversation (the server)
 """
@@ -159,7 +161,55 @@ def load_image_url(url: str, limits: ImageLimits, param: str | None = None) -> I
                      param=param, code="invalid_image_url")
 
 
+def load_image(source: Any, limits: ImageLimits = ImageLimits(), param: str | None = None) -> Image.Image:
+    """Any image a caller holds -> RGB, through the loaders above: a PIL image (`checked_rgb`), bytes
+    (`decode_image`), a data URL or an http(s) URL (`load_image_url`; http only with
+    `limits.allow_remote`), or a file path (`load_image_file`)."""
+    if isinstance(source, Image.Image):
+        return checked_rgb(source, limits, param)
+    if isinstance(source, (bytes, bytearray)):
+        return decode_image(bytes(source), limits, param)
+    if isinstance(source, str) and re.match(r"^(data|https?):", source, flags=re.IGNORECASE):
+        return load_image_url(source, limits, param)
+    if isinstance(source, (str, Path)):
+        return load_image_file(source, limits, param)
+    raise InputError(f"an image is a PIL image, bytes, a file path, or a data or http(s) URL; got {type(source).__name__}",
+                     param=param, code="invalid_image")
+
+
 # ---------------------------------------------------------------------------------------- prompts
+def chat_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[tuple[str, Any]]]:
+    """Chat messages in OpenAI's shape or Hugging Face's -> HF chat-template messages, with a
+    ``{"type": "image"}`` placeholder where each image was, and the images' sources in order as
+    (param, source). Roles are kept (``developer`` is sent as ``system``); a string content is one
+    text part. An image part is OpenAI's ``{"type": "image_url", "image_url": {"url": URL}}`` or HF's
+    ``{"type": "image", "image" | "url" | "path": SOURCE}``; a bare ``{"type": "image"}`` has source
+    None (its image is given apart, in order). `load_image` reads any source."""
+    hf: list[dict[str, Any]] = []
+    sources: list[tuple[str, Any]] = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
+            raise InputError("a message is a dict with 'role' and 'content'", param=f"messages.{i}", code="invalid_message")
+        content = msg["content"]
+        parts: list[dict[str, Any]] = []
+        for j, part in enumerate([{"type": "text", "text": content}] if isinstance(content, str) else content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind == "image_url":
+                url = part["image_url"]
+                sources.append((f"messages.{i}.content.{j}.image_url.url", url["url"] if isinstance(url, dict) else url))
+                parts.append({"type": "image"})
+            elif kind == "image":
+                sources.append((f"messages.{i}.content.{j}", next((part[k] for k in ("image", "url", "path") if part.get(k) is not None), None)))
+                parts.append({"type": "image"})
+            else:
+                raise InputError(f"a content part is {{'type': 'text' | 'image' | 'image_url', ...}}, got {part!r:.80}",
+                                 param=f"messages.{i}.content.{j}", code="invalid_message")
+        hf.append({"role": "system" if msg["role"] == "developer" else msg["role"], "content": parts})
+    return hf, sources
+
+
 def user_turn(prompt: str, n_images: int = 0) -> list[dict[str, Any]]:
     """One user message: `n_images` image placeholders, then the text."""
     content: list[dict[str, Any]] = [{"type": "image"} for _ in range(n_images)]

@@ -16,8 +16,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("drafter", metavar="DRAFTER", help="a vlmspec EAGLE-3 drafter folder (vlmspec train --arch eagle3), or 'eagle' / 'auto'")
     e.add_argument("--format", choices=FORMATS, default="speculators", help="the file format to write")
     e.add_argument("--out", required=True, help="folder to write (config.json + model.safetensors)")
-    e.add_argument("--model", help="the drafter's target (default: models/smolvlm-toyworld when built with trained parts, else the toy; "
-                                   "'toy' selects the toy)")
+    e.add_argument("--model", help="the drafter's target (default: the target the drafter records it was trained for, else "
+                                   "models/smolvlm-toyworld when built with trained parts, else the toy; 'toy' selects the toy)")
     e.add_argument("--verifier", help="the verifier's name in the written config (default: the target's folder, absolute, or its hub id)")
     e.add_argument("--speculative-tokens", type=positive_int("--speculative-tokens"), default=5,
                    help="speculative tokens of the written greedy proposal method (what vLLM drafts per step by default)")
@@ -35,7 +35,7 @@ def run_export(args: argparse.Namespace) -> int:
     drafter = factory.drafter_for(spec, target)
     if not isinstance(drafter, EagleDrafter):
         raise UsageError(f"{args.drafter}: only a trained EAGLE drafter exports (this is {drafter.name!r})")
-    model = factory.resolve_model(spec.model)
+    model = factory.resolve_model(spec.model, spec.drafter)
     verifier = args.verifier or (str(Path(model).resolve()) if Path(model).is_dir() else model)
     architectures = list(getattr(target.model.config, "architectures", None) or [])
     try:

@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from vlmspec.text import generate_text, stream_text
 
     spec = engine_spec(args)
-    factory.resolve_drafter(spec.drafter, factory.resolve_model(spec.model))  # a bad model / drafter choice fails before loading
+    factory.resolve_drafter(spec.drafter, factory.resolve_model(spec.model, spec.drafter))  # a bad model / drafter choice fails before loading
     images = [load_image(p) for p in args.image]  # so does a bad image file
     engine = factory.build_engine(spec)
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)

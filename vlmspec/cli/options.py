@@ -111,8 +111,8 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """--model --drafter --device --dtype --attention --packed-weights --tree-* --policy: the fields of `vlmspec.factory.EngineSpec`."""
     p.add_argument("--model", help="target VLM: a local folder (e.g. models/smolvlm-base, the real target make setup "
-                                   "builds), a hub id, or 'toy' (the 4M-parameter ToyWorld toy); default: models/smolvlm-toyworld "
-                                   "when built with trained parts, else the toy")
+                                   "builds), a hub id, or 'toy' (the 4M-parameter ToyWorld toy); default: the target a --drafter "
+                                   "folder records it was trained for, else models/smolvlm-toyworld when built with trained parts, else the toy")
     p.add_argument("--drafter", default="auto",
                    help="'none' (plain decoding), 'ngram', 'eagle' (the EAGLE drafter shipped for the model: the toy's or the default "
                         "model's), 'self' / 'self:E' / 'self:E:K' (the target's own first layers: exit after layer E, draft over the "

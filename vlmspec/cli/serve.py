@@ -92,7 +92,11 @@ def ray_config(args: argparse.Namespace):
             raise UsageError(f"--min-replicas {lo} is above --max-replicas {hi}: pass min <= max")
         if n is not None and not lo <= n <= hi:
             raise UsageError(f"--replicas {n} is outside --min-replicas {lo} .. --max-replicas {hi}: the count at start must be in the range")
-    if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.serve") is None:
+    if importlib.util.find_spec("ray") is None:
+        raise UsageError(RAY_HINT)
+    if args.ray_address is not None:
+        join_auth()  # before anything imports Ray, which reads RAY_AUTH_MODE once (finding ray.serve imports it)
+    if importlib.util.find_spec("ray.serve") is None:
         raise UsageError(RAY_HINT)
     if args.ray_address is not None:
         check_ray_address(args.ray_address)
@@ -162,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     from vlmspec import factory
 
     spec = engine_spec(args, max_batch=args.max_batch)  # the goodput cost is measured up to the batch it serves
-    model = factory.resolve_model(spec.model)
+    model = factory.resolve_model(spec.model, spec.drafter)  # no --model: the one a drafter folder records
     drafter = factory.resolve_drafter(spec.drafter, model)  # a bad choice fails before the model loads
     if scale_out is not None:
         return run_on_ray(args, spec, model, drafter, scale_out)
@@ -180,6 +184,17 @@ def run(args: argparse.Namespace) -> int:
     return code if isinstance(code, int) else 0
 
 
+def join_auth() -> None:
+    """Joining a cluster (--ray-address): Ray's token authentication on this side where a token is here
+    and RAY_AUTH_MODE is not set (`vlmspec.app.ray_config.client_auth`), said in one line on stderr."""
+    from vlmspec.app.ray_config import client_auth
+
+    auth = client_auth(os.environ, Path.home())
+    os.environ.update(auth.env)
+    if auth.note:
+        print(auth.note, file=sys.stderr)
+
+
 def run_on_ray(args: argparse.Namespace, spec, model: str, drafter: str, scale_out) -> int:
     """The same app as a Ray Serve deployment: the replicas load the model (this process does not).
     Local folders are passed as absolute paths (a replica's working directory is Ray's); on a
@@ -194,11 +209,14 @@ def run_on_ray(args: argparse.Namespace, spec, model: str, drafter: str, scale_o
 
     # the demo UI is not mounted on replicas: a Gradio session's requests must reach one process
     settings = server_settings(args, model, ui=False)
+    import ray.exceptions
+
+    refused = (ConnectionError, getattr(ray.exceptions, "AuthenticationError", ConnectionError))
     try:
         return serve_on_ray(spec, settings, scale_out, drafter, args.host, args.port)
-    except ConnectionError as exc:  # ray.init: no cluster at --ray-address (e.g. 'auto' with none running)
+    except refused as exc:  # ray.init: no cluster at --ray-address (e.g. 'auto' with none running), or its token refused
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        hint = "" if os.environ.get("RAY_AUTH_MODE") else (
-            " (a cluster with Ray's token authentication, on by default since Ray 2.60, needs RAY_AUTH_MODE=token "
-            "and its head's ~/.ray/auth_token on this machine)")
+        from vlmspec.app.ray_config import client_auth
+
+        hint = client_auth(os.environ, Path.home()).hint if args.ray_address is not None else ""  # what to export, or check
         raise UsageError(f"--ray-address {args.ray_address}: {first}{hint}") from None

@@ -87,5 +87,17 @@ def default_tree(spec: str, device: str) -> TreeConfig | None:
     return EagleDrafter.default_tree(spec, device)
 
 
+def recorded_target(spec: str) -> dict | None:
+    """The target drafter folder `spec` records it was trained for (`vlmspec.draft.eagle.config.recorded_target`:
+    {"model", "path", ...}), read without loading anything; None for a drafter name, a hub id, or a
+    drafter that records none (one written before drafters recorded their target)."""
+    if spec in ("auto", "eagle", "hybrid") or spec.split(":")[0] in MODEL_FREE:
+        return None
+    from vlmspec.draft.eagle.config import recorded_target as read_record
+
+    path = Path(spec).expanduser()
+    return read_record(path) if path.is_dir() else None
+
+
 __all__ = ["HYBRID_SUFFIX", "Drafter", "DraftSession", "NoDrafter", "NgramDrafter", "PromptContext", "SuffixDrafter", "SuffixStore", "TreeConfig",
-           "check_drafter_name", "default_tree", "load_drafter"]
+           "check_drafter_name", "default_tree", "load_drafter", "recorded_target"]

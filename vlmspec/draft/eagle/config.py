@@ -1,10 +1,12 @@
 """The drafter's config and its files: `EagleConfig` (a `PretrainedConfig`, registered with
 `AutoConfig` as model_type "vlmspec_eagle"), reading config.json in either format (the Hugging Face
 one, or the first format, {"drafter": "eagle", ...}, converted in memory), resolving a folder or a
-hub id to a local folder, and the checks against a target."""
+hub id to a local folder, the target a drafter records it was trained for (`trained_for`), and the
+checks against a target."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import field, fields
@@ -14,6 +16,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, LlamaConfig, PretrainedConfig
 
+from vlmspec import assets
 from vlmspec.errors import DrafterLoadError
 from vlmspec.draft.base import TreeConfig
 from vlmspec.target import Target
@@ -44,6 +47,56 @@ def target_depth(target: Target) -> int:
     return int(getattr(target.text_config, "num_hidden_layers"))
 
 logger = logging.getLogger("vlmspec.draft")
+
+
+# ------------------------------------------------------------------------- the target a drafter was trained for
+def target_fields(target: Target) -> dict[str, Any]:
+    """The fields of a target's config a head depends on: its family, the width and vocabulary it
+    reads and writes, the layers it can read, where positions end, and an image's tokens."""
+    tc = target.text_config
+    try:
+        layers = getattr(tc, "num_hidden_layers", None)
+    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError (per-layer configs)
+        layers = None
+    return {"model_type": str(getattr(target.model.config, "model_type", "")), "hidden_size": int(tc.hidden_size),
+            "vocab_size": int(tc.vocab_size), "num_hidden_layers": layers, "max_position_embeddings": target.max_positions,
+            "rope_theta": _rope_theta(tc), "image_tokens": target.image_tokens}
+
+
+def fields_digest(fields: dict[str, Any]) -> str:
+    return "sha256:" + hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def target_record(target: Target) -> dict[str, Any]:
+    """What a head's config records of the target it is made for (`EagleConfig.trained_for`): the
+    name `--model` takes ('toy', the default model's name, a folder's name or the hub id:
+    `assets.model_name`), the folder's absolute path where it is another folder (a hint for this
+    machine), the digest of its `target_fields`, and the fields (so that a mismatch says which)."""
+    fields = target_fields(target)
+    name = assets.model_name(target.name)
+    folder = Path(target.name)
+    path = str(folder.resolve()) if folder.is_dir() and name not in assets.KNOWN_MODELS else ""
+    return {"model": name, "path": path, "digest": fields_digest(fields), "fields": fields}
+
+
+def recorded_target(folder: Path) -> dict[str, Any] | None:
+    """The target a drafter folder's config.json names, read without loading anything: vlmspec's
+    `trained_for`, or a speculators drafter's verifier; None for a drafter written before drafters
+    recorded their target, or a config.json that is not one (loading it says what is wrong)."""
+    try:
+        raw = json.loads((folder / CONFIG_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict):
+        return None
+    record = raw.get("trained_for") if raw.get("model_type") == MODEL_TYPE else None
+    if isinstance(record, dict) and isinstance(record.get("model"), str) and record["model"]:
+        return record
+    verifier = ((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path") if "speculators_model_type" in raw else None
+    if isinstance(verifier, str) and verifier:
+        local = Path(verifier).is_dir()
+        return {"model": assets.model_name(verifier), "path": str(Path(verifier).resolve()) if local else ""}
+    return None
 
 
 def _rope_theta(text_config: Any) -> float:
@@ -84,6 +137,9 @@ class EagleConfig(PretrainedConfig):
     arch: str = "eagle1"
     feature_layers: list[int] = field(default_factory=list)  # eagle3: the target layers it reads (ids as `default_feature_layers`)
     norm_before_residual: bool = False  # eagle3: the residual of its layer is the normed fused state (else the fused state)
+    # the target it was made for (`target_record`): {"model", "path", "digest", "fields"}; {} in drafters
+    # written before drafters recorded it. The CLI's default --model with this drafter; a target of another digest is refused
+    trained_for: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self, **kwargs: Any) -> None:
         for name in ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -102,6 +158,8 @@ class EagleConfig(PretrainedConfig):
             raise ValueError("stop_threshold needs acceptance_head (the stop rule reads its predictions)")
         if not isinstance(self.extra, dict):
             raise ValueError(f"extra must be a JSON object, got {self.extra!r}")
+        if not isinstance(self.trained_for, dict):
+            raise ValueError(f"trained_for must be a JSON object, got {self.trained_for!r}")
         if not isinstance(self.tree_defaults, dict):
             raise ValueError(f"tree_defaults must be a JSON object, got {self.tree_defaults!r}")
         for device, shape in self.tree_defaults.items():
@@ -181,6 +239,7 @@ class EagleConfig(PretrainedConfig):
             target_model_type=str(getattr(target.model.config, "model_type", "")),
             arch=arch,
             feature_layers=(list(layers) or default_feature_layers(target_depth(target))) if arch == "eagle3" else [],
+            trained_for=target_record(target),
         )
 
     def llama_config(self, attn_implementation: str = "sdpa") -> LlamaConfig:
@@ -215,6 +274,17 @@ class EagleConfig(PretrainedConfig):
         if vis.sized_for(target.image_tokens) != vis:  # its resampler has fewer queries than one image needs
             problems.append(f"its resampler reads images of up to {vis.max_queries * vis.ratio:g} tokens at {vis.ratio:g}x "
                             f"and this target's take {target.image_tokens}")
+        record, given = self.trained_for, want.trained_for
+        if record.get("digest") and record["digest"] != given["digest"]:  # fields the checks above do not read, too
+            problems += [f"{k}: drafter's target {v!r} != target {given['fields'].get(k)!r}" for k, v in sorted(record.get("fields", {}).items())
+                         if v != given["fields"].get(k) and k not in ("hidden_size", "vocab_size", "max_position_embeddings", "rope_theta")]
+            problems = problems or [f"config digest: drafter's target {record['digest']} != target {given['digest']}"]
+        if problems and record.get("model"):
+            raise DrafterLoadError(
+                f"this drafter was trained for a different target: for {record['model']}, and the model given is {given['model']} ("
+                + "; ".join(problems) + f"). Leave --model out (a drafter's own target is the default) or pass --model {record['model']}, "
+                f"or train a drafter for {given['model']} with `vlmspec train`."
+            )
         if problems:
             raise DrafterLoadError(
                 "this drafter was trained for a different target (" + "; ".join(problems) + "). "
