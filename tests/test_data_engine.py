@@ -155,6 +155,15 @@ def test_a_killed_run_resumes_to_the_same_corpus_without_losing_a_shard(tmp_path
         generate_corpus(_engine(), _cfg(seed=4), tmp_path, Resources(photos), MODEL, progress=False)
 
 
+def test_more_samples_extend_a_corpus_and_fewer_keep_it(tmp_path, built, photos):
+    first = generate_corpus(_engine(), _cfg(samples=6), tmp_path, Resources(photos), MODEL, progress=False)
+    assert (first.kept, first.written) == (0, 2)
+    more = generate_corpus(_engine(), _cfg(samples=8), tmp_path, Resources(photos), MODEL, progress=False)
+    assert (more.kept, more.written) == (2, 1) and (tmp_path / "shard-00002.jsonl").read_bytes() == (built / "shard-00002.jsonl").read_bytes()
+    fewer = generate_corpus(_engine(), _cfg(samples=3), tmp_path, Resources(photos), MODEL, progress=False)
+    assert (fewer.kept, fewer.written) == (1, 0) and len(corpus.read_manifest(tmp_path)["shards"]) == 3  # nothing dropped
+
+
 def test_a_corrupt_shard_is_reported_with_its_path_and_never_read(tmp_path, built, photos, capsys):
     import shutil
 
@@ -197,6 +206,37 @@ def test_held_out_prompts_never_appear(tmp_path, built, photos):
     assert dropped == 5 and sorted(set(asked)) == ["Describe a quiet morning.", "Name a fast animal."]
     asked = [t["value"].replace("<image>\n", "") for r in _records(built) for t in r["conversations"][0::2]]
     assert asked and not [q for q in asked if is_heldout(q)]
+
+
+def test_a_row_the_engine_fails_ends_its_sample_alone(tmp_path, photos, monkeypatch, capsys):
+    """A prompt whose prefill raises (here: over 120 tokens, by a patched prefill) loses that sample,
+    said on stderr and counted; the others are written, the same as without it (control)."""
+    target = _engine().target
+    real = target.prefill
+
+    def prefill(inputs, *a, **kw):
+        if inputs["input_ids"].shape[1] > 120:
+            raise ValueError("prompt over the test's limit")
+        return real(inputs, *a, **kw)
+
+    monkeypatch.setattr(target, "prefill", prefill)
+    src = tmp_path / "user.jsonl"
+    prompts = ["Name a fast animal.", "word " * 200, "Describe a quiet morning."]
+    src.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": p}, {"from": "gpt", "value": "x"}]}) + "\n" for p in prompts))
+    kept = load_jsonl(src)[0]
+    run = generate_corpus(_engine(), _cfg(shares={"jsonl": 1.0}, jsonl=str(src), samples=3, shard_size=3), tmp_path / "a",
+                          Resources(photos, kept), MODEL, progress=False)
+    totals = corpus.read_manifest(tmp_path / "a")["totals"]
+    assert run.written == 1 and (totals["lines"], totals["failed_rows"], totals["dropped_empty"]) == (2, 1, 1)
+    assert "left at turn 0: ValueError: prompt over the test's limit" in capsys.readouterr().err
+    answers = {r["conversations"][0]["value"]: r["conversations"][1]["value"] for r in _records(tmp_path / "a")}
+    assert sorted(answers) == ["Describe a quiet morning.", "Name a fast animal."]
+    monkeypatch.undo()  # control: without the failure all three are written, the two others as they were
+    generate_corpus(_engine(), _cfg(shares={"jsonl": 1.0}, jsonl=str(src), samples=3, shard_size=3), tmp_path / "b",
+                    Resources(photos, kept), MODEL, progress=False)
+    assert corpus.read_manifest(tmp_path / "b")["totals"]["failed_rows"] == 0
+    again = {r["conversations"][0]["value"]: r["conversations"][1]["value"] for r in _records(tmp_path / "b")}
+    assert len(again) == 3 and {q: again[q] for q in answers} == answers
 
 
 def test_the_photo_catalogue_holds_no_held_out_photograph():

@@ -74,6 +74,7 @@ class RunStats:
     answer_tokens: int = 0
     prompt_tokens: int = 0
     written_tokens: int = 0  # tokens of the user turns the target wrote (Magpie rows)
+    failed: int = 0  # rows whose prefill raised (their sample ends there)
     seconds: float = 0.0
 
 
@@ -135,6 +136,20 @@ class Progress:
             self.bar.close()
 
 
+def _row_failed(s: _Sample, failure: Exception, prompt_tokens: int, stats: RunStats, progress: Progress | None) -> None:
+    """A row the engine failed for alone: its sample ends there (an empty turn; `record` keeps the
+    turns before it, or drops the sample), said on stderr and counted, and the run goes on."""
+    stats.failed += 1
+    print(f"vlmspec data: sample {s.spec.index} ({s.spec.source}) left at turn {len(s.done)}: "
+          f"{failure.__class__.__name__}: {failure}", file=sys.stderr)
+    if s.turns[0] is None:
+        s.turns[0] = s.spec.fallback
+    s.done.append(Turn("", False, prompt_tokens, 0))
+    stats.samples += 1
+    if progress is not None:
+        progress.tick(0, True)
+
+
 def run_samples(engine: SpecEngine, cfg: DataConfig, samples: list[_Sample], stats: RunStats, progress: Progress | None = None) -> None:
     """Every row of every sample through ONE `Batch` of `cfg.slots`: a row joins as soon as a slot is
     free, and a sample's next row (its answer after its written prompt, its next follow-up turn)
@@ -147,10 +162,10 @@ def run_samples(engine: SpecEngine, cfg: DataConfig, samples: list[_Sample], sta
         if s.turns and s.turns[0] is None and (opening is None or cfg.magpie_attempts == 0):
             s.turns[0], s.prompt_origin = s.spec.fallback, "template"
     batch = engine.batch(cfg.slots)
-    queue = deque(samples)  # samples whose next row may join
+    queue = deque(samples)  # samples whose next row may be submitted
     running: dict[int, tuple[_Sample, str, Any]] = {}
     while queue or not batch.idle:
-        while queue and len(batch.waiting) + len(batch.requests) < cfg.slots:  # a free slot's next row is ready
+        while queue and len(batch.waiting) + len(batch.requests) < cfg.slots:  # inputs built only for rows a free slot waits for
             s = queue.popleft()
             nxt = s.next_row()
             if nxt is None:
@@ -161,8 +176,12 @@ def run_samples(engine: SpecEngine, cfg: DataConfig, samples: list[_Sample], sta
             running[id(ticket)] = (s, kind, ticket)
         batch.step()
         for key, (s, kind, ticket) in list(running.items()):
-            if ticket.error is not None:
-                raise ticket.error
+            failure = ticket.error if ticket.error is not None else (
+                ticket.request.failure.error if ticket.request is not None and ticket.request.failure is not None else None)
+            if failure is not None:  # its prefill or a step failed for it alone (e.g. a prompt over the context)
+                del running[key]
+                _row_failed(s, failure, ticket.prompt_tokens, stats, progress)
+                continue
             if ticket.result is None:
                 continue
             del running[key]
@@ -226,7 +245,7 @@ def generate_shard(engine: SpecEngine, cfg: DataConfig, folder: Path, k: int, re
         by_source[r["source"]] = by_source.get(r["source"], 0) + 1
     entry.update(planned=len(samples), dropped_empty=len(samples) - len(records), by_source=by_source, rows=stats.rows,
                  answer_tokens=stats.answer_tokens, prompt_tokens=stats.prompt_tokens, written_tokens=stats.written_tokens,
-                 seconds=round(time.perf_counter() - t0, 3))
+                 failed_rows=stats.failed, seconds=round(time.perf_counter() - t0, 3))
     return entry
 
 
@@ -260,8 +279,9 @@ def _start_manifest(folder: Path, cfg: DataConfig, model: dict[str, Any], photos
     old_key = {k: v for k, v in manifest["config"].items() if k not in ("samples", "slots")}
     for what, old, now in (("options", old_key, cfg.plan_key()), ("model", manifest["model"], model), ("photographs", manifest["photos"], photos)):
         if old != now:
-            raise ConfigError(f"{folder} holds a corpus made with other {what} ({old} vs now {now}): pass the same options to "
-                              "resume it, or give another --out")
+            differ = sorted(k for k in set(old) | set(now) if old.get(k) != now.get(k)) if isinstance(old, dict) else [f"{old} vs now {now}"]
+            raise ConfigError(f"{folder} holds a corpus made with other {what} ({', '.join(map(str, differ))} differ; see its "
+                              f"{corpus.MANIFEST}): pass the same options to resume it, or give another --out")
     return {**new, "shards": manifest["shards"]}
 
 
@@ -270,8 +290,34 @@ def _totals(shards: list[dict[str, Any]]) -> dict[str, Any]:
     for e in shards:
         for s, n in e["by_source"].items():
             by_source[s] = by_source.get(s, 0) + n
-    keys = ("lines", "planned", "dropped_empty", "rows", "answer_tokens", "prompt_tokens", "written_tokens", "seconds")
-    return {"shards": len(shards), **{k: round(sum(e[k] for e in shards), 3) for k in keys}, "by_source": by_source}
+    keys = ("lines", "planned", "dropped_empty", "rows", "answer_tokens", "prompt_tokens", "written_tokens", "failed_rows", "seconds")
+    return {"shards": len(shards), **{k: round(sum(e.get(k, 0) for e in shards), 3) for k in keys}, "by_source": by_source}
+
+
+def _write_manifest(folder: Path, manifest: dict[str, Any], shards: dict[int, dict[str, Any]]) -> None:
+    listed = [shards[k] for k in sorted(shards)]
+    corpus.write_manifest(folder, {**manifest, "shards": listed, "totals": _totals(listed)})
+
+
+def _kept_shards(folder: Path, cfg: DataConfig, manifest: dict[str, Any], run: "CorpusRun") -> tuple[dict[int, Any], dict[int, Any]]:
+    """(the manifest's shards this run keeps: complete, intact, planned as now; those past this run's
+    end, left as they are). A shard that fails its check is reported (stderr, `run.rewritten`) and not kept."""
+    kept: dict[int, dict[str, Any]] = {}
+    beyond: dict[int, dict[str, Any]] = {}
+    for entry in manifest["shards"]:
+        k = int(entry["file"][len("shard-"):-len(".jsonl")])
+        if k >= cfg.shards:
+            beyond[k] = entry
+            continue
+        if entry.get("planned") != cfg.shard_samples(k):
+            continue  # a last shard that is now longer: generated again
+        problem = corpus.shard_problem(folder, entry)
+        if problem is None:
+            kept[k] = entry
+        else:
+            run.rewritten.append(f"{folder / entry['file']}: {problem}")
+            print(f"vlmspec data: {folder / entry['file']} is corrupt ({problem}); generating it again", file=sys.stderr)
+    return kept, beyond
 
 
 def generate_corpus(engine: SpecEngine, cfg: DataConfig, out: str | Path, res: Resources, model: dict[str, Any],
@@ -282,17 +328,7 @@ def generate_corpus(engine: SpecEngine, cfg: DataConfig, out: str | Path, res: R
     folder.mkdir(parents=True, exist_ok=True)
     manifest = _start_manifest(folder, cfg, model, [p.record() for p in res.photos])
     run = CorpusRun(folder)
-    kept: dict[int, dict[str, Any]] = {}
-    for entry in manifest["shards"]:
-        k = int(entry["file"][len("shard-"):-len(".jsonl")])
-        if k >= cfg.shards or entry.get("planned") != cfg.shard_samples(k):
-            continue  # past this run's end, or a last shard that is now longer: generated again
-        problem = corpus.shard_problem(folder, entry)
-        if problem is None:
-            kept[k] = entry
-        else:
-            run.rewritten.append(f"{folder / entry['file']}: {problem}")
-            print(f"vlmspec data: {folder / entry['file']} is corrupt ({problem}); generating it again", file=sys.stderr)
+    kept, beyond = _kept_shards(folder, cfg, manifest, run)
     run.kept = len(kept)
     done_before = sum(cfg.shard_samples(k) for k in kept)
     bar = Progress(cfg.samples, done_before, progress)
@@ -306,15 +342,13 @@ def generate_corpus(engine: SpecEngine, cfg: DataConfig, out: str | Path, res: R
             run.written += 1
             run.samples += entry["planned"]
             run.answer_tokens += entry["answer_tokens"]
-            shards = [kept[i] for i in sorted(kept)]
-            corpus.write_manifest(folder, {**manifest, "shards": shards, "totals": _totals(shards)})
+            _write_manifest(folder, manifest, {**beyond, **kept})
             if on_shard is not None:
                 on_shard(k)
     finally:
         bar.close()
         run.seconds = time.perf_counter() - t0
-    shards = [kept[i] for i in sorted(kept)]
-    corpus.write_manifest(folder, {**manifest, "shards": shards, "totals": _totals(shards)})
+    _write_manifest(folder, manifest, {**beyond, **kept})
     return run
 
 

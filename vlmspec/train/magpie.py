@@ -13,6 +13,11 @@ with one of them ("Write", "List", "Why", ...) and the model writes the rest, so
 spread over the kinds of instruction people send (`INSTRUCTION_OPENERS`; the openers are cycled
 over the batch slots).
 
+The data engine (`vlmspec data`, vlmspec/train/data_engine.py) writes its user turns the same way
+through the batched engine, from a wider spread: `ENGINE_OPENERS` (these and 75 more), half of them
+led in by a topic (`TOPIC_LEADS`, `vlmspec.data.prompts.TOPICS`: `magpie_start`), filtered by
+`usable_instruction`.
+
 Kept: an instruction that ended with the end-of-turn token within `prompt_tokens`, of at least 3
 words, not one of the held-out text prompts (`heldout.TEXT_PROMPTS`), not a repeat; with its
 answer's first `answer_tokens` tokens and whether the answer ended there (a cut answer is trained
