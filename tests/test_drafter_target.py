@@ -46,6 +46,7 @@ def test_train_records_the_target_and_a_digest_of_its_fields(trained, toy):
     assert record["fields"]["hidden_size"] == 160 and record["fields"]["num_hidden_layers"] == 8
     assert factory.resolve_model(None, str(trained)) == str(assets.BUNDLED_TARGET)
     assert factory.resolve_model("elsewhere", str(trained)) == "elsewhere"  # a --model given wins
+    assert factory.resolve_model(None, f"{trained}+suffix") == str(assets.BUNDLED_TARGET)  # beside the suffix drafter: the same
 
 
 def test_export_needs_no_model_and_a_mismatched_one_names_both(trained, tmp_path, capsys, model_dir):

@@ -207,7 +207,8 @@ def page_problems(page: Path) -> list[str]:
     for path in sorted(set(PATH.findall(spans))):
         if not any(ROOT.glob(path)):
             problems.append(f"names {path}, which is not in the repository")
-    for image in sorted(set(IMAGE.findall(spans))):  # from the repository's root, the page's folder, or a docs folder the page names
+    run = " ".join(text for text, _ in _commands(page)) + " " + " ".join(code)  # what commands and snippets read (not a table's names)
+    for image in sorted(set(IMAGE.findall(run))):  # from the repository's root, the page's folder, or a docs folder the page names
         if not ((ROOT / image).is_file() or (page.parent / image).is_file() or any((ROOT / "docs").glob(f"**/{image}"))):
             problems.append(f"names the image {image}, which is not in the repository (the sample images are in assets/images/)")
     problems += [f"python: {why}" for why in python_problems(code)]

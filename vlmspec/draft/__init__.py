@@ -90,7 +90,9 @@ def default_tree(spec: str, device: str) -> TreeConfig | None:
 def recorded_target(spec: str) -> dict | None:
     """The target drafter folder `spec` records it was trained for (`vlmspec.draft.eagle.config.recorded_target`:
     {"model", "path", ...}), read without loading anything; None for a drafter name, a hub id, or a
-    drafter that records none (one written before drafters recorded their target)."""
+    drafter that records none (one written before drafters recorded their target). `DIR+suffix`: DIR's."""
+    if spec.endswith(HYBRID_SUFFIX) and spec != HYBRID_SUFFIX:
+        spec = spec[: -len(HYBRID_SUFFIX)]
     if spec in ("auto", "eagle", "hybrid") or spec.split(":")[0] in MODEL_FREE:
         return None
     from vlmspec.draft.eagle.config import recorded_target as read_record
