@@ -360,13 +360,13 @@ def markdown_table(report: dict[str, Any]) -> str:
         if s.get("error"):
             lines.append(f"| {m} | n/a: {s['error']} |" + " |" * (8 + len(BREAKDOWN)))
             continue
-        fmt = lambda x, p=2: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
+        fmt = lambda x, p=2, unit="": "-" if x is None else f"{x:.{p}f}{unit}"  # noqa: E731
         acc = ", ".join(f"{a:.2f}" for a in s["acceptance_by_position"][:3]) or "-"
         match = {True: "yes", False: f"NO ({len(s['mismatched_prompts'])}; {s.get('divergences_at_near_ties', 0)} at near-ties)",
                  None: "n/a (T>0)"}[s["matches_reference"]]
         lines.append(
-            f"| {m} | {fmt(s['tokens_per_s'], 1)} | {fmt(s['decode_tokens_per_s'], 1)} | {fmt(s['speedup_vs_hf_generate'])}x | "
-            f"{fmt(s['speedup_vs_vlmspec_none'])}x | {fmt(s['mean_accepted_length'])} | {acc} | "
+            f"| {m} | {fmt(s['tokens_per_s'], 1)} | {fmt(s['decode_tokens_per_s'], 1)} | {fmt(s['speedup_vs_hf_generate'], unit='x')} | "
+            f"{fmt(s['speedup_vs_vlmspec_none'], unit='x')} | {fmt(s['mean_accepted_length'])} | {acc} | "
             + " | ".join(f"{s['time_breakdown_s'][k]:.2f}" for k in BREAKDOWN)
             + f" | {fmt(s.get('draft_per_step_vs_target_step'))} | {s['peak_memory_mb']:.0f} | {match} |"
         )
