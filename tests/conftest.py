@@ -1,6 +1,7 @@
 import contextlib
 import functools
 import os
+import time
 
 import pytest
 import torch
@@ -99,3 +100,28 @@ def browser_page(width: int = 1440, height: int = 1000, timeout_ms: int = 30_000
             yield browser, page
         finally:
             browser.close()
+
+
+# ------------------------------------------------------------ helpers of the service tests
+def metric(text: str, name: str, labels: dict[str, str] | None = None) -> float:
+    """The sum of a Prometheus text exposition's samples of `name` whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        head, _, value = line.rpartition(" ")
+        metric_name, _, rest = head.partition("{")
+        if line.startswith("#") or metric_name != name:
+            continue
+        got = dict(kv.split("=", 1) for kv in rest.rstrip("}").split(",") if kv) if rest else {}
+        if all(got.get(k, "").strip('"') == v for k, v in (labels or {}).items()):
+            total += float(value)
+    return total
+
+
+def wait_for(cond, timeout: float = 20.0) -> bool:
+    """Poll `cond` every 10 ms until it holds or `timeout` seconds pass; its last answer."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()

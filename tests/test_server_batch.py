@@ -22,7 +22,7 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("prometheus_client")
 
-from conftest import tiny_target
+from conftest import metric, tiny_target, wait_for
 
 from vlmspec.app import ServerSettings, create_app
 from vlmspec.draft import NgramDrafter, TreeConfig
@@ -108,28 +108,6 @@ def together(url: str, bodies: list[dict]) -> list[tuple[int, dict]]:
 
 def differing(expected: list[dict], got: list[tuple[int, dict]]) -> list[int]:
     return [i for i, (want, (status, have)) in enumerate(zip(expected, got)) if status != 200 or have != want]
-
-
-def metric(text: str, name: str, labels: dict[str, str] | None = None) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        head, _, value = line.rpartition(" ")
-        metric_name, _, rest = head.partition("{")
-        if line.startswith("#") or metric_name != name:
-            continue
-        got = dict(kv.split("=", 1) for kv in rest.rstrip("}").split(",") if kv) if rest else {}
-        if all(got.get(k, "").strip('"') == v for k, v in (labels or {}).items()):
-            total += float(value)
-    return total
-
-
-def wait_for(cond, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("prometheus_client")
 
-from conftest import tiny_target
+from conftest import metric, tiny_target, wait_for
 
 from vlmspec.app import ServerSettings, create_app
 from vlmspec.draft import NgramDrafter, TreeConfig
@@ -107,28 +107,6 @@ def beside(server, bad: dict, others: list[dict]) -> list[tuple[int, dict]]:
         assert wait_for(lambda: len(service._rows) >= 2), "the other requests did not start"
         futures.insert(0, pool.submit(one, bad))
         return [f.result(timeout=300) for f in futures]
-
-
-def metric(text: str, name: str, labels: dict[str, str] | None = None) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        head, _, value = line.rpartition(" ")
-        metric_name, _, rest = head.partition("{")
-        if line.startswith("#") or metric_name != name:
-            continue
-        got = dict(kv.split("=", 1) for kv in rest.rstrip("}").split(",") if kv) if rest else {}
-        if all(got.get(k, "").strip('"') == v for k, v in (labels or {}).items()):
-            total += float(value)
-    return total
-
-
-def wait_for(cond, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("prometheus_client")
 
-from conftest import tiny_target
+from conftest import tiny_target, wait_for
 
 from vlmspec import assets
 from vlmspec.app import ServerSettings, create_app
@@ -58,15 +58,6 @@ def ask(client: httpx.Client, body: dict) -> tuple[int, dict]:
         return 503 if events[-1]["error"]["code"] == "shutting_down" else 500, {"error": events[-1]["error"]}
     text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
     return 200, {"text": text, "finish_reason": [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1]}
-
-
-def wait_for(cond, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
 
 
 @pytest.fixture(scope="module")
