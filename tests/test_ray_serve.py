@@ -83,9 +83,12 @@ def test_bad_scale_out_options_fail_in_one_line_before_anything_loads(capsys, ar
     assert "loading" not in err and "Traceback" not in err
 
 
-def test_an_unreachable_ray_address_fails_in_one_line(capsys, monkeypatch):
+def test_an_unreachable_ray_address_fails_in_one_line(capsys, monkeypatch, tmp_path):
     need_ray()  # the address is checked once Ray is there (without it the line says what to install)
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)  # (joining may set it: not past this test)
+    for name in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):  # no token on this "machine" (a local Ray run leaves
+        monkeypatch.delenv(name, raising=False)  # one in ~/.ray): no note line before the error
+    monkeypatch.setenv("HOME", str(tmp_path))
     port = _free_port()  # nothing listens there
     t0 = time.monotonic()
     code, err = _serve_error(capsys, ["--replicas", "2", "--ray-address", f"127.0.0.1:{port}"])
