@@ -85,7 +85,8 @@ def test_bad_scale_out_options_fail_in_one_line_before_anything_loads(capsys, ar
 
 def test_an_unreachable_ray_address_fails_in_one_line(capsys, monkeypatch, tmp_path):
     need_ray()  # the address is checked once Ray is there (without it the line says what to install)
-    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)  # (joining may set it: not past this test)
+    monkeypatch.setenv("RAY_AUTH_MODE", "")  # recorded, so what a join sets is taken away after this test (a
+    monkeypatch.delenv("RAY_AUTH_MODE")  # leaked RAY_AUTH_MODE=token made the later local clusters fail to start)
     for name in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):  # no token on this "machine" (a local Ray run leaves
         monkeypatch.delenv(name, raising=False)  # one in ~/.ray): no note line before the error
     monkeypatch.setenv("HOME", str(tmp_path))
