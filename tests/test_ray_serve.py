@@ -144,22 +144,42 @@ def test_joining_a_cluster_sends_a_token_where_one_is_here(tmp_path):
     assert auth.env == {} and not auth.note and "`ray get-auth-token` on its head" in auth.hint
 
 
-def test_serve_with_a_ray_address_sets_token_auth_up_before_ray_loads(capsys, monkeypatch, tmp_path):
-    import vlmspec.cli.serve as serve_cli
+_JOIN_AUTH_CHILD = """
+import importlib.util, json, os, sys
+from vlmspec.cli import main
+real = importlib.util.find_spec  # Ray counted as installed, Ray Serve as missing: serve stops there, after the decision
+importlib.util.find_spec = lambda name, *a: None if name == "ray.serve" else real(name, *a) or (object() if name == "ray" else None)
+out = []
+for argv in sys.argv[1:]:
+    try:
+        code = main(["serve", "--model", "m", "--port", "0", *json.loads(argv)])
+    except SystemExit as exc:
+        code = exc.code
+    out.append([code, os.environ.pop("RAY_AUTH_MODE", None)])
+print(json.dumps(out))
+"""
+
+
+def test_serve_with_a_ray_address_sets_token_auth_up_before_ray_loads(tmp_path):
+    """In a child process: a token mode set in this one outlives the test in what Ray reads once (it
+    made this module's local clusters refuse their own driver)."""
+    import json
+    import subprocess
+    import sys
 
     (tmp_path / ".ray").mkdir()
     (tmp_path / ".ray" / "auth_token").write_text("abc")
-    monkeypatch.setenv("HOME", str(tmp_path))
-    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
-        monkeypatch.delenv(name, raising=False)
-    real = serve_cli.importlib.util.find_spec
-    monkeypatch.setattr(serve_cli.importlib.util, "find_spec", lambda name, *a: None if name == "ray.serve" else real(name, *a) or object())
-    code, err = _serve_error(capsys, ["--replicas", "2", "--ray-address", "auto"])  # stops at Ray Serve missing, after the decision
-    assert code == 2 and err.splitlines()[0] == "ray: token authentication on (RAY_AUTH_MODE=token, the token in ~/.ray/auth_token)", err
-    assert os.environ.get("RAY_AUTH_MODE") == "token"
-    monkeypatch.delenv("RAY_AUTH_MODE")
-    code, err = _serve_error(capsys, ["--replicas", "2"])  # a local Ray: Ray sets its own up, nothing is changed here
-    assert code == 2 and "RAY_AUTH_MODE" not in os.environ and not err.startswith("ray:"), err
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+    argvs = [["--replicas", "2", "--ray-address", "auto"], ["--replicas", "2"]]  # joining a cluster; a local Ray
+    run = subprocess.run([sys.executable, "-c", _JOIN_AUTH_CHILD, *map(json.dumps, argvs)], env={**env, "HOME": str(tmp_path)},
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    (join_code, join_mode), (local_code, local_mode) = json.loads(run.stdout.splitlines()[-1])
+    lines = run.stderr.splitlines()
+    assert join_code == 2 and join_mode == "token", run.stderr
+    assert lines[0] == "ray: token authentication on (RAY_AUTH_MODE=token, the token in ~/.ray/auth_token)", run.stderr
+    # a local Ray sets its own up: nothing is changed here, and no note line
+    assert local_code == 2 and local_mode is None and sum(line.startswith("ray:") for line in lines) == 1, run.stderr
 
 
 def test_one_process_serving_never_imports_ray():
