@@ -33,6 +33,9 @@ METRICS = {
     "vlmspec_batch_size": "histogram",  # requests decoded by one engine step
     "vlmspec_queue_depth": "gauge",  # requests waiting for a free slot
     "vlmspec_inflight_requests": "gauge",  # requests in the batch (0..max_batch)
+    "vlmspec_kv_pool_entries": "gauge",  # KV entries of the pool: slots x entries per slot (--max-model-len + the tree), fixed
+    "vlmspec_kv_pool_used_entries": "gauge",  # KV entries the requests in the batch hold
+    "vlmspec_kv_pool_bytes": "gauge",  # bytes of the pool's buffers (0 until the first request; never grown)
     "vlmspec_rejected_requests_total": "counter",  # {reason}: queue_full, shutting_down, unavailable (the worker died)
     "vlmspec_cancelled_generations_total": "counter",  # {reason}: disconnect, timeout, shutdown
     "vlmspec_failed_requests_total": "counter",  # {stage}: requests answered 500 by where serving them failed (protocol.FAILURE_STAGES)
@@ -75,6 +78,12 @@ class Metrics:
         self.batch_size = Histogram("vlmspec_batch_size", "requests decoded together by one engine step", buckets=_BATCH_BUCKETS, registry=r)
         self.queue_depth = Gauge("vlmspec_queue_depth", "requests waiting for a free slot of the batch", registry=r)
         self.inflight = Gauge("vlmspec_inflight_requests", "requests in the batch", registry=r)
+        self.kv_pool_entries = Gauge("vlmspec_kv_pool_entries", "KV cache entries of the pool: slots x entries per slot, "
+                                     "fixed at start-up (--max-model-len)", registry=r)
+        self.kv_pool_used_entries = Gauge("vlmspec_kv_pool_used_entries", "KV cache entries the requests in the batch hold",
+                                          registry=r)
+        self.kv_pool_bytes = Gauge("vlmspec_kv_pool_bytes", "bytes of the KV pool's buffers (allocated at the first request, "
+                                   "never grown)", registry=r)
         self.rejected = Counter("vlmspec_rejected_requests", "requests refused before queueing", ["reason"], registry=r)
         self.cancelled = Counter("vlmspec_cancelled_generations", "generations stopped early", ["reason"], registry=r)
         self.failed = Counter("vlmspec_failed_requests", "requests answered with a 500, by where serving them failed: prefill, "
@@ -137,6 +146,13 @@ class Metrics:
         for pos, (reached, accepted) in enumerate(zip(stats.reached_per_pos, stats.accepted_per_pos)):
             self.reaching_pos.labels(str(pos)).inc(reached)
             self.accepted_per_pos.labels(str(pos)).inc(accepted)
+
+    def observe_pool(self, pool: dict[str, int] | None) -> None:
+        """The KV pool's gauges from `Service.pool()` (None: no engine yet, nothing set)."""
+        if pool is not None:
+            self.kv_pool_entries.set(pool["slots"] * pool["entries_per_slot"])
+            self.kv_pool_used_entries.set(pool["used_entries"])
+            self.kv_pool_bytes.set(pool["bytes"])
 
     def record_engine_time(self, before: dict[str, float], after: dict[str, float]) -> None:
         """The engine's seconds between two readings of a batch's `timings` (by phase)."""

@@ -236,6 +236,7 @@ async def healthz(request: Request) -> JSONResponse:
         "free_slots": max(service.max_batch - active, 0),
         "max_batch": service.max_batch,
         "max_queue": settings.max_queue,
+        "kv_pool": service.pool(),  # slots x entries per slot, fixed at start-up; bytes allocated at the first request
     }
     if why is not None:
         body["reason"] = why
@@ -244,7 +245,9 @@ async def healthz(request: Request) -> JSONResponse:
 
 async def prometheus_metrics(request: Request) -> Response:
     metrics: Metrics = request.app.state.metrics
-    metrics.queue_depth.set(request.app.state.service.waiting)
+    service = request.app.state.service
+    metrics.queue_depth.set(service.waiting)
+    metrics.observe_pool(service.pool())
     return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -71,7 +71,7 @@ class Row:
             inputs = encode_messages(target, job.messages, job.images)
         except ValueError as exc:  # the processor refused this input (an odd image, ...)
             raise APIError(400, f"the input could not be processed: {exc}", param="messages", code="invalid_input") from exc
-        config = fitted(job.config, int(inputs["input_ids"].shape[1]), target.max_positions, job.max_tokens_given)
+        config = fitted(job.config, int(inputs["input_ids"].shape[1]), batch.context_limit(job.config), job.max_tokens_given)
         if not job.speculative:  # a row that never drafts: plain decoding's tokens, in the same batch
             config = dataclasses.replace(config, speculation=PLAIN, policy=None, tree=None)
         text = TextStream(target.tokenizer, job.stop)

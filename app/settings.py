@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from vlmspec.inputs import ImageLimits
 
 
+DEFAULT_MAX_MODEL_LEN = 2048  # without --max-model-len: 16 slots of the default model hold 1.4 GiB in fp32 (46 KB a token)
+
+
 @dataclass
 class ServerSettings:
     model: str = "vlmspec"  # the name clients pass as `model`
@@ -23,6 +26,8 @@ class ServerSettings:
     max_image_aspect_ratio: float = 100.0
     max_body_bytes: int = 20 * 1024 * 1024
     remote_image_timeout_s: float = 10.0
+    max_model_len: int | None = None  # the longest prompt + answer a request may have; the KV pool is sized from it once
+    # (every slot: this + the draft tree), at start-up (None: the model's context, at most DEFAULT_MAX_MODEL_LEN)
     shutdown_grace_s: float = 30.0  # the drain on SIGTERM / SIGINT (--drain-seconds): how long the accepted requests may finish
     ui: bool = True  # mount the Gradio demo at /ui when gradio is importable (with api_key: a login page)
 
@@ -31,6 +36,8 @@ class ServerSettings:
             raise ValueError(f"invalid server settings: {self}")
         if self.request_timeout_s <= 0:
             raise ValueError("request_timeout_s must be > 0")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2 (a prompt token and an answer token)")
         if self.shutdown_grace_s < 0:
             raise ValueError("shutdown_grace_s must be >= 0")
 

@@ -35,7 +35,7 @@ from .job import Job
 from .metrics import Metrics
 from .protocol import APIError, cancelled, internal, queue_full, shutting_down, unavailable
 from .rows import Row
-from .settings import ServerSettings
+from .settings import DEFAULT_MAX_MODEL_LEN, ServerSettings
 
 logger = logging.getLogger("vlmspec.server")
 
@@ -58,6 +58,7 @@ class Service:
         self.spec: SpecEngine | None = None
         self.max_batch = settings.max_batch  # 1 for a model that decodes one request at a time (set at start)
         self._batch: Batch | None = None
+        self.max_model_len = self.slot_entries = 0  # set with the engine: the KV pool's size (`pool`)
         self._waiting: deque[Job] = deque()
         self._rows: list[Row] = []  # the batch's jobs (changed by the worker thread, under the lock)
         self._joining: list[Job] = []  # jobs taken from the queue, not yet in the batch
@@ -87,7 +88,16 @@ class Service:
                 logger.warning("%s The service runs one request at a time (max_batch 1).", exc)
                 slots = 1
         self.spec, self.max_batch = spec, slots
-        self._batch = spec.batch(slots)
+        self.max_model_len = min(self.settings.max_model_len or DEFAULT_MAX_MODEL_LEN, spec.target.max_positions)
+        tree = spec.drafter.tree
+        self.slot_entries = self.max_model_len + (tree.total_tokens + 1 if tree is not None else 1)
+        self._batch = self._new_batch()
+        logger.info("KV pool: %d slots x %d entries (requests up to %d tokens, prompt + answer: --max-model-len), allocated at "
+                    "the first request and never grown", slots, self.slot_entries, self.max_model_len)
+
+    def _new_batch(self) -> Batch:
+        assert self.spec is not None
+        return self.spec.batch(self.max_batch, capacity=self.slot_entries)
 
     def start(self) -> None:
         if self._thread is not None:
@@ -149,6 +159,15 @@ class Service:
     def waiting(self) -> int:
         """Requests in the queue, waiting for a free slot."""
         return len(self._waiting)
+
+    def pool(self) -> dict[str, int] | None:
+        """The KV pool's size and use (None before the engine is loaded): /healthz and /metrics."""
+        batch = self._batch
+        if batch is None:
+            return None
+        live = list(batch.requests)
+        return {"slots": self.max_batch, "entries_per_slot": self.slot_entries, "max_model_len": self.max_model_len,
+                "used_slots": len(live), "used_entries": sum(r.state.seq_len for r in live), "bytes": batch.cache.nbytes()}
 
     @property
     def drafter_name(self) -> str:
@@ -346,7 +365,7 @@ class Service:
             self._answer_500(row.job, "step")
         self.metrics.batch_resets.inc()
         self.metrics.inflight.set(0)
-        self._batch = self.spec.batch(self.max_batch)
+        self._batch = self._new_batch()
 
     def _died(self, exc: Exception) -> None:
         """The worker thread ends: `failure` says why (health), and every request it held gets a 500."""

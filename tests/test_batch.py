@@ -181,6 +181,21 @@ def test_a_bounded_batch_refuses_what_would_not_fit_and_reports_its_memory():
     layers = target.text_config.num_hidden_layers
     kv = target.text_config.num_key_value_heads * (target.hidden_size // target.text_config.num_attention_heads)
     assert batch.cache.nbytes() == 2 * layers * 2 * kv * batch.capacity * 4  # K and V, 2 slots, fp32
+    # the pool is fixed: more requests through its slots leave it as it was, and nothing may grow it
+    tickets = [batch.submit(inputs, cfg) for _ in range(3)]
+    while not batch.idle:
+        batch.step()
+    assert all(t.result.token_ids == req.result.token_ids for t in tickets)
+    assert batch.cache.nbytes() == 2 * layers * 2 * kv * batch.capacity * 4
+    with pytest.raises(AssertionError, match="never grows"):
+        batch.cache.reserve(batch.capacity + 1)
+    # negative control: a batch without a capacity grows its slots as asked
+    grows = engine.batch(2)
+    grows.submit(inputs, cfg)
+    grows.step()
+    size = grows.cache.nbytes()
+    grows.cache.reserve(grows.cache.layers[0].capacity + 1)
+    assert grows.cache.nbytes() > size
 
 
 def test_a_model_that_cannot_batch_exactly_says_so():

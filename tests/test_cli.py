@@ -160,7 +160,7 @@ def test_serve_help_lists_its_options(capsys):
 SERVE_SETTINGS = {"max_queue": "max_queue", "request_timeout": "request_timeout_s", "max_tokens_cap": "max_tokens_cap",
                   "max_images": "max_images", "max_image_pixels": "max_image_pixels",
                   "max_image_aspect_ratio": "max_image_aspect_ratio", "max_body_bytes": "max_body_bytes",
-                  "drain_seconds": "shutdown_grace_s"}
+                  "drain_seconds": "shutdown_grace_s", "max_model_len": "max_model_len"}
 
 
 def test_serve_sets_every_image_and_body_limit(capsys, monkeypatch):
@@ -190,14 +190,20 @@ def test_serve_sets_every_image_and_body_limit(capsys, monkeypatch):
     monkeypatch.setattr(serve_cli, "describe_speculation", lambda engine: "policy none")
     monkeypatch.setattr(vlmspec.app, "serve", fake_serve)
     argv = ["serve", "--port", "0", "--drafter", "none", "--max-image-pixels", "1000", "--max-image-aspect-ratio", "3.5",
-            "--max-body-bytes", "5000", "--max-images", "2"]
+            "--max-body-bytes", "5000", "--max-images", "2", "--max-model-len", "512"]
     assert main(argv) == 0
     settings = seen["settings"]
+    assert settings.max_model_len == 512
     assert (settings.max_image_pixels, settings.max_image_aspect_ratio, settings.max_body_bytes, settings.max_images) == (1000, 3.5, 5000, 2)
     limits = settings.image_limits()
     assert (limits.max_pixels, limits.max_aspect_ratio, limits.remote_max_bytes) == (1000, 3.5, 5000)
     with pytest.raises(SystemExit):  # checked like every number
         main(["serve", "--max-image-aspect-ratio", "0.5"])
+    with pytest.raises(SystemExit):
+        main(["serve", "--max-model-len", "1"])
+    from vlmspec.app.settings import DEFAULT_MAX_MODEL_LEN
+
+    assert f"at most {DEFAULT_MAX_MODEL_LEN})" in " ".join(out.split())  # the help's default is the settings'
     assert "--max-image-aspect-ratio must be in [1.0, 1000000.0], got 0.5" in capsys.readouterr().err
 
 

@@ -117,7 +117,8 @@ def engine():
 
 @pytest.fixture(scope="module")
 def server(engine):
-    settings = ServerSettings(model=MODEL, max_batch=MAX_BATCH, max_queue=MAX_BATCH, request_timeout_s=120, ui=False)
+    settings = ServerSettings(model=MODEL, max_batch=MAX_BATCH, max_queue=MAX_BATCH, request_timeout_s=120, ui=False,
+                              max_model_len=engine.target.max_positions)  # the model's whole context (above the default's)
     with LiveServer(create_app(engine, settings)) as srv:
         yield srv
 
@@ -244,6 +245,36 @@ def test_prompt_plus_max_tokens_over_the_context_is_a_400_never_truncated(server
     # a prompt alone over the context names the messages
     r = client.post("/v1/chat/completions", json=_body("hello " * 5000, max_tokens=4))
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_the_kv_pool_is_sized_at_start_up_never_grows_and_is_reported(engine):
+    """--max-model-len: every slot holds that many tokens plus the draft tree, fixed at start-up; a
+    longer request is a 400 naming that length (never a grown pool), and /healthz and /metrics
+    report the pool's size and use."""
+    length, tree = 64, engine.drafter.tree.total_tokens + 1
+    settings = ServerSettings(model=MODEL, max_batch=MAX_BATCH, max_queue=MAX_BATCH, ui=False, max_model_len=length)
+    with LiveServer(create_app(engine, settings)) as srv, httpx.Client(base_url=srv.url, timeout=120) as c:
+        pool = c.get("/healthz").json()["kv_pool"]
+        assert pool == {"slots": MAX_BATCH, "entries_per_slot": length + tree, "max_model_len": length, "used_slots": 0,
+                        "used_entries": 0, "bytes": 0}  # nothing allocated before the first request
+        n_prompt = c.post("/v1/chat/completions", json=_body("the cat", max_tokens=1)).json()["usage"]["prompt_tokens"]
+        allocated = c.get("/healthz").json()["kv_pool"]["bytes"]
+        assert allocated > 0
+        r = c.post("/v1/chat/completions", json=_body("the cat", max_tokens=length - n_prompt + 1))
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert f"maximum context length is {length} tokens" in r.json()["error"]["message"]
+        # negative control: exactly the room left is served in full; several at once leave the pool as it was
+        got = together(srv.url, [_body("the cat", max_tokens=length - n_prompt)] * MAX_BATCH)
+        assert all(status == 200 and g["tokens"] == length - n_prompt for status, g in got), got
+        body = _body("the cat")
+        del body["max_tokens"]  # the server's default, lowered to what a slot holds
+        status, g = ask(c, body)
+        assert status == 200 and g["tokens"] == length - n_prompt
+        health, text = c.get("/healthz").json()["kv_pool"], c.get("/metrics").text
+        assert health["bytes"] == allocated and health["used_slots"] == health["used_entries"] == 0
+        assert metric(text, "vlmspec_kv_pool_bytes") == allocated
+        assert metric(text, "vlmspec_kv_pool_entries") == MAX_BATCH * (length + tree)
+        assert metric(text, "vlmspec_kv_pool_used_entries") == 0
 
 
 def test_metrics_count_steps_latencies_and_speculation(server, client):

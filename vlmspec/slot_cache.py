@@ -120,6 +120,7 @@ class SlotLayer(CacheLayerMixin):
     def __init__(self, slots: int, capacity: int, step: _Step) -> None:
         super().__init__()
         self.slots, self.capacity, self.step = slots, capacity, step
+        self.growable = True  # False: the pool is fixed (`SlotCache.fix`)
         self.buf_k: torch.Tensor | None = None
         self.buf_v: torch.Tensor | None = None
         self.is_initialized = True  # nothing for transformers to set up lazily: `update` allocates
@@ -154,6 +155,7 @@ class SlotLayer(CacheLayerMixin):
 
     def _grow(self, end: int) -> None:
         assert self.buf_k is not None and self.buf_v is not None
+        assert self.growable, f"a fixed pool ({self.capacity} entries per slot) never grows: {end} asked for (its owner admits what fits)"
         pad = (0, 0, 0, max(end, 2 * self.buf_k.shape[2]) - self.buf_k.shape[2])
         self.buf_k = torch.nn.functional.pad(self.buf_k, pad)
         self.buf_v = torch.nn.functional.pad(self.buf_v, pad)
@@ -264,12 +266,15 @@ class SlotCache(DynamicCache):
         self.rollback_blockers = rollback_blockers(kinds)  # read on every commit: computed once
         self.layers = layers
         self._fixed = bool(layers)  # a config gave the layers; without one, slot layers are added as the model writes
+        self._pool: int | None = None  # entries per slot of a fixed pool (`fix`); None: slots grow as written
 
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         while len(self.layers) <= layer_idx:  # a cache built without a config: every layer full attention
             assert not self._fixed, (layer_idx, len(self.layers))
-            self.layers.append(SlotLayer(self.slots, 0, self._step))
+            layer = SlotLayer(self.slots, self._pool or 0, self._step)
+            layer.growable = self._pool is None
+            self.layers.append(layer)
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
     def begin(self, rows: list[int], starts: list[int], counts: list[int] | None = None) -> None:
@@ -283,6 +288,14 @@ class SlotCache(DynamicCache):
         """At least `n` entries per slot in every layer (allocated at the first write, or grown now)."""
         for layer in self._slot_layers():
             layer.reserve(n)
+
+    def fix(self, capacity: int) -> None:
+        """`capacity` entries per slot, allocated at the first write and never grown (a service's pool,
+        sized at start-up: its owner admits only requests that fit)."""
+        for layer in self._slot_layers():
+            assert layer.buf_k is None, "fix the pool before anything is written"
+            layer.capacity, layer.growable = capacity, False
+        self._pool = capacity
 
     def reset_slot(self, slot: int) -> None:
         """A new request takes `slot`: transformers' own layers (non-attention state, cross-attention

@@ -40,6 +40,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queue", type=non_negative_int("--max-queue"), default=16, help="requests waiting for a free slot")
     p.add_argument("--request-timeout", type=float_in("--request-timeout", 0.0, 1e6, low_open=True), default=120.0,
                    help="seconds from a request's arrival to its last token")
+    p.add_argument("--max-model-len", type=int_in("--max-model-len", 2, 10**7), default=None,
+                   help="the longest prompt + answer a request may have, in tokens; the KV pool (every slot this plus the "
+                        "draft tree) is sized from it at start-up and never grows; longer requests get a 400 (default: the "
+                        "model's context, at most 2048)")
     p.add_argument("--max-tokens-cap", type=positive_int("--max-tokens-cap"), default=1024, help="the most max_tokens a request may ask for")
     p.add_argument("--max-images", type=non_negative_int("--max-images"), default=4, help="images per request")
     p.add_argument("--max-image-pixels", type=positive_int("--max-image-pixels"), default=4096 * 4096,
@@ -154,7 +158,7 @@ def server_settings(args: argparse.Namespace, model: str, ui: bool):
         allow_remote_images=args.allow_remote_images, max_batch=args.max_batch, max_queue=args.max_queue,
         request_timeout_s=args.request_timeout, max_tokens_cap=args.max_tokens_cap, max_images=args.max_images,
         max_image_pixels=args.max_image_pixels, max_image_aspect_ratio=args.max_image_aspect_ratio, max_body_bytes=args.max_body_bytes,
-        shutdown_grace_s=args.drain_seconds, ui=ui,
+        shutdown_grace_s=args.drain_seconds, ui=ui, max_model_len=args.max_model_len,
     )
 
 

@@ -100,7 +100,7 @@ class Batch:
 
     slots: requests at once; capacity: cache entries per slot (None: each slot grows as its request
     needs, the batch of one `SpecEngine.generate` runs); with one the memory is fixed at the first
-    write, and `submit` refuses a request that could outgrow its slot. prefill_budget: prompt tokens
+    write and never grows, and `submit` refuses a request that could outgrow its slot. prefill_budget: prompt tokens
     admitted per step (None: every waiting request that has a slot).
     per_row_depths: goodput rows choose their own depths where the target verifies rows of unequal
     trees without padding (`Target.verifies_ragged`; `vlmspec.batch_control.choose_depths`); off,
@@ -120,6 +120,8 @@ class Batch:
         self.engine = engine
         self.capacity = capacity
         self.cache = engine.target.new_cache(slots, capacity or 256)
+        if capacity is not None:
+            self.cache.fix(capacity)  # memory fixed at the first write: a request that could outgrow its slot is refused
         self.free = list(range(slots))
         self.prefill_budget = prefill_budget
         self.waiting: deque[Ticket] = deque()  # submitted, not yet admitted (first come, first served)
@@ -139,10 +141,20 @@ class Batch:
         """Nothing waiting and nothing running: a `step` would do nothing."""
         return not self.waiting and not self.requests
 
+    def tree_room(self, config: GenerationConfig) -> int:
+        """Cache entries a request takes beyond its prompt and answer: the last step's tree."""
+        tree = self.engine.request_tree(config)
+        return tree.total_tokens + 1 if tree else 1
+
+    def context_limit(self, config: GenerationConfig) -> int:
+        """The longest prompt + answer a request with `config` may have here: the model's context,
+        and with a fixed `capacity` what a slot holds beside the tree."""
+        limit = self.engine.target.max_positions
+        return limit if self.capacity is None else min(limit, self.capacity - self.tree_room(config))
+
     def need(self, inputs: dict[str, torch.Tensor], config: GenerationConfig) -> int:
         """Cache entries a request may take: prompt, answer, and the last step's tree."""
-        tree = self.engine.request_tree(config)
-        return int(inputs["input_ids"].shape[1]) + config.max_new_tokens + (tree.total_tokens + 1 if tree else 1)
+        return int(inputs["input_ids"].shape[1]) + config.max_new_tokens + self.tree_room(config)
 
     def submit(self, inputs: dict[str, torch.Tensor], config: GenerationConfig) -> Ticket:
         """Queue a request; a `step` admits it when a slot is free and its turn comes. Raises
