@@ -1,8 +1,8 @@
-"""The vlmspec service (installed as `vlmspec.app`): an OpenAI-compatible REST API over a speculative
-and a plain engine, and a Gradio demo.
+"""The vlmspec service (installed as `vlmspec.app`): an OpenAI-compatible REST API over one
+engine (plain requests are rows of its batch that never draft), and a Gradio demo.
 
     from vlmspec.app import ServerSettings, create_app, serve
-    app = create_app(engines, ServerSettings(...))   # -> FastAPI; nothing is loaded at import time
+    app = create_app(engine, ServerSettings(...))     # -> FastAPI; nothing is loaded at import time
     serve(engine, settings, host, port)               # prints the URLs, runs uvicorn (what `vlmspec serve` calls)
 
 Layering: app -> vlmspec, never the reverse (the CLI's `serve` command imports this package lazily);

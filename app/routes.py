@@ -1,7 +1,7 @@
 """The FastAPI app: the edge (API key, request metrics), routes, error handlers, and the lifespan
 that starts and stops the worker.
 
-    app = create_app(engines, ServerSettings(...))   # nothing is loaded here; the worker starts with the app
+    app = create_app(engine, ServerSettings(...))   # nothing is loaded here; the worker starts with the app
 
 The handlers are plain functions; they reach the service, the metrics and the settings through
 ``request.app.state`` (set by create_app), so several apps can live in one process.
@@ -35,19 +35,19 @@ from .protocol import (DONE_EVENT, APIError, ChatCompletionRequest, ChatInputs, 
 from .settings import ServerSettings
 from .site import DOCS_OPENAPI_URL, add_site_routes
 from .job import Job
-from .worker import Engines, Service
+from .worker import EngineSource, Service
 
 logger = logging.getLogger("vlmspec.server")
 UI_PATH = "/ui"  # where the Gradio demo is mounted
 
 
-def create_app(engines: Engines, settings: ServerSettings | None = None) -> FastAPI:
-    """The FastAPI app. `engines`: a SpecEngine (plain requests are rows of its batch that never
-    draft), a (speculative, plain) pair over one Target, or a zero-argument callable returning either;
-    a callable is called on the worker thread when the app starts (lifespan), not here."""
+def create_app(engine: EngineSource, settings: ServerSettings | None = None) -> FastAPI:
+    """The FastAPI app. `engine`: a SpecEngine (plain requests are rows of its batch that never
+    draft) or a zero-argument callable returning one; a callable is called on the worker thread when
+    the app starts (lifespan), not here."""
     settings = settings or ServerSettings()
     metrics = Metrics()
-    service = Service(engines, settings, metrics)
+    service = Service(engine, settings, metrics)
     app = FastAPI(title="vlmspec", version="0.1.0", lifespan=_lifespan, docs_url=None, redoc_url=None,
                   description="OpenAI-compatible chat completions with lossless speculative decoding for VLMs")
     app.state.service, app.state.metrics, app.state.settings = service, metrics, settings

@@ -24,7 +24,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any, Union
+from typing import Union
 
 from vlmspec.engine import Batch, SpecEngine
 from vlmspec.errors import ConfigError
@@ -41,19 +41,18 @@ logger = logging.getLogger("vlmspec.server")
 
 TRIM_EVERY = 32  # requests between returns of freed heap memory to the system (`vlmspec.memory.release_free_memory`)
 
-# a SpecEngine, a (speculative, plain) pair (both over one Target; plain requests run as rows of the
-# speculative engine's batch that never draft, so the plain engine is only checked), or a
-# zero-argument callable returning either (called on the worker thread when the service starts)
-Engines = Union[SpecEngine, tuple[SpecEngine, SpecEngine], Callable[[], Any]]
+# a SpecEngine, or a zero-argument callable returning one (called on the worker thread when the
+# service starts); plain requests are rows of its batch that never draft
+EngineSource = Union[SpecEngine, Callable[[], SpecEngine]]
 
 
 class Service:
     """One worker thread that owns the engine and its batch; a bounded queue in front of it."""
 
-    def __init__(self, engines: Engines, settings: ServerSettings, metrics: Metrics) -> None:
-        if not callable(engines):  # built on this thread, run on the worker's: this thread's OpenMP pool goes (vlmspec.openmp)
+    def __init__(self, engine: EngineSource, settings: ServerSettings, metrics: Metrics) -> None:
+        if isinstance(engine, SpecEngine):  # built on this thread, run on the worker's: this thread's OpenMP pool goes (vlmspec.openmp)
             release_thread_pool()
-        self._source = engines
+        self._source = engine
         self.settings, self.metrics = settings, metrics
         self.spec: SpecEngine | None = None
         self.max_batch = settings.max_batch  # 1 for a model that decodes one request at a time (set at start)
@@ -74,12 +73,7 @@ class Service:
 
     # -------------------------------------------------------------- lifecycle
     def _resolve_engine(self) -> None:
-        src = self._source
-        if callable(src) and not isinstance(src, (SpecEngine, tuple, list)):
-            src = src()
-        spec = src[0] if isinstance(src, (tuple, list)) else src
-        if isinstance(src, (tuple, list)) and src[1].target is not spec.target:
-            raise ValueError("the speculative and plain engines must share one Target")
+        spec = self._source if isinstance(self._source, SpecEngine) else self._source()
         slots = self.settings.max_batch
         if slots > 1:
             try:

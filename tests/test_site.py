@@ -22,7 +22,7 @@ from PIL import Image
 
 from vlmspec.app import ServerSettings, create_app
 from vlmspec.app.site import DOCS_OPENAPI_URL, openapi_30
-from vlmspec.draft import NgramDrafter, NoDrafter, TreeConfig
+from vlmspec.draft import NgramDrafter, TreeConfig
 from vlmspec.engine import SpecEngine
 from vlmspec.inputs import IMAGE_FORMATS
 from vlmspec.testing.live_server import LiveServer
@@ -32,14 +32,13 @@ MODEL = "tiny-llava"
 
 
 @pytest.fixture(scope="module")
-def engines():
-    target = tiny_target("llava")
-    return SpecEngine(target, NgramDrafter(TreeConfig(depth=3, top_k=2, total_tokens=6))), SpecEngine(target, NoDrafter())
+def engine():
+    return SpecEngine(tiny_target("llava"), NgramDrafter(TreeConfig(depth=3, top_k=2, total_tokens=6)))
 
 
 @pytest.fixture(scope="module")
-def server(engines):
-    with LiveServer(create_app(engines, ServerSettings(model=MODEL, ui=False, request_timeout_s=60))) as srv:
+def server(engine):
+    with LiveServer(create_app(engine, ServerSettings(model=MODEL, ui=False, request_timeout_s=60))) as srv:
         yield srv
 
 

@@ -31,7 +31,7 @@ from vlmspec.app import ServerSettings, create_app
 from vlmspec.app.ui_runner import ServiceRunner
 from vlmspec.testing.live_server import LiveServer
 from vlmspec.assets import SAMPLE_IMAGES
-from vlmspec.draft import NgramDrafter, NoDrafter, TreeConfig
+from vlmspec.draft import NgramDrafter, TreeConfig
 from vlmspec.engine import SpecEngine
 
 
@@ -52,10 +52,8 @@ def cat_png(tmp_path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def engines():
-    target = tiny_target("llava")
-    spec = SpecEngine(target, NgramDrafter(TreeConfig(depth=4, top_k=2, total_tokens=8)))
-    return spec, SpecEngine(target, NoDrafter())
+def engine():
+    return SpecEngine(tiny_target("llava"), NgramDrafter(TreeConfig(depth=4, top_k=2, total_tokens=8)))
 
 
 def settings(**kw) -> ServerSettings:
@@ -65,10 +63,10 @@ def settings(**kw) -> ServerSettings:
 # ------------------------------------------------------------------------------------------ (1) no browser
 
 
-def test_ui_mounted_and_runner_side_by_side(engines, tmp_path):
+def test_ui_mounted_and_runner_side_by_side(engine, tmp_path):
     from fastapi.testclient import TestClient
 
-    app = create_app(engines, settings())
+    app = create_app(engine, settings())
     assert app.state.ui_path == "/ui"
     with TestClient(app) as client:
         for path in ("/ui", "/ui/"):
@@ -95,7 +93,7 @@ def test_ui_mounted_and_runner_side_by_side(engines, tmp_path):
         # the knobs reached that job only: at most 3 drafted nodes, 2 levels, under the fixed policy
         assert max(step[3] for step in s.steps) <= 3 and s.result.depths and max(s.result.depths) == 2
         assert s.result.policy == "fixed" and [step[4] for step in s.steps[1:]] == s.result.depths
-        assert engines[0].drafter.tree.total_tokens == 8
+        assert engine.drafter.tree.total_tokens == 8
         summary = cmp.summary()
         assert summary["speedup"] is not None and summary["identical"] is True
         # stats rendering the page shows
@@ -107,7 +105,7 @@ def test_ui_mounted_and_runner_side_by_side(engines, tmp_path):
         assert render_steps(s).count('class="vs-step ') == len(s.steps)
 
 
-def test_ui_opens_on_a_toyworld_scene_and_says_what_the_default_model_knows(engines):
+def test_ui_opens_on_a_toyworld_scene_and_says_what_the_default_model_knows(engine):
     """#22 item 2: the page opened on a photo the model cannot describe, and nothing said what it knows."""
     from vlmspec import assets
     from vlmspec.app.ui import MODEL_NOTE, TOY_NOTE, _Handlers, sample_images
@@ -115,18 +113,18 @@ def test_ui_opens_on_a_toyworld_scene_and_says_what_the_default_model_knows(engi
     samples = sample_images()
     assert samples[0].name == "toyworld_scene.png"
     assert [p.name.startswith("toyworld") for p in samples] == sorted((p.name.startswith("toyworld") for p in samples), reverse=True)
-    app = create_app(engines, settings(model_aliases=(str(assets.DEFAULT_TARGET),)))
+    app = create_app(engine, settings(model_aliases=(str(assets.DEFAULT_TARGET),)))
     header, *_ = _Handlers(ServiceRunner(app.state.service, app.state.settings), samples).on_load()
     assert MODEL_NOTE in header and "aligned on ToyWorld" in header
-    toy = create_app(engines, settings(model_aliases=(str(assets.BUNDLED_TARGET),)))  # the toy says what it knows
+    toy = create_app(engine, settings(model_aliases=(str(assets.BUNDLED_TARGET),)))  # the toy says what it knows
     header, *_ = _Handlers(ServiceRunner(toy.state.service, toy.state.settings), samples).on_load()
     assert TOY_NOTE in header and MODEL_NOTE not in header
-    other = create_app(engines, settings(model_aliases=("/some/other/vlm",)))  # negative control: another model, no note
+    other = create_app(engine, settings(model_aliases=("/some/other/vlm",)))  # negative control: another model, no note
     header, *_ = _Handlers(ServiceRunner(other.state.service, other.state.settings), samples).on_load()
     assert MODEL_NOTE not in header and TOY_NOTE not in header
 
 
-def test_gradio_api_is_one_named_endpoint_with_the_pages_names_defaults_and_json(engines, tmp_path):
+def test_gradio_api_is_one_named_endpoint_with_the_pages_names_defaults_and_json(engine, tmp_path):
     """#22 item 4: view_api() listed /on_run_1 with outputs value_20...; #48 item 8: the inputs had
     internal names (img, n_tokens, tree_n, spec_on: `image=` raised TypeError), the image's default
     read as a photo on GitHub, max_depth 5 where the page shows the tree's depth, and the speedup
@@ -135,7 +133,7 @@ def test_gradio_api_is_one_named_endpoint_with_the_pages_names_defaults_and_json
 
     from vlmspec.app.ui import _Handlers
 
-    with LiveServer(create_app(engines, settings())) as srv:
+    with LiveServer(create_app(engine, settings())) as srv:
         client = Client(f"{srv.url}/ui/", verbose=False)
         api = client.view_api(print_info=False, return_format="dict")
         assert set(api["named_endpoints"]) == {"/run"} and not api["unnamed_endpoints"]
@@ -148,7 +146,7 @@ def test_gradio_api_is_one_named_endpoint_with_the_pages_names_defaults_and_json
         assert "speculative decoding" in outputs and "speedup summary" in outputs and outputs[-1] == "runs"
         assert not [o for o in outputs + [p["label"] for p in run["parameters"]] if not o or o.startswith("value_")]
         # the defaults are what the page shows once loaded: the served drafter's tree and policy
-        tree = engines[0].drafter.tree
+        tree = engine.drafter.tree
         _, size, policy, depth = _Handlers(ServiceRunner(srv.app.state.service, srv.app.state.settings), []).on_load()
         assert params["max_depth"]["parameter_default"] == depth["value"] == tree.depth
         assert params["tree_size"]["parameter_default"] == size["value"] == tree.total_tokens
@@ -167,7 +165,7 @@ def test_gradio_api_is_one_named_endpoint_with_the_pages_names_defaults_and_json
         assert default["plain"]["text"] and default["message"] is None  # the default image was used (no "no image" note)
 
 
-def test_the_serving_docs_gradio_client_example_runs(engines):
+def test_the_serving_docs_gradio_client_example_runs(engine):
     """docs/serving.md's gradio_client example, run against a live demo (#48 item 8's names and JSON)."""
     import re
     import subprocess
@@ -176,7 +174,7 @@ def test_the_serving_docs_gradio_client_example_runs(engines):
     blocks = [b for b in re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "serving.md").read_text(), flags=re.DOTALL)
               if "gradio_client" in b]
     assert len(blocks) == 1, blocks
-    with LiveServer(create_app(engines, settings())) as srv:
+    with LiveServer(create_app(engine, settings())) as srv:
         code = blocks[0].replace("http://127.0.0.1:8000", srv.url)
         assert srv.url in code
         run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -194,7 +192,7 @@ def _run_page(handlers, image, speculative=True, plain=True):
     return asyncio.run(go())
 
 
-def test_page_says_slower_names_a_missing_image_and_handles_no_mode(engines, tmp_path):
+def test_page_says_slower_names_a_missing_image_and_handles_no_mode(engine, tmp_path):
     """#22 item 3: a slowdown read "0.43x speedup"; unticking both modes stamped Error badges on
     every panel and kept the old speedup; a run without an image gave no hint."""
     from types import SimpleNamespace
@@ -212,7 +210,7 @@ def test_page_says_slower_names_a_missing_image_and_handles_no_mode(engines, tmp
 
     from fastapi.testclient import TestClient
 
-    app = create_app(engines, settings())
+    app = create_app(engine, settings())
     handlers = _Handlers(ServiceRunner(app.state.service, app.state.settings), [])
     with TestClient(app):  # the worker runs
         summary, spec, spec_stats, plain, plain_stats, steps, runs = _run_page(handlers, Image.open(cat_png(tmp_path)), False, False)
@@ -240,14 +238,14 @@ def _bad_images(tmp_path: Path) -> dict[str, Path]:
     return {name: tmp_path / f"{name}.png" for name in files}
 
 
-def test_page_answers_a_bad_upload_with_the_apis_message_and_clears_the_old_run(engines, tmp_path):
+def test_page_answers_a_bad_upload_with_the_apis_message_and_clears_the_old_run(engine, tmp_path):
     """#48 item 4: a non-image or a bomb showed Gradio's "Could not preprocess input component ...
     UnidentifiedImageError" with the server's temporary path, and the previous answers stayed."""
     from fastapi.testclient import TestClient
 
     from vlmspec.app.ui import NO_RUN, _Handlers
 
-    app = create_app(engines, settings())
+    app = create_app(engine, settings())
     handlers = _Handlers(ServiceRunner(app.state.service, app.state.settings), [])
     with TestClient(app) as client:
         summary, spec, *_ = _run_page(handlers, str(cat_png(tmp_path)))  # an upload reaches the handler as its path
@@ -264,7 +262,7 @@ def test_page_answers_a_bad_upload_with_the_apis_message_and_clears_the_old_run(
             assert runs["speculative"] is None and runs["plain"] is None
 
 
-def test_step_view_idle_text_captions_and_tier_contrast(engines):
+def test_step_view_idle_text_captions_and_tier_contrast(engine):
     """#48 item 10: the idle step view said "waiting for the worker ..." before any run and after an
     error; nothing said which samples the default model reads; the darkest tier's subscripts were
     dark on dark green (3.1:1)."""
@@ -288,7 +286,7 @@ def test_step_view_idle_text_captions_and_tier_contrast(engines):
     assert [c for _, c in sample_captions(samples, reads_toyworld_only=False)] == [p.stem for p in samples]
     from fastapi.testclient import TestClient
 
-    with TestClient(create_app(engines, settings(model_aliases=(str(assets.DEFAULT_TARGET),)))) as client:  # on the page
+    with TestClient(create_app(engine, settings(model_aliases=(str(assets.DEFAULT_TARGET),)))) as client:  # on the page
         config = client.get("/ui/config").json()
     gallery = next(c for c in config["components"] if c["props"].get("elem_id") == "samples")
     assert [item["caption"] for item in gallery["props"]["value"]] == [captions[str(p)] for p in samples]
@@ -313,10 +311,10 @@ def test_step_view_idle_text_captions_and_tier_contrast(engines):
     assert contrast("#334155", "#16a34a") < 4.5  # control: the old darkest tier fails the check
 
 
-def test_ui_with_api_key_has_its_own_login(engines):
+def test_ui_with_api_key_has_its_own_login(engine):
     from fastapi.testclient import TestClient
 
-    app = create_app(engines, settings(api_key="sk-ui"))
+    app = create_app(engine, settings(api_key="sk-ui"))
     with TestClient(app) as client:
         assert client.get("/v1/models").status_code == 401  # the API still needs the bearer key
         r = client.get("/ui/")
@@ -327,8 +325,8 @@ def test_ui_with_api_key_has_its_own_login(engines):
         assert client.get("/ui/config").status_code == 200  # the session cookie
 
 
-def test_ui_can_be_turned_off(engines):
-    app = create_app(engines, settings(ui=False))
+def test_ui_can_be_turned_off(engine):
+    app = create_app(engine, settings(ui=False))
     assert app.state.ui_path is None
     assert not any(getattr(r, "path", "") == "/ui" for r in app.routes)
 
@@ -337,11 +335,11 @@ def test_ui_can_be_turned_off(engines):
 
 
 @needs_browser
-def test_browser_upload_prompt_run(engines, tmp_path):
+def test_browser_upload_prompt_run(engine, tmp_path):
     from playwright.sync_api import expect
 
     png = cat_png(tmp_path)
-    with LiveServer(create_app(engines, settings())) as srv:
+    with LiveServer(create_app(engine, settings())) as srv:
         # the API's greedy answer for the same image and prompt
         url = "data:image/png;base64," + base64.b64encode(png.read_bytes()).decode()
         body = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0, "messages": [{"role": "user", "content": [
@@ -384,12 +382,12 @@ def _ui_page(app, timeout_ms: int = 30_000):
 
 
 @needs_browser
-def test_browser_sample_pick_preview_loads_and_narrow_page_fits(engines):
+def test_browser_sample_pick_preview_loads_and_narrow_page_fits(engine):
     """#22 item 1: picking a sample showed a broken preview (its URL lacked the /ui prefix: 404);
     item 3: at 420 px the gallery's last column was cut off."""
     from playwright.sync_api import expect
 
-    with _ui_page(create_app(engines, settings())) as (srv, browser, page):
+    with _ui_page(create_app(engine, settings())) as (srv, browser, page):
         expect(page.locator("#vlmspec-header")).to_contain_text("ngram")
         first = page.locator("#image-input img").first.get_attribute("src")
         page.locator("#samples .thumbnail-item").nth(1).click()
@@ -414,7 +412,7 @@ def test_browser_sample_pick_preview_loads_and_narrow_page_fits(engines):
 
 
 @needs_browser
-def test_browser_bad_upload_shows_one_line_and_clears_the_old_run(engines, tmp_path):
+def test_browser_bad_upload_shows_one_line_and_clears_the_old_run(engine, tmp_path):
     """#48 item 4, in a browser: after a run, upload a file that is no image and press Run: one line
     (the API's message, no server path), the old answers and steps cleared, no Gradio error toast."""
     from playwright.sync_api import expect
@@ -423,7 +421,7 @@ def test_browser_bad_upload_shows_one_line_and_clears_the_old_run(engines, tmp_p
     from vlmspec.inputs import NOT_AN_IMAGE
 
     bad = _bad_images(tmp_path)["not_an_image"]
-    with _ui_page(create_app(engines, settings())) as (_, _, page):
+    with _ui_page(create_app(engine, settings())) as (_, _, page):
         expect(page.locator("#vlmspec-header")).to_contain_text("ngram")
         page.locator("#run").click()
         expect(page.locator("#vs-speedup")).to_be_visible(timeout=60_000)
@@ -443,7 +441,7 @@ def test_browser_bad_upload_shows_one_line_and_clears_the_old_run(engines, tmp_p
         page.screenshot(path="/tmp/ui-shots/demo_bad_upload.png", full_page=True)
 
 
-def test_idle_ui_queue_does_not_spin(engines):
+def test_idle_ui_queue_does_not_spin(engine):
     """#22 item 10: the idle server used ~5% of a core; Gradio's queue polled every 1 ms."""
     import gradio.queueing
 
@@ -458,7 +456,7 @@ def test_idle_ui_queue_does_not_spin(engines):
 
     gradio.queueing.Queue.__init__ = spy
     try:
-        create_app(engines, settings())
+        create_app(engine, settings())
     finally:
         gradio.queueing.Queue.__init__ = real_init
     assert queues, "the UI's Blocks made no queue"
@@ -467,13 +465,13 @@ def test_idle_ui_queue_does_not_spin(engines):
 
 
 @pytest.mark.slow
-def test_idle_server_cpu_figure(engines):
+def test_idle_server_cpu_figure(engine):
     """The figure behind item 10: the whole idle process (API + UI), CPU time over 20 s of wall
     time from getrusage. Measured 6.5% of a core with Gradio's defaults, 0.8% with quiet_queue."""
     import resource
     import time
 
-    with LiveServer(create_app(engines, settings())):
+    with LiveServer(create_app(engine, settings())):
         time.sleep(3)
         r0, w0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
         time.sleep(20)

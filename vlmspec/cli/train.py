@@ -30,8 +30,9 @@ VISUAL_CHOICES = ("none", "gate", "uniform", "attention", "pool", "conv", "resam
 def register(sub: argparse._SubParsersAction) -> None:
     d = sub.add_parser("train", help="distil an EAGLE-style draft head from a frozen target (online logits)")
     d.add_argument("--target", help="target VLM folder or hub id (default: models/smolvlm-toyworld when built with trained parts, else the toy; 'toy' selects the toy)")
-    d.add_argument("--data", default="toyworld", help="'toyworld', a LLaVA-style JSONL file, or a corpus folder of `vlmspec data` "
-                                                     "(its shards checked against its manifest first)")
+    d.add_argument("--data", default="toyworld", help="'toyworld', a LLaVA-style JSONL file, a corpus folder of `vlmspec data` "
+                                                     "(its shards checked against its manifest first), or a feature cache of "
+                                                     "`vlmspec features` (offline: no target forward per step)")
     d.add_argument("--out", required=True, help="run folder: checkpoint/, drafter/, train_curve.png")
     d.add_argument("--steps", type=positive_int("--steps"), default=1000, help='training steps')
     d.add_argument("--batch-size", type=positive_int("--batch-size"), default=8, help='samples per step')
@@ -79,6 +80,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--resume", action="store_true", help='continue from OUT/checkpoint')
     d.add_argument("--json", action="store_true", help="print one JSON summary at the end")
     d.set_defaults(func=run_train)
+
+    fe = sub.add_parser("features", help="the offline feature cache: the target's features and top-k logits of a corpus, "
+                                         "computed once, for `vlmspec train --data CACHE`")
+    fe.add_argument("--target", help="target VLM folder (default: as `vlmspec train`)")
+    fe.add_argument("--data", required=True, help="a LLaVA-style JSONL file or a corpus folder of `vlmspec data`")
+    fe.add_argument("--out", required=True, help="cache folder: features-NNNNN.safetensors + manifest.json (an existing one is resumed)")
+    fe.add_argument("--arch", choices=("eagle1", "eagle3"), default="eagle1", help="the head it is for: eagle1 (the last hidden "
+                    "state) or eagle3 (its layers)")
+    fe.add_argument("--feature-layers", default=None, metavar="I,J,K", help="--arch eagle3: the layers (default: EAGLE-3's)")
+    fe.add_argument("--top-k", type=positive_int("--top-k"), default=64, help="the teacher's logits kept per answer row")
+    fe.add_argument("--shard-size", type=positive_int("--shard-size"), default=128, help="conversations per shard (a kill loses at most one)")
+    fe.add_argument("--batch-size", type=positive_int("--batch-size"), default=4, help="conversations per target forward")
+    fe.add_argument("--limit", type=positive_int("--limit"), default=None, help="only the first N conversations")
+    add_device_args(fe)
+    fe.add_argument("--json", action="store_true", help="print the manifest's summary as JSON (no progress bar)")
+    fe.set_defaults(func=run_features)
 
     ed = sub.add_parser("eval-drafter", help="mean accepted length per task on held-out ToyWorld prompts")
     ed.add_argument("--model", help="target folder (default: models/smolvlm-toyworld when built with trained parts, else the toy; 'toy' selects the toy)")
@@ -138,6 +155,33 @@ def run_train(args: argparse.Namespace) -> int:
     else:
         print(f"train: {summary['step']} steps, {summary['elapsed_s'] / 60:.1f} min of training steps "
               f"({summary['run_wall_s'] / 60:.1f} min this run with data, evals and the stop threshold); drafter in {args.out}/drafter")
+    return 0
+
+
+def run_features(args: argparse.Namespace) -> int:
+    from vlmspec import factory
+    from vlmspec.draft.eagle import EagleConfig
+    from vlmspec.draft.eagle.config import target_depth
+    from vlmspec.train.features import FeatureSpec, build_features
+
+    if not Path(args.data).is_file() and not (Path(args.data) / "manifest.json").is_file():
+        raise UsageError(f"--data {args.data}: not a JSONL file or a `vlmspec data` corpus folder")
+    if args.feature_layers is not None and args.arch != "eagle3":
+        raise UsageError("--feature-layers chooses an EAGLE-3 head's layers: add --arch eagle3")
+    spec = engine_spec(args, model=args.target)
+    model = factory.resolve_model(spec.model)
+    target = factory.load(spec)
+    layers = None
+    if args.arch == "eagle3":
+        chosen = feature_layer_ids(args.feature_layers, target_depth(target)) if args.feature_layers is not None else ()
+        layers = tuple(EagleConfig.from_target(target, "eagle3", chosen).feature_layers)
+    manifest = build_features(target, model, args.data, args.out, FeatureSpec(layers, args.top_k), args.shard_size, args.batch_size,
+                              args.limit, progress=not args.json)
+    shards = manifest["shards"]
+    summary = {"out": args.out, "shards": len(shards), "conversations": sum(s["samples"] for s in shards),
+               "tokens": sum(s["tokens"] for s in shards), "bytes": sum((Path(args.out) / s["file"]).stat().st_size for s in shards)}
+    print(json.dumps(summary) if args.json else f"features: {summary['conversations']} conversations, {summary['tokens']} tokens, "
+          f"{summary['bytes'] / 2**20:.0f} MiB in {args.out}")
     return 0
 
 

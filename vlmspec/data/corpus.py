@@ -45,7 +45,16 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def sha256_file(path: Path) -> str:
+    """A file's sha256, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with tmp.open("wb") as f:
         f.write(data)
@@ -57,7 +66,7 @@ def _atomic_write(path: Path, data: bytes) -> None:
 def write_shard(folder: Path, index: int, records: list[dict[str, Any]]) -> dict[str, Any]:
     """Write shard `index` atomically; returns its manifest entry (file, lines, sha256, bytes)."""
     data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
-    _atomic_write(folder / shard_name(index), data)
+    atomic_write(folder / shard_name(index), data)
     return {"file": shard_name(index), "lines": len(records), "sha256": sha256_bytes(data), "bytes": len(data)}
 
 
@@ -76,7 +85,7 @@ def read_manifest(folder: Path) -> dict[str, Any] | None:
 
 
 def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
-    _atomic_write(folder / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+    atomic_write(folder / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
 
 
 def shard_problem(folder: Path, entry: dict[str, Any], images: bool = False) -> str | None:
@@ -160,13 +169,9 @@ def folder_digest(folder: str | Path) -> str:
     h = hashlib.sha256()
     for p in sorted(Path(folder).iterdir()):
         if p.is_file():
-            one = hashlib.sha256()
-            with p.open("rb") as f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    one.update(chunk)
-            h.update(f"{p.name}\0{one.hexdigest()}\n".encode())
+            h.update(f"{p.name}\0{sha256_file(p)}\n".encode())
     return h.hexdigest()
 
 
 __all__ = ["FORMAT", "folder_digest", "MANIFEST", "CorpusError", "Verification", "checked_shards", "image_folder", "read_manifest", "shard_name",
-           "shard_problem", "sha256_bytes", "verify", "write_manifest", "write_shard"]
+           "shard_problem", "sha256_bytes", "sha256_file", "atomic_write", "verify", "write_manifest", "write_shard"]

@@ -64,6 +64,7 @@ from vlmspec.train.distill_losses import (
     teacher,
     visual_rows,
 )
+from vlmspec.train.features import FeatureCache, collate, is_feature_cache
 from vlmspec.train.loop import CKPT, Hooks, Stage, new_state, saved_state, train_loop, write_summary
 from vlmspec.vision_compress import VisualConfig
 
@@ -141,10 +142,13 @@ def new_head(target: Target, cfg: DistillConfig) -> EagleHead:
     return head.to(device=target.device, dtype=torch.float32)
 
 
-def trim_vocabulary(head: EagleHead, target: Target, data: str, cfg: DistillConfig, text_pairs: list, regen: Any) -> dict[str, Any]:
+def trim_vocabulary(head: EagleHead, target: Target, data: str, cfg: DistillConfig, text_pairs: list, regen: Any,
+                    counts: torch.Tensor | None = None) -> dict[str, Any]:
     """Set a trimmed head's draft vocabulary from the answers of the first `cfg.draft_vocab_samples`
-    training samples (of the whole batches: every process picks the same); returns its record."""
-    counts = answer_token_counts(target, conversations(data, cfg, 0, 0, text_pairs), cfg.draft_vocab_samples, regen)
+    training samples (of the whole batches: every process picks the same), or from `counts` [V]
+    (a feature cache's); returns its record."""
+    if counts is None:
+        counts = answer_token_counts(target, conversations(data, cfg, 0, 0, text_pairs), cfg.draft_vocab_samples, regen)
     d2t = draft_vocabulary(counts, cfg.draft_vocab, always=tuple(sorted(target.eos_token_ids)))
     head.set_draft_vocab(d2t.to(head.d2t.device))
     ranked = counts.sort(descending=True).values.cumsum(0) / counts.sum().clamp(min=1)  # [V] coverage of the top K
@@ -161,6 +165,19 @@ def text_pairs_for(target: Target, out: Path, cfg: DistillConfig, progress: bool
     if world > 1 and rank == 0:
         dist.barrier()
     return pairs
+
+
+def offline_cache(data: str, cfg: DistillConfig, world: int) -> FeatureCache | None:
+    """The feature cache `data` names (its shards checked), None for online data; DataError for what
+    a cache cannot train: a visual head, regenerated answers, Magpie pairs, several processes."""
+    if not is_feature_cache(data):
+        return None
+    refused = [what for what, on in (("--visual variants", bool(cfg.visual)), ("--regenerate", cfg.regenerate),
+                                     ("--text-pairs", cfg.text_pairs > 0), ("torchrun", world > 1)) if on]
+    if refused:
+        raise DataError(f"{data} is a feature cache (offline: plain EAGLE-1 / EAGLE-3 heads in one process, on the answers it "
+                        f"was built from); {', '.join(refused)} train online: pass the corpus as --data instead")
+    return FeatureCache(data)
 
 
 def setup(target: Target, out: Path, cfg: DistillConfig, resume: bool) -> tuple[EagleHead, torch.optim.Optimizer, dict[str, Any]]:
@@ -209,26 +226,35 @@ def train_drafter(
     out.mkdir(parents=True, exist_ok=True)
     rank, world, owns_group = init_distributed(target.device)
     main = rank == 0
+    cache = offline_cache(data, cfg, world)  # None: the online path (a target forward per step)
     head, opt, state = setup(target, out, cfg, resume)
     regen = AnswerCache(out / f"answers_rank{rank}.jsonl", target, cfg.regen_max_tokens) if cfg.regenerate else None
-    text_pairs = text_pairs_for(target, out, cfg, progress, rank, world)
+    text_pairs = text_pairs_for(target, out, cfg, progress, rank, world) if cache is None else []
     if text_pairs:
         state["magpie_pairs"] = len(text_pairs)
     # (an EAGLE-3 head continued with --init-from keeps its vocabulary: its own LM head was trained on it)
     if head.trimmed and not resume and not (cfg.init_from and not head.predicts_features):
-        state["draft_vocab"] = trim_vocabulary(head, target, data, replace(cfg, batch_size=cfg.batch_size * world), text_pairs, regen)
+        counts = cache.answer_counts(cfg.draft_vocab_samples, target.vocab_size) if cache is not None else None
+        state["draft_vocab"] = trim_vocabulary(head, target, data, replace(cfg, batch_size=cfg.batch_size * world), text_pairs, regen, counts)
     loss_fn: torch.nn.Module = DistillStep(head, cfg, VisualConfig.from_dict(cfg.visual).gate_cost)
     if world > 1:  # starts every process from process 0's weights, averages the gradients in backward
         loss_fn = torch.nn.parallel.DistributedDataParallel(loss_fn, find_unused_parameters=True)  # (a visual head's parts idle on text-only batches)
     held_out = heldout("distill-eval", cfg.eval_n)
     drafter = EagleDrafter(head, tree)
+    if cache is not None and cache.layers != drafter.feature_layers:
+        raise DataError(f"{data}: its features are of layers {cache.layers or 'last hidden state'}, this head reads "
+                        f"{drafter.feature_layers or 'the last hidden state'}: build the cache with this run's --arch / --feature-layers")
     tau = {"text": "-"}
 
     def step(_: int, convs: list) -> dict[str, float]:
-        if regen is not None:  # Magpie pairs already carry the target's own answers
-            convs = [c if c.task == "magpie" else regen(c) for c in convs]
-        batch = {k: v.to(target.device) if isinstance(v, torch.Tensor) else v for k, v in encode_conversations(target.processor, convs).items()}
-        feats, logits, captured = teacher(target, batch, visual=head.visual is not None, layers=drafter.feature_layers)
+        if cache is not None:  # the cached teacher: no target forward
+            batch = collate(convs, target.vocab_size, target.dtype, target.device)
+            feats, logits, captured = batch["feats"], batch["logits"], {}
+        else:
+            if regen is not None:  # Magpie pairs already carry the target's own answers
+                convs = [c if c.task == "magpie" else regen(c) for c in convs]
+            batch = {k: v.to(target.device) if isinstance(v, torch.Tensor) else v for k, v in encode_conversations(target.processor, convs).items()}
+            feats, logits, captured = teacher(target, batch, visual=head.visual is not None, layers=drafter.feature_layers)
         head.train()
         with mixed_precision(target):
             loss, stats = loss_fn(batch["input_ids"], feats.float(), logits, batch["labels"], captured)
@@ -252,7 +278,8 @@ def train_drafter(
 
     hooks = Hooks(step=step, save=save, evaluate=evaluate if cfg.eval_n > 0 else None,
                   postfix=lambda r: {"loss": f"{r['loss']:.3f}", "acc1": f"{r.get('acc1', 0):.2f}", "tau": tau["text"]})
-    batches = conversations(data, cfg, rank, state["step"], text_pairs, world)
+    batches = conversations(data, cfg, rank, state["step"], text_pairs, world) if cache is None else \
+        cache.batches(cfg.batch_size, cfg.seed, state["step"])
     stopped = train_loop(Stage.of(cfg, "train"), state, batches, opt, hooks, progress, stop_at, main)
     if main:
         if head.accept is not None:
