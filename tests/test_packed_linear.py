@@ -4,10 +4,11 @@ import torch
 from torch.nn import functional as F
 from transformers import DynamicCache
 
-from vlmspec.kernels.packed_linear import PackedLinear, packable
+from vlmspec.kernels.packed_linear import PackedLinear, packable, packs_on_this_cpu
 from vlmspec.kv_cache import cache_kwarg
 
-ONEDNN = torch.backends.mkldnn.is_available()
+BF16 = packs_on_this_cpu(torch.bfloat16)  # oneDNN's bf16 path: AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT
+FP32 = packs_on_this_cpu(torch.float32)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -18,7 +19,7 @@ def test_packed_bf16_is_f_linear_to_the_bit(shape, bias):
     b = torch.randn(96, generator=g).bfloat16() if bias else None
     x = torch.randn(*shape, generator=g).bfloat16()
     lin = PackedLinear(w, b)
-    assert (lin.packed is not None) == ONEDNN  # packed wherever torch has oneDNN (every x86 CPU wheel)
+    assert (lin.packed is not None) == BF16  # packed wherever oneDNN's bf16 path runs on this CPU
     y = lin(x)
     assert y.shape == (*shape[:-1], 96) and y.dtype == torch.bfloat16
     assert torch.equal(y, F.linear(x, w, b))
@@ -30,7 +31,7 @@ def test_float32_is_packed_and_equal_to_float_rounding():
     g = torch.Generator().manual_seed(1)
     w, b, x = torch.randn(96, 576, generator=g), torch.randn(96, generator=g), torch.randn(4, 576, generator=g)
     lin = PackedLinear(w, b)
-    assert (lin.packed is not None) == ONEDNN
+    assert (lin.packed is not None) == FP32
     want = F.linear(x, w, b)  # MKL: another summation order than oneDNN's
     assert torch.allclose(lin(x), want, rtol=1e-5, atol=1e-4)
     assert not torch.allclose(PackedLinear(w.flip(0), b)(x), want, rtol=1e-5, atol=1e-4)  # negative control
@@ -44,7 +45,7 @@ def test_other_dtypes_and_mismatched_inputs_go_to_f_linear():
     assert torch.equal(lin(x), F.linear(x, w))
     with pytest.raises(RuntimeError):
         lin(x.float())  # F.linear refuses mixed dtypes ...
-    if ONEDNN:
+    if BF16:
         with pytest.raises(TypeError, match="packed as torch.bfloat16"):
             PackedLinear(w.bfloat16())(x.float())  # ... and so does a packed weight, saying why
 
@@ -75,7 +76,7 @@ def _steps(model):
     return torch.cat(out)
 
 
-@pytest.mark.skipif(not ONEDNN, reason="torch without oneDNN packs nothing")
+@pytest.mark.skipif(not BF16, reason="oneDNN's bf16 path does not run on this CPU: nothing packs")
 def test_packed_target_layers_give_f_linear_logits_to_the_bit():
     from vlmspec.kernels.packed_linear import ExactPackedLinear
     from vlmspec.target.packing import pack_exact_linears
@@ -104,7 +105,7 @@ class _Counting:
         return self.packed(x)
 
 
-@pytest.mark.skipif(not ONEDNN, reason="torch without oneDNN packs nothing")
+@pytest.mark.skipif(not FP32, reason="torch without oneDNN packs nothing")
 def test_float32_is_not_packed_and_forcing_it_changes_the_logits():
     """The negative control: in float32 (MKL against oneDNN) the probe finds no exact row count,
     and packing regardless changes the logits, which the test above would see."""
@@ -122,7 +123,7 @@ def test_float32_is_not_packed_and_forcing_it_changes_the_logits():
     assert not torch.equal(forced, want) and torch.allclose(forced, want, atol=1e-3)
 
 
-@pytest.mark.skipif(not ONEDNN, reason="torch without oneDNN packs nothing")
+@pytest.mark.skipif(not BF16, reason="oneDNN's bf16 path does not run on this CPU: nothing packs")
 def test_exact_packed_linear_runs_f_linear_whenever_the_packed_copy_may_not_hold():
     from vlmspec.kernels.packed_linear import ExactPackedLinear
 
@@ -156,6 +157,24 @@ def test_load_target_packs_bf16_on_cpu_unless_asked_not_to(model_dir):
     on = load(EngineSpec(model=str(model_dir), device="cpu", dtype="bfloat16"))
     off = load(EngineSpec(model=str(model_dir), device="cpu", dtype="bfloat16", packed_weights=False))
     fp32 = load(EngineSpec(model=str(model_dir), device="cpu", dtype="float32"))
-    assert (on.packed_layers > 0) == ONEDNN and off.packed_layers == 0 and fp32.packed_layers == 0
-    if ONEDNN:  # a cost measured with packed layers is not read back for a target without them
+    assert (on.packed_layers > 0) == BF16 and off.packed_layers == 0 and fp32.packed_layers == 0
+    if BF16:  # a cost measured with packed layers is not read back for a target without them
         assert cost_key(SpecEngine(on, NoDrafter()), ())["packed_layers"] != cost_key(SpecEngine(off, NoDrafter()), ())["packed_layers"]
+
+
+def test_where_onednn_cannot_pack_bf16_every_layer_runs_f_linear():
+    """A CPU whose oneDNN refuses bf16 packing (AVX2 alone; here ONEDNN_MAX_CPU_ISA=AVX2 in a child):
+    nothing is packed, and the products are F.linear's. Control: this process packs where its CPU can."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch; from torch.nn import functional as F; "
+            "from vlmspec.kernels.packed_linear import PackedLinear, packs_on_this_cpu; "
+            "w, x = torch.randn(96, 48).bfloat16(), torch.randn(3, 48).bfloat16(); lin = PackedLinear(w); "
+            "print(packs_on_this_cpu(torch.bfloat16), lin.packed is None, torch.equal(lin(x), F.linear(x, w)))")
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["False", "True", "True"], run.stdout
+    assert (PackedLinear(torch.randn(96, 48).bfloat16()).packed is not None) == BF16

@@ -24,6 +24,7 @@ to the bit, since the target's tokens are the answer: `ExactPackedLinear`, up to
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -33,14 +34,25 @@ PACKED_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def packable(weight: torch.Tensor) -> bool:
-    """Whether `PackedLinear` packs this weight (bf16 or fp32 on a CPU whose torch has oneDNN),
-    else it runs `F.linear` as it is."""
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype in PACKED_DTYPES
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
+    """Whether `PackedLinear` packs this weight (bf16 or fp32 on a CPU whose oneDNN packs that
+    dtype here, `packs_on_this_cpu`), else it runs `F.linear` as it is."""
+    return weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES and packs_on_this_cpu(weight.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def packs_on_this_cpu(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs and multiplies a `dtype` weight on this CPU, tried once: its bf16 path
+    needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, and refuses where the CPU, or ONEDNN_MAX_CPU_ISA,
+    offers less (e.g. AVX2 alone)."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return False
+    try:
+        w = torch.ones(8, 8, dtype=dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+        torch.ops.mkldnn._linear_pointwise(torch.ones(1, 8, dtype=dtype), packed, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return True
 
 
 class PackedLinear:
