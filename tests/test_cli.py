@@ -217,6 +217,7 @@ def test_serve_sets_every_image_and_body_limit(capsys, monkeypatch):
         (["serve", "--max-tokens-cap", "0"], "--max-tokens-cap must be >= 1"),
         (["serve", "--max-batch", "0"], "--max-batch must be >= 1"),
         (["eval-drafter", "--n", "0"], "--n must be >= 1"),
+        (["eval-drafter", "--sets", "toyworld,cats"], "choose from toyworld, text, photo, followup"),
     ],
 )
 def test_every_subcommand_validates_numbers_alike(capsys, argv, message):
@@ -225,6 +226,23 @@ def test_every_subcommand_validates_numbers_alike(capsys, argv, message):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_eval_drafter_measures_every_held_out_set_by_depth(capsys):
+    """Free text, photographs (unknown questions and described) and follow-up turns, on the toy:
+    tau and acceptance by depth per task; a follow-up is measured on its second turn."""
+    from vlmspec.data.heldout import FOLLOWUP_QUESTIONS, TEXT_PROMPTS
+    from vlmspec.data.prompts import is_heldout
+
+    assert main(["eval-drafter", "--model", "toy", "--sets", "text,photo,followup", "--n", "1", "--max-new-tokens", "6", "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert {k: sorted(v) for k, v in rec["sets"].items()} == {"text": ["all", "unseen_text"], "photo": ["all", "photo_describe", "photo_unknown"],
+                                                              "followup": ["all", "followup"]}
+    for tasks in rec["sets"].values():
+        for row in tasks.values():
+            assert row["tau"] >= 1.0 and row["drafts"] >= 1
+            assert all(a is None or 0.0 <= a <= 1.0 for a in row["acceptance_by_depth"])
+    assert all(is_heldout(q) for q in (*FOLLOWUP_QUESTIONS, *TEXT_PROMPTS))  # no corpus asks them
 
 
 def test_serve_without_the_server_extra_says_how_to_install(capsys, monkeypatch):

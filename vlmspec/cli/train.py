@@ -97,11 +97,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     fe.add_argument("--json", action="store_true", help="print the manifest's summary as JSON (no progress bar)")
     fe.set_defaults(func=run_features)
 
-    ed = sub.add_parser("eval-drafter", help="mean accepted length per task on held-out ToyWorld prompts")
+    ed = sub.add_parser("eval-drafter", help="mean accepted length (tau) per task and by depth on held-out sets: ToyWorld, "
+                                            "free text, photographs, follow-up turns")
     ed.add_argument("--model", help="target folder (default: models/smolvlm-toyworld when built with trained parts, else the toy; 'toy' selects the toy)")
     ed.add_argument("--drafter", default="auto", help="drafter folder, eagle, ngram or none (default: auto = the EAGLE drafter shipped for the model, else ngram)")
     add_device_args(ed)
     ed.add_argument("--n", type=positive_int("--n"), default=8, help="prompts per task")
+    ed.add_argument("--sets", type=eval_sets, default=("toyworld",), metavar="SET[,SET]",
+                    help="held-out sets, none trained on: toyworld, text (instructions written apart from any training prompt), "
+                         "photo (the sample photographs: questions nothing in them answers, and described), followup (a "
+                         "second turn after the target's own answer) (default: toyworld)")
     ed.add_argument("--temperature", type=float_in("--temperature", 0.0, 100.0), default=0.0, help='sampling temperature (0 = greedy)')
     ed.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=128, help='new tokens per prompt')
     ed.add_argument("--json", action="store_true", help='print one JSON object instead of the table')
@@ -209,21 +214,38 @@ def process_device(device: str | None) -> dict[str, str]:
     return {}
 
 
+def eval_sets(text: str) -> tuple[str, ...]:
+    from vlmspec.data.heldout import EVAL_SETS
+
+    names = tuple(s.strip() for s in text.split(",") if s.strip())
+    unknown = [s for s in names if s not in EVAL_SETS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(EVAL_SETS)} (comma-separated)")
+    return names
+
+
 def run_eval_drafter(args: argparse.Namespace) -> int:
     from vlmspec import factory
-    from vlmspec.data.heldout import heldout
-    from vlmspec.train.distill import accepted_length
+    from vlmspec.data.heldout import eval_set
+    from vlmspec.train.distill_eval import speculation_stats
 
     spec = engine_spec(args)
     target = factory.load(spec)
     drafter = factory.drafter_for(spec, target)
-    prompts = heldout("drafter-eval", args.n, per_task=True)
-    taus = accepted_length(target, drafter, prompts, temperature=args.temperature, max_new_tokens=args.max_new_tokens)
-    record = {"temperature": args.temperature, "prompts_per_task": args.n, "drafter": factory.resolve_drafter(spec.drafter, target.name),
-              "mean_accepted_length": taus}
+    sets = {}
+    for name in args.sets:
+        stats = speculation_stats(target, drafter, eval_set(name, args.n), temperature=args.temperature, max_new_tokens=args.max_new_tokens)
+        sets[name] = {task: {"tau": s.mean_accepted_length, "drafts": s.num_drafts,
+                             "acceptance_by_depth": [round(a / r, 4) if r else None for a, r in zip(s.accepted_per_pos, s.reached_per_pos)]}
+                      for task, s in stats.items()}
+    record = {"temperature": args.temperature, "prompts_per_task": args.n, "max_new_tokens": args.max_new_tokens,
+              "drafter": factory.resolve_drafter(spec.drafter, target.name), "dtype": str(target.dtype).replace("torch.", ""), "sets": sets}
     if args.json:
         print(json.dumps(record))
-    else:
-        for task, tau in taus.items():
-            print(f"{task:>12}: {tau:.2f}")
+        return 0
+    print(f"{'set':>9} {'task':>15} {'tau':>5}  acceptance at depth 1, 2, ...")
+    for name, tasks in sets.items():
+        for task, row in tasks.items():
+            depths = ", ".join("-" if a is None else f"{a:.2f}" for a in row["acceptance_by_depth"])
+            print(f"{name:>9} {task:>15} {row['tau']:5.2f}  {depths}")
     return 0

@@ -106,6 +106,21 @@ PHOTO_QUESTIONS = (
 )
 ADVERSARIAL = ("photo_unknown", "random_tokens", "unseen_text")
 
+# Held-out follow-up turns: later user turns worded apart from the data engine's
+# (`vlmspec.data.prompts.FOLLOWUPS`), asked after a held-out instruction and the target's own answer.
+FOLLOWUP_QUESTIONS = (
+    "Could you rephrase that for a beginner?",
+    "Tell me more about the part you find most interesting.",
+    "What would be a good first step?",
+    "Please add one detail you skipped.",
+    "Could you condense that into two sentences?",
+    "Which of those matters most, and why?",
+)
+DESCRIBE_PHOTO = "Tell me what this photograph shows."  # the described-photographs task of `eval_set("photo")`
+
+# `eval_set`'s names: what a drafter is measured on, none of it trained on (`vlmspec eval-drafter --sets`)
+EVAL_SETS = ("toyworld", "text", "photo", "followup")
+
 
 def adversarial(kind: str, n: int, tokenizer=None, seed: int = 0, words: int = 24) -> list[Conversation]:
     """`n` prompts of one adversarial kind. photo_unknown: the sample photographs (assets/images,
@@ -126,3 +141,22 @@ def adversarial(kind: str, n: int, tokenizer=None, seed: int = 0, words: int = 2
     if kind == "unseen_text":
         return [Conversation(TEXT_PROMPTS[(seed + i) % len(TEXT_PROMPTS)], "", [], kind) for i in range(n)]
     raise ValueError(f"unknown adversarial set {kind!r}: expected one of {ADVERSARIAL}")
+
+
+def eval_set(name: str, n: int) -> list[Conversation]:
+    """A held-out evaluation set (`EVAL_SETS`), n prompts of each of its tasks. toyworld: the
+    drafter-eval block of the test split; text: TEXT_PROMPTS ("unseen_text"); photo: the sample
+    photographs, which no corpus draws from, asked what nothing in them answers ("photo_unknown")
+    and to describe them ("photo_describe"); followup: a held-out instruction, the target's own
+    answer (written at evaluation: the empty answers), then FOLLOWUP_QUESTIONS."""
+    if name == "toyworld":
+        return heldout("drafter-eval", n, per_task=True)
+    if name == "text":
+        return adversarial("unseen_text", n)
+    if name == "photo":
+        unknown = adversarial("photo_unknown", n)
+        return unknown + [Conversation(DESCRIBE_PHOTO, "", c.images, "photo_describe") for c in unknown]
+    if name == "followup":
+        return [Conversation(TEXT_PROMPTS[(i + 7) % len(TEXT_PROMPTS)], "", [], "followup",
+                             followups=[(FOLLOWUP_QUESTIONS[i % len(FOLLOWUP_QUESTIONS)], "")]) for i in range(n)]
+    raise ValueError(f"unknown evaluation set {name!r}: expected one of {EVAL_SETS}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 
-from vlmspec.data.heldout import PHOTO_QUESTIONS, TEXT_PROMPTS
+from vlmspec.data.heldout import DESCRIBE_PHOTO, FOLLOWUP_QUESTIONS, PHOTO_QUESTIONS, TEXT_PROMPTS
 
 TOPICS = (
     # everyday life
@@ -137,7 +137,7 @@ def prompt_key(prompt: str) -> str:
     return " ".join(prompt.lower().split()).rstrip(" .?!")
 
 
-HELDOUT_KEYS = frozenset(prompt_key(p) for p in (*TEXT_PROMPTS, *PHOTO_QUESTIONS))
+HELDOUT_KEYS = frozenset(prompt_key(p) for p in (*TEXT_PROMPTS, *PHOTO_QUESTIONS, *FOLLOWUP_QUESTIONS, DESCRIBE_PHOTO))
 
 
 def is_heldout(prompt: str) -> bool:

@@ -11,10 +11,11 @@ from vlmspec.control import CostModel, FixedPolicy
 from vlmspec.data.heldout import Conversation
 from vlmspec.draft.eagle import EagleDrafter, EagleHead, build_head
 from vlmspec.engine import GenerationConfig, SpecEngine
-from vlmspec.inputs import encode_prompt
+from vlmspec.inputs import encode_messages, encode_prompt, user_turn
 from vlmspec.sampling import SamplingParams
 from vlmspec.stats import SpecStats
 from vlmspec.target import Target
+from vlmspec.train.data import messages
 
 
 @torch.no_grad()
@@ -27,18 +28,30 @@ def accepted_length(
 ) -> dict[str, float]:
     """Mean accepted length (bonus included, `SpecStats.mean_accepted_length`) per task and
     overall ("all"), over the given prompts: each generation's stats added up per task."""
+    return {task: stats.mean_accepted_length for task, stats in speculation_stats(target, drafter, prompts, temperature, max_new_tokens).items()}
+
+
+def speculation_stats(target: Target, drafter: Any, prompts: list[Conversation], temperature: float = 0.0,
+                      max_new_tokens: int = 96) -> dict[str, SpecStats]:
+    """Each task's `SpecStats` and all of them ("all"), over the given prompts. A conversation with
+    a follow-up turn whose answer is empty (`heldout.eval_set("followup")`) is a dialogue: its first
+    answer is the target's own, written greedily first (not counted), and the follow-up's is measured."""
     engine = SpecEngine(target, drafter)
     per: dict[str, SpecStats] = {}
     total = SpecStats()
     for i, c in enumerate(prompts):
         cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=SamplingParams(temperature=temperature), seed=i)
-        r = engine.generate(encode_prompt(target, c.prompt, c.images), cfg)
+        inputs = encode_prompt(target, c.prompt, c.images)
+        if c.followups and not c.followups[-1][1]:
+            first = engine.generate(inputs, GenerationConfig(max_new_tokens=max_new_tokens))
+            answer = target.tokenizer.decode(first.token_ids, skip_special_tokens=True)
+            turns = messages(c.prompt, len(c.images), answer, list(c.followups[:-1])) + user_turn(c.followups[-1][0])
+            inputs = encode_messages(target, turns, c.images)
+        r = engine.generate(inputs, cfg)
         task = per.setdefault(c.task, SpecStats())
         task += r.stats
         total += r.stats
-    out = {task: stats.mean_accepted_length for task, stats in per.items()}
-    out["all"] = total.mean_accepted_length
-    return out
+    return {**per, "all": total}
 
 
 STOP_GRID = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5)
