@@ -259,6 +259,9 @@ class Service:
                 self._rows.append(row)
             self.metrics.inflight.set(len(self._rows))
             job.post("start", row.req.prompt_tokens)
+            with self._isolated(row):  # the prefill's token goes out now, not after the other joiners' prefills and a step
+                for event in self._batch.take_pending(row.req):
+                    row.emit(event, len(self._rows), time.monotonic(), self.metrics)
         except APIError as err:  # a 400 of the request's own (its input, its context)
             self.stats["failed"] += 1
             job.fail(err)

@@ -1,6 +1,6 @@
 """The OpenAI-compatible service (vlmspec.app, app/) against live uvicorn servers on loopback.
 
-One tiny random LLaVA is built once; several servers (different settings) share its engines:
+One tiny random LLaVA is built once; several servers (different settings) share its engine:
 the main one (API key, small limits), a load one (queue of 2), a short-timeout one.
 """
 
@@ -30,7 +30,7 @@ from PIL import Image
 from vlmspec.app import ServerSettings, create_app
 from vlmspec.app.metrics import METRICS
 from vlmspec.testing.live_server import LiveServer
-from vlmspec.draft import NgramDrafter, NoDrafter, TreeConfig
+from vlmspec.draft import NgramDrafter, TreeConfig
 from vlmspec.engine import SpecEngine
 from vlmspec.testing.tiny import tiny_image
 
@@ -106,18 +106,15 @@ def wait_for(cond, timeout: float = 20.0, step: float = 0.05) -> bool:
 
 
 @pytest.fixture(scope="module")
-def engines():
-    target = tiny_target("llava")
-    spec = SpecEngine(target, NgramDrafter(TreeConfig(depth=4, top_k=2, total_tokens=8)))
-    plain = SpecEngine(target, NoDrafter())
-    return spec, plain
+def engine():
+    return SpecEngine(tiny_target("llava"), NgramDrafter(TreeConfig(depth=4, top_k=2, total_tokens=8)))
 
 
 @pytest.fixture(scope="module")
-def server(engines):
+def server(engine):
     settings = ServerSettings(model=MODEL, api_key=API_KEY, max_queue=8, request_timeout_s=60, max_tokens_cap=1024,
                               max_images=2, max_image_pixels=1024 * 1024, max_body_bytes=1_000_000)
-    with LiveServer(create_app(engines, settings)) as srv:
+    with LiveServer(create_app(engine, settings)) as srv:
         yield srv
 
 
@@ -479,10 +476,10 @@ def test_metrics_names(client):
 # ------------------------------------------------------------------------------------------ (c) load
 
 
-def test_load_queue_full_gives_429_and_nothing_is_lost(engines):
+def test_load_queue_full_gives_429_and_nothing_is_lost(engine):
     settings = ServerSettings(model=MODEL, max_batch=2, max_queue=2, max_tokens_cap=8, request_timeout_s=60)
     n_requests, concurrency = 104, 8  # 8 clients against 2 slots and 2 queue places: some get 429
-    with LiveServer(create_app(engines, settings)) as srv, httpx.Client(
+    with LiveServer(create_app(engine, settings)) as srv, httpx.Client(
         base_url=srv.url, timeout=60, limits=httpx.Limits(max_connections=concurrency)
     ) as c:
 
@@ -543,13 +540,13 @@ class _ImageHandler(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_timeout_remote_images_and_shutdown(engines):
+def test_timeout_remote_images_and_shutdown(engine):
     settings = ServerSettings(model=MODEL, max_batch=2, max_queue=4, request_timeout_s=30.0, allow_remote_images=True, max_tokens_cap=1024)
     images = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ImageHandler)
     threading.Thread(target=images.serve_forever, daemon=True).start()
     long_body = chat([{"role": "user", "content": "go on"}], max_tokens=1000, ignore_eos=True)
     try:
-        with LiveServer(create_app(engines, settings)) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        with LiveServer(create_app(engine, settings)) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
             # a remote image is fetched when allowed
             url = f"http://127.0.0.1:{images.server_address[1]}/cat.png"
             r = c.post("/v1/chat/completions", json=chat([image_message("describe", url)], max_tokens=4))

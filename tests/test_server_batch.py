@@ -277,6 +277,32 @@ def test_the_kv_pool_is_sized_at_start_up_never_grows_and_is_reported(engine):
         assert metric(text, "vlmspec_kv_pool_used_entries") == 0
 
 
+def test_a_joining_requests_first_token_goes_out_before_the_next_step(server, monkeypatch):
+    """The prefill's token is handed to the client as soon as its prefill is done, not after the
+    batch's next draft -> verify round (held here for 1.5 s): a streamed request sees it first."""
+    rounds: list[float] = []
+    real = Batch._round
+
+    def slow_round(self, reqs):
+        rounds.append(time.monotonic())
+        time.sleep(1.5)
+        return real(self, reqs)
+
+    monkeypatch.setattr(Batch, "_round", slow_round)
+    body = {**_body("the cat the cat", max_tokens=3), "stream": True}
+    with httpx.Client(base_url=server.url, timeout=120) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        first, lines = None, r.iter_lines()
+        for line in lines:
+            if line.startswith("data: {") and '"content": "' in line and '"content": ""' not in line:
+                first = time.monotonic()
+                break
+        for _ in lines:  # the rest of the answer
+            pass
+    assert first is not None and rounds, rounds
+    assert first < rounds[0] + 1.0, (first - rounds[0])  # before the first round could have returned
+
+
 def test_metrics_count_steps_latencies_and_speculation(server, client):
     before = client.get("/metrics").text
     together(server.url, [_body("the cat the cat the cat the cat", speculative=False, max_tokens=6)] * 2)

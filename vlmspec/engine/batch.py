@@ -204,6 +204,13 @@ class Batch:
         self.requests.sort(key=lambda r: r.state.slot)  # consecutive slots read as views
         return req
 
+    @staticmethod
+    def take_pending(req: "_Request") -> list[StepEvent]:
+        """The events of `req` no step has handed out yet (its prefill's token), handed out now
+        (the next step returns only what comes after them)."""
+        events, req.pending = req.pending, []
+        return events
+
     @property
     def draft_waits(self) -> int:
         """Steps whose goodput rows would have drafted but waited (`BatchTiming.waits`): a counter."""
