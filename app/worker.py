@@ -100,7 +100,7 @@ class Service:
         self._thread.start()
         self._ready.wait()
         if self._start_error is not None:
-            raise RuntimeError(f"the engines could not be created: {self._start_error}") from self._start_error
+            raise RuntimeError(f"the engine could not be created: {self._start_error}") from self._start_error
 
     def stop(self, grace_s: float | None = None, cut: threading.Event | None = None) -> None:
         """Drain and stop: new requests get 503 from now on; the accepted ones (in the batch and
