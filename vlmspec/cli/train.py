@@ -81,21 +81,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--json", action="store_true", help="print one JSON summary at the end")
     d.set_defaults(func=run_train)
 
-    fe = sub.add_parser("features", help="the offline feature cache: the target's features and top-k logits of a corpus, "
-                                         "computed once, for `vlmspec train --data CACHE`")
-    fe.add_argument("--target", help="target VLM folder (default: as `vlmspec train`)")
-    fe.add_argument("--data", required=True, help="a LLaVA-style JSONL file or a corpus folder of `vlmspec data`")
-    fe.add_argument("--out", required=True, help="cache folder: features-NNNNN.safetensors + manifest.json (an existing one is resumed)")
-    fe.add_argument("--arch", choices=("eagle1", "eagle3"), default="eagle1", help="the head it is for: eagle1 (the last hidden "
-                    "state) or eagle3 (its layers)")
-    fe.add_argument("--feature-layers", default=None, metavar="I,J,K", help="--arch eagle3: the layers (default: EAGLE-3's)")
-    fe.add_argument("--top-k", type=positive_int("--top-k"), default=64, help="the teacher's logits kept per answer row")
-    fe.add_argument("--shard-size", type=positive_int("--shard-size"), default=128, help="conversations per shard (a kill loses at most one)")
-    fe.add_argument("--batch-size", type=positive_int("--batch-size"), default=4, help="conversations per target forward")
-    fe.add_argument("--limit", type=positive_int("--limit"), default=None, help="only the first N conversations")
-    add_device_args(fe)
-    fe.add_argument("--json", action="store_true", help="print the manifest's summary as JSON (no progress bar)")
-    fe.set_defaults(func=run_features)
+    register_features(sub)
 
     ed = sub.add_parser("eval-drafter", help="mean accepted length (tau) per task and by depth on held-out sets: ToyWorld, "
                                             "free text, photographs, follow-up turns")
@@ -111,6 +97,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     ed.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=128, help='new tokens per prompt')
     ed.add_argument("--json", action="store_true", help='print one JSON object instead of the table')
     ed.set_defaults(func=run_eval_drafter)
+
+
+def register_features(sub: argparse._SubParsersAction) -> None:
+    fe = sub.add_parser("features", help="the offline feature cache: the target's features and top-k logits of a corpus, "
+                                         "computed once, for `vlmspec train --data CACHE`")
+    fe.add_argument("--target", help="target VLM folder (default: as `vlmspec train`)")
+    fe.add_argument("--data", required=True, help="a LLaVA-style JSONL file or a corpus folder of `vlmspec data`")
+    fe.add_argument("--out", required=True, help="cache folder: features-NNNNN.safetensors + manifest.json (an existing one is resumed)")
+    fe.add_argument("--arch", choices=("eagle1", "eagle3"), default="eagle1", help="the head it is for: eagle1 (the last hidden "
+                    "state) or eagle3 (its layers)")
+    fe.add_argument("--feature-layers", default=None, metavar="I,J,K", help="--arch eagle3: the layers (default: EAGLE-3's)")
+    fe.add_argument("--top-k", type=positive_int("--top-k"), default=64, help="the teacher's logits kept per answer row")
+    fe.add_argument("--shard-size", type=positive_int("--shard-size"), default=128, help="conversations per shard (a kill loses at most one)")
+    fe.add_argument("--batch-size", type=positive_int("--batch-size"), default=4, help="conversations per target forward")
+    fe.add_argument("--limit", type=positive_int("--limit"), default=None, help="only the first N conversations")
+    add_device_args(fe)
+    fe.add_argument("--json", action="store_true", help="print the manifest's summary as JSON (no progress bar)")
+    fe.set_defaults(func=run_features)
 
 
 def run_train(args: argparse.Namespace) -> int:

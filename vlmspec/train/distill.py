@@ -167,6 +167,19 @@ def text_pairs_for(target: Target, out: Path, cfg: DistillConfig, progress: bool
     return pairs
 
 
+def teacher_batch(target: Target, convs: list, cached: bool, regen: Any, visual: bool, layers: tuple[int, ...] | None) -> tuple:
+    """One step's (batch, features, logits, captured): from a feature cache's samples (`cached`: no
+    target forward), or the target's forward over the conversations (their answers regenerated first
+    with `regen`; Magpie pairs already carry the target's own)."""
+    if cached:
+        batch = collate(convs, target.vocab_size, target.dtype, target.device)
+        return batch, batch["feats"], batch["logits"], {}
+    if regen is not None:
+        convs = [c if c.task == "magpie" else regen(c) for c in convs]
+    batch = {k: v.to(target.device) if isinstance(v, torch.Tensor) else v for k, v in encode_conversations(target.processor, convs).items()}
+    return (batch, *teacher(target, batch, visual=visual, layers=layers))
+
+
 def offline_cache(data: str, cfg: DistillConfig, world: int) -> FeatureCache | None:
     """The feature cache `data` names (its shards checked), None for online data; DataError for what
     a cache cannot train: a visual head, regenerated answers, Magpie pairs, several processes."""
@@ -247,14 +260,7 @@ def train_drafter(
     tau = {"text": "-"}
 
     def step(_: int, convs: list) -> dict[str, float]:
-        if cache is not None:  # the cached teacher: no target forward
-            batch = collate(convs, target.vocab_size, target.dtype, target.device)
-            feats, logits, captured = batch["feats"], batch["logits"], {}
-        else:
-            if regen is not None:  # Magpie pairs already carry the target's own answers
-                convs = [c if c.task == "magpie" else regen(c) for c in convs]
-            batch = {k: v.to(target.device) if isinstance(v, torch.Tensor) else v for k, v in encode_conversations(target.processor, convs).items()}
-            feats, logits, captured = teacher(target, batch, visual=head.visual is not None, layers=drafter.feature_layers)
+        batch, feats, logits, captured = teacher_batch(target, convs, cache is not None, regen, head.visual is not None, drafter.feature_layers)
         head.train()
         with mixed_precision(target):
             loss, stats = loss_fn(batch["input_ids"], feats.float(), logits, batch["labels"], captured)
