@@ -16,7 +16,7 @@ MODELS_BUILT := $(BASE_MODEL)/config.json $(if $(wildcard $(MODEL_PARTS)),$(MODE
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: setup test test-kernels test-all serve demo clean gpu-check
+.PHONY: setup test test-kernels test-kernels-all test-all serve demo clean gpu-check
 
 setup: $(STAMP) $(MODELS_BUILT)
 
@@ -40,9 +40,15 @@ test: setup
 	$(PY) -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
 
 # the exactness tests again under other kernel paths of this CPU (AVX2 instead of AVX-512 / AMX, one
-# thread): what another CPU of this kind computes (docs/batching.md, "Exact on any CPU")
+# thread): what another CPU of this kind computes (docs/batching.md, "Exact on any CPU"). test-kernels
+# (CI, about 1.5 min): the tiny models' tests; test-kernels-all adds the family matrix and the default
+# model (about 6 min); `env $(KERNEL_PATHS) make test` runs the whole suite that way
 KERNEL_PATHS ?= ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 OMP_NUM_THREADS=1
+KERNEL_HEAVY := --deselect tests/test_coverage.py::test_every_family_lossless_or_refused --deselect tests/test_coverage.py::test_docs_are_generated_from_the_matrix --ignore tests/test_real_target.py
 test-kernels: setup
+	env $(KERNEL_PATHS) $(PY) -m pytest -m "exactness and not slow and not gpu" $(KERNEL_HEAVY) $(PYTEST_ARGS)
+
+test-kernels-all: setup
 	env $(KERNEL_PATHS) $(PY) -m pytest -m "exactness and not slow and not gpu" $(PYTEST_ARGS)
 
 test-all: setup

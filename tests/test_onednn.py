@@ -51,6 +51,7 @@ def _growth_mib(env: dict[str, str]) -> float:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not torch.backends.mkldnn.is_available(),
                     reason="reads /proc/self/statm; needs torch's oneDNN")
+@pytest.mark.slow  # a memory figure over 64 new shapes (30 s): `make test-all`
 def test_bounded_caches_keep_far_less_memory_over_new_shapes():
     bounded = _growth_mib({})
     default = _growth_mib({name: "1024" for name in SHAPE_CACHES})  # negative control: oneDNN's own capacities

@@ -23,6 +23,7 @@ def test_recipes_help_lists_the_research_suites(capsys):
     assert "D,K,N" in _help(capsys, "trees")
 
 
+@pytest.mark.slow  # a research suite end to end (recipes, apart from the product): 50 s of CI
 def test_ablation_runs_end_to_end_tiny(tmp_path, capsys, monkeypatch):
     """`python -m vlmspec.recipes ablate` trains each chosen variant, measures it, writes md / json / png."""
     from vlmspec.recipes.bench import ablation
