@@ -72,15 +72,20 @@ def write_shard(folder: Path, index: int, records: list[dict[str, Any]]) -> dict
 
 def read_manifest(folder: Path) -> dict[str, Any] | None:
     """The folder's manifest, None when there is none yet (CorpusError when it cannot be read)."""
-    path = folder / MANIFEST
+    return read_format_manifest(folder / MANIFEST, FORMAT, CorpusError, "generate again")
+
+
+def read_format_manifest(path: Path, fmt: str, error: type[Exception], redo: str) -> dict[str, Any] | None:
+    """A JSON manifest of format `fmt` with a list of shards at `path`, None when there is none yet;
+    `error` naming the file (and `redo`: what to do instead) when it cannot be read as one."""
     if not path.is_file():
         return None
     try:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CorpusError(f"{path}: not valid JSON ({exc}); move the folder aside and generate again") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("shards"), list):
-        raise CorpusError(f"{path}: not a {FORMAT} manifest (its 'format' is {manifest.get('format') if isinstance(manifest, dict) else None!r})")
+        raise error(f"{path}: not valid JSON ({exc}); move the folder aside and {redo}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != fmt or not isinstance(manifest.get("shards"), list):
+        raise error(f"{path}: not a {fmt} manifest (its 'format' is {manifest.get('format') if isinstance(manifest, dict) else None!r})")
     return manifest
 
 
@@ -174,4 +179,4 @@ def folder_digest(folder: str | Path) -> str:
 
 
 __all__ = ["FORMAT", "folder_digest", "MANIFEST", "CorpusError", "Verification", "checked_shards", "image_folder", "read_manifest", "shard_name",
-           "shard_problem", "sha256_bytes", "sha256_file", "atomic_write", "verify", "write_manifest", "write_shard"]
+           "shard_problem", "sha256_bytes", "sha256_file", "atomic_write", "read_format_manifest", "verify", "write_manifest", "write_shard"]

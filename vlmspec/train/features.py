@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from vlmspec.data.corpus import atomic_write, folder_digest, sha256_file
+from vlmspec.data.corpus import atomic_write, folder_digest, read_format_manifest, sha256_file
 from vlmspec.target import Target
 from vlmspec.train.data import DataError, encode_conversations, load_jsonl
 from vlmspec.train.distill_losses import teacher
@@ -146,16 +146,7 @@ def _bar(total: int, done: int, progress: bool) -> Any:
 
 
 def read_manifest(folder: Path) -> dict[str, Any] | None:
-    path = folder / MANIFEST
-    if not path.is_file():
-        return None
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise FeatureCacheError(f"{path}: not valid JSON ({exc}); move the folder aside and build it again") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise FeatureCacheError(f"{path}: not a {FORMAT} manifest")
-    return manifest
+    return read_format_manifest(folder / MANIFEST, FORMAT, FeatureCacheError, "build it again")
 
 
 @dataclass
