@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Union
 
-from vlmspec.engine import Batch, SpecEngine
+from vlmspec.engine import Batch, GenerationConfig, SpecEngine
 from vlmspec.errors import ConfigError
 from vlmspec.memory import release_free_memory
 from vlmspec.openmp import release_thread_pool
@@ -83,8 +83,7 @@ class Service:
                 slots = 1
         self.spec, self.max_batch = spec, slots
         self.max_model_len = min(self.settings.max_model_len or DEFAULT_MAX_MODEL_LEN, spec.target.max_positions)
-        tree = spec.drafter.tree
-        self.slot_entries = self.max_model_len + (tree.total_tokens + 1 if tree is not None else 1)
+        self.slot_entries = self.max_model_len + spec.tree_room(GenerationConfig())  # a request asking a larger tree gets a 400
         self._batch = self._new_batch()
         logger.info("KV pool: %d slots x %d entries (requests up to %d tokens, prompt + answer: --max-model-len), allocated at "
                     "the first request and never grown", slots, self.slot_entries, self.max_model_len)

@@ -141,20 +141,15 @@ class Batch:
         """Nothing waiting and nothing running: a `step` would do nothing."""
         return not self.waiting and not self.requests
 
-    def tree_room(self, config: GenerationConfig) -> int:
-        """Cache entries a request takes beyond its prompt and answer: the last step's tree."""
-        tree = self.engine.request_tree(config)
-        return tree.total_tokens + 1 if tree else 1
-
     def context_limit(self, config: GenerationConfig) -> int:
         """The longest prompt + answer a request with `config` may have here: the model's context,
         and with a fixed `capacity` what a slot holds beside the tree."""
         limit = self.engine.target.max_positions
-        return limit if self.capacity is None else min(limit, self.capacity - self.tree_room(config))
+        return limit if self.capacity is None else min(limit, self.capacity - self.engine.tree_room(config))
 
     def need(self, inputs: dict[str, torch.Tensor], config: GenerationConfig) -> int:
         """Cache entries a request may take: prompt, answer, and the last step's tree."""
-        return int(inputs["input_ids"].shape[1]) + config.max_new_tokens + self.tree_room(config)
+        return int(inputs["input_ids"].shape[1]) + config.max_new_tokens + self.engine.tree_room(config)
 
     def submit(self, inputs: dict[str, torch.Tensor], config: GenerationConfig) -> Ticket:
         """Queue a request; a `step` admits it when a slot is free and its turn comes. Raises

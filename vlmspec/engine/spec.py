@@ -64,6 +64,11 @@ class SpecEngine:
         budget = config.speculation.tree_tokens
         return tree if tree is None or budget is None else dataclasses.replace(tree, total_tokens=budget)
 
+    def tree_room(self, config: GenerationConfig) -> int:
+        """Cache entries a request takes beyond its prompt and answer: its last step's tree."""
+        tree = self.request_tree(config)
+        return tree.total_tokens + 1 if tree else 1
+
     def generate(self, inputs: dict[str, torch.Tensor], config: GenerationConfig) -> GenerationResult:
         gen = self.stream(inputs, config)
         for _ in gen:
