@@ -73,7 +73,7 @@ def _matrix() -> tuple:
     from vlmspec.testing.tiny import tiny_image
     from vlmspec.testing.tiny_processors import build_processor
 
-    return tuple(coverage.run_matrix(None, build_processor, tiny_image(0)))
+    return tuple(coverage.run_matrix(None, build_processor, tiny_image(0), workers=2))
 
 
 def test_a_differing_token_is_a_near_tie_only_within_the_logit_bound():
