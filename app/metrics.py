@@ -16,7 +16,10 @@ acceptance rate for a chain of k tokens (each drafted token there is one positio
 
 from __future__ import annotations
 
+from typing import Any, Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from vlmspec.engine import TIMING_KEYS, GenerationResult
 from vlmspec.stats import SpecStats
@@ -54,7 +57,18 @@ METRICS = {
     "vlmspec_batch_draft_waits_total": "counter",  # steps whose goodput rows would have drafted, held back: that batch size's drafted steps delivered less than plain ones
     "vlmspec_engine_seconds_total": "counter",  # {phase}: the worker's seconds in the engine: prefill, draft, verify, commit, other
 }
-METRIC_NAMES = tuple(METRICS)
+# a drafter that learns from traffic (`suffix`, `hybrid`; read from the drafter at each scrape): these exist with one only
+DRAFTER_METRICS = {
+    "vlmspec_suffix_proposals_total": "counter",  # suffix drafts asked for (a row's step with depth > 0)
+    "vlmspec_suffix_hits_total": "counter",  # {source}: of those, drafts of >= 1 token, from the request's own text or the store
+    "vlmspec_suffix_drafted_tokens_total": "counter",  # suffix tree nodes sent to verification
+    "vlmspec_suffix_accepted_tokens_total": "counter",  # of those, accepted
+    "vlmspec_suffix_store_tokens": "gauge",  # tokens of earlier answers held, all tenants (at most --suffix-memory)
+    "vlmspec_suffix_store_tenants": "gauge",  # tenants (API keys) with answers in the store
+    "vlmspec_suffix_store_evicted_tokens_total": "counter",  # tokens dropped, oldest first, to stay within --suffix-memory
+    "vlmspec_hybrid_trees_total": "counter",  # {drafter}: rows of the hybrid given the suffix tree or the EAGLE head's
+}
+METRIC_NAMES = tuple(METRICS) + tuple(DRAFTER_METRICS)
 
 MODES = ("speculative", "plain")
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -160,5 +174,43 @@ class Metrics:
             if seconds > before[phase]:
                 self.engine_seconds.labels(phase).inc(seconds - before[phase])
 
+    def watch_drafter(self, read: Callable[[], dict[str, Any] | None]) -> None:
+        """Expose the counters of a drafter that learns from traffic (`SuffixDrafter.metrics`, the
+        hybrid's), read by `read` at each scrape (None: nothing to expose)."""
+        self.registry.register(_DrafterCollector(read))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _DrafterCollector:
+    """The suffix drafter's own counters (plain ints it keeps) as Prometheus series, read per scrape."""
+
+    def __init__(self, read: Callable[[], dict[str, Any] | None]) -> None:
+        self.read = read
+
+    def describe(self) -> list[Metric]:
+        return []  # read at collection: the series exist only for a drafter that has them
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.read()
+        if not m or "proposals" not in m:
+            return
+        yield CounterMetricFamily("vlmspec_suffix_proposals", "suffix drafts asked for (a row's step with depth > 0)", m["proposals"])
+        hits = CounterMetricFamily("vlmspec_suffix_hits", "suffix drafts of at least one token, by where the tree came from: the "
+                                   "request's own prompt and answer, or the store of earlier answers", labels=["source"])
+        hits.add_metric(["request"], m["hits"] - m["global_hits"])
+        hits.add_metric(["store"], m["global_hits"])
+        yield hits
+        yield CounterMetricFamily("vlmspec_suffix_drafted_tokens", "suffix tree nodes sent to verification", m["drafted_tokens"])
+        yield CounterMetricFamily("vlmspec_suffix_accepted_tokens", "suffix tree nodes accepted", m["accepted_tokens"])
+        yield GaugeMetricFamily("vlmspec_suffix_store_tokens", "tokens of earlier answers held, all tenants (at most --suffix-memory)",
+                                m["index_tokens"])
+        yield GaugeMetricFamily("vlmspec_suffix_store_tenants", "tenants (API keys) with answers in the store", m.get("store_tenants", 0))
+        yield CounterMetricFamily("vlmspec_suffix_store_evicted_tokens", "tokens dropped from the store, oldest first, to stay "
+                                  "within --suffix-memory", m.get("store_evicted_tokens", 0))
+        if "suffix_trees" in m:
+            trees = CounterMetricFamily("vlmspec_hybrid_trees", "rows of the hybrid drafter given each drafter's tree", labels=["drafter"])
+            trees.add_metric(["suffix"], m["suffix_trees"])
+            trees.add_metric(["eagle"], m["eagle_trees"])
+            yield trees

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
-import hmac
 import importlib.util
 import logging
 import time
@@ -48,6 +48,7 @@ def create_app(engine: EngineSource, settings: ServerSettings | None = None) -> 
     settings = settings or ServerSettings()
     metrics = Metrics()
     service = Service(engine, settings, metrics)
+    metrics.watch_drafter(service.drafter_metrics)
     app = FastAPI(title="vlmspec", version="0.1.0", lifespan=_lifespan, docs_url=None, redoc_url=None,
                   description="OpenAI-compatible chat completions with lossless speculative decoding for VLMs")
     app.state.service, app.state.metrics, app.state.settings = service, metrics, settings
@@ -150,15 +151,18 @@ class EdgeMiddleware:
         self.ui_path = ui_path  # the mounted demo UI checks the key itself (Gradio login: password = API key)
 
     def _authorized(self, scope: dict) -> bool:
-        key = self.settings.api_key
-        if key is None or scope["path"] in ("/healthz", "/", "/favicon.ico") or scope["path"].startswith(DOCS_ASSETS + "/"):
+        """Whether the request may pass; a request with a valid key carries its tenant in
+        `scope["state"]["tenant"]` (`ServerSettings.tenant`), read as `request.state.tenant`."""
+        if self.settings.open or scope["path"] in ("/healthz", "/", "/favicon.ico") or scope["path"].startswith(DOCS_ASSETS + "/"):
             return True  # health, the index of links and Swagger UI's static files carry no data
         if self.ui_path is not None and (scope["path"] == self.ui_path or scope["path"].startswith(self.ui_path + "/")):
             return True
         for name, value in scope.get("headers", []):
             if name == b"authorization":
                 scheme, _, token = value.decode("latin-1").partition(" ")
-                return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+                tenant = self.settings.tenant(token.strip()) if scheme.lower() == "bearer" else None
+                scope.setdefault("state", {})["tenant"] = tenant
+                return tenant is not None
         return False
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
@@ -295,7 +299,8 @@ async def chat_completions(request: Request) -> Response | dict[str, Any]:
     body = await _read_body(request, settings.max_body_bytes)
     inputs = await anyio.to_thread.run_sync(prepare_chat, body, settings)
     given = inputs.request.max_tokens is not None or inputs.request.max_completion_tokens is not None
-    job = Job.on_loop(inputs.messages, inputs.images, inputs.config, speculative=inputs.request.speculative,
+    config = dataclasses.replace(inputs.config, tenant=getattr(request.state, "tenant", None))  # its key's pool of answers
+    job = Job.on_loop(inputs.messages, inputs.images, config, speculative=inputs.request.speculative,
                       timeout_s=settings.request_timeout_s, stop=inputs.stop, max_tokens_given=given)
     service.submit(job)
     watcher = asyncio.create_task(_watch_disconnect(request, job))

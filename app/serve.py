@@ -58,9 +58,9 @@ def print_urls(settings: ServerSettings, drafter: str, host: str, port: int, ui_
     print(f"  metrics:  {base}/metrics", file=out)
     print(f"  health:   {base}/healthz", file=out)
     if ui_path is not None:
-        login = "  (login: any user name, the API key as password)" if settings.api_key else ""
+        login = "  (login: a user name, an API key as password)" if not settings.open else ""
         print(f"  demo UI:  {base}{ui_path}{login}", file=out)
     elif settings.ui:
         print("  demo UI:  not mounted (pip install gradio)", file=out)
-    if host not in LOOPBACK and settings.api_key is None:
+    if host not in LOOPBACK and settings.open:
         print("  warning: listening beyond loopback without --api-key", file=out)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from dataclasses import dataclass
 
 from vlmspec.inputs import ImageLimits
@@ -14,7 +16,7 @@ DEFAULT_MAX_MODEL_LEN = 2048  # without --max-model-len: 16 slots of the default
 class ServerSettings:
     model: str = "vlmspec"  # the name clients pass as `model`
     model_aliases: tuple[str, ...] = ()  # other accepted names (e.g. the model's full path)
-    api_key: str | None = None  # None = open
+    api_keys: tuple[str, ...] = ()  # any one opens every route but /healthz; each key is a tenant (below); () = open
     allow_remote_images: bool = False
     max_batch: int = 16  # requests decoded together (continuous batching; docs/serving.md: why 16); the rest wait in the queue
     max_queue: int = 16  # requests waiting for a free slot of the batch (the running ones excluded)
@@ -29,7 +31,7 @@ class ServerSettings:
     max_model_len: int | None = None  # the longest prompt + answer a request may have; the KV pool is sized from it once
     # (every slot: this + the draft tree), at start-up (None: the model's context, at most DEFAULT_MAX_MODEL_LEN)
     shutdown_grace_s: float = 30.0  # the drain on SIGTERM / SIGINT (--drain-seconds): how long the accepted requests may finish
-    ui: bool = True  # mount the Gradio demo at /ui when gradio is importable (with api_key: a login page)
+    ui: bool = True  # mount the Gradio demo at /ui when gradio is importable (with API keys: a login page)
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_queue < 0 or self.max_tokens_cap < 1 or self.max_images < 0 or self.max_body_bytes < 1:
@@ -40,6 +42,23 @@ class ServerSettings:
             raise ValueError("max_model_len must be >= 2 (a prompt token and an answer token)")
         if self.shutdown_grace_s < 0:
             raise ValueError("shutdown_grace_s must be >= 0")
+        if isinstance(self.api_keys, str) or any(not k or k != k.strip() for k in self.api_keys):
+            raise ValueError("api_keys must be a tuple of non-empty keys without surrounding spaces")
+
+    @property
+    def open(self) -> bool:
+        """No API key is set: every route is open, and every request is of one tenant (None)."""
+        return not self.api_keys
+
+    def tenant(self, key: str) -> str | None:
+        """The tenant of the API key `key` (None when no key matches; every key is compared, in constant
+        time). A tenant is the key's digest, never the key: the suffix drafter keeps one pool of earlier
+        answers per tenant and never drafts one tenant's answers for another."""
+        found = None
+        for known in self.api_keys:
+            if hmac.compare_digest(key.encode(), known.encode()):
+                found = "key-" + hashlib.sha256(known.encode()).hexdigest()[:16]
+        return found
 
     def serves(self, model: str) -> bool:
         """Whether `model` names the served model (its name or an alias)."""

@@ -17,7 +17,6 @@ policy, as the page shows them on load), its outputs the page's HTML and a JSON 
 
 from __future__ import annotations
 
-import hmac
 import html
 import time
 from collections.abc import AsyncIterator
@@ -308,12 +307,31 @@ def controls(info: dict[str, Any]) -> dict[str, Any]:
     return {"tree_size": n or 16, "policy": info["policy"] if info["policy"] in POLICIES else POLICIES[0], "max_depth": depth or 0}
 
 
+class Logins:
+    """The demo's login with API keys (Gradio's page: a user name, an API key as password) and each
+    user name's tenant (`ServerSettings.tenant`): a name belongs to the key it first logged in with
+    and another key under that name is refused, so a demo run drafts from its own key's earlier
+    answers only, as an API request does."""
+
+    def __init__(self, settings: Any) -> None:
+        self.settings = settings
+        self.tenants: dict[str, str] = {}  # user name -> its key's tenant
+
+    def check(self, username: str, password: str) -> bool:
+        tenant = self.settings.tenant(password)
+        return tenant is not None and self.tenants.setdefault(username, tenant) == tenant
+
+    def tenant(self, request: gr.Request | None) -> str | None:
+        username = getattr(request, "username", None)
+        return self.tenants.get(username) if username else None
+
+
 class _Handlers:
     """The page's event handlers (bound methods, so Gradio sees their real signatures: on_run's
     parameter names are /run's)."""
 
-    def __init__(self, runner: ServiceRunner, samples: list[Path]) -> None:
-        self.runner, self.samples = runner, samples
+    def __init__(self, runner: ServiceRunner, samples: list[Path], logins: Logins | None = None) -> None:
+        self.runner, self.samples, self.logins = runner, samples, logins
 
     def on_load(self) -> tuple[str, Any, Any, Any]:
         info = self.runner.info()
@@ -335,7 +353,7 @@ class _Handlers:
 
     async def on_run(self, image: ImageSource, prompt: str, max_tokens: float, temperature: float, speculative: bool,
                      plain: bool, tree_size: float | None, policy: str | None = None, max_depth: float | None = None,
-                     ) -> AsyncIterator[Outputs]:
+                     request: gr.Request = None) -> AsyncIterator[Outputs]:
         if not speculative and not plain:  # not an error: a message where the speedup goes, the old run cleared
             yield render_message(NO_MODE, modes_off=True)
             return
@@ -349,7 +367,8 @@ class _Handlers:
         knobs = SpeculationOptions(policy=policy if policy in POLICIES else None, tree_tokens=int(tree_size) if tree_size else None,
                                    max_depth=int(max_depth) if max_depth is not None else None)
         async for cmp in self.runner.compare(picture, prompt, max_tokens=int(max_tokens), temperature=float(temperature),
-                                             speculative=bool(speculative), plain=bool(plain), speculation=knobs):
+                                             speculative=bool(speculative), plain=bool(plain), speculation=knobs,
+                                             tenant=self.logins.tenant(request) if self.logins is not None else None):
             now = time.monotonic()
             done = any(r is not None and (r.result is not None or r.error) for r in (cmp.spec, cmp.plain))
             if now - last < 0.05 and not done:  # at most ~20 page updates a second
@@ -379,9 +398,9 @@ class DemoBlocks(gr.Blocks):
         return info
 
 
-def build_ui(runner: ServiceRunner) -> gr.Blocks:
+def build_ui(runner: ServiceRunner, logins: Logins | None = None) -> gr.Blocks:
     samples = sample_images()
-    handlers = _Handlers(runner, samples)
+    handlers = _Handlers(runner, samples, logins)
     info = runner.info()
     with DemoBlocks(runner, title="vlmspec demo", analytics_enabled=False) as demo:
         header = gr.Markdown(f"{TITLE}\nloading ...", elem_id="vlmspec-header")
@@ -411,18 +430,14 @@ def _theme() -> gr.themes.Theme:
 
 
 def mount_ui(app: Any, runner: ServiceRunner, path: str = "/ui") -> Any:
-    """Mount the demo at `path` of the FastAPI app. With an API key, Gradio's login page asks for it
-    (any user name; the key as password)."""
-    key = runner.settings.api_key
-    auth = None
-    if key:
-        def auth(username: str, password: str) -> bool:
-            return hmac.compare_digest(password.encode(), key.encode())
+    """Mount the demo at `path` of the FastAPI app. With API keys, Gradio's login page asks for one
+    (`Logins`: a user name, a key as password)."""
+    logins = None if runner.settings.open else Logins(runner.settings)
 
     # root_path: file URLs in event outputs (a picked sample's preview) carry the mount prefix; without it
     # Gradio builds them from the x-gradio-server header, which names the site root (measured: 404)
-    demo = build_ui(runner)
-    mounted = gr.mount_gradio_app(app, demo, path=path, root_path=path, auth=auth, allowed_paths=[str(SAMPLE_IMAGES)],
+    demo = build_ui(runner, logins)
+    mounted = gr.mount_gradio_app(app, demo, path=path, root_path=path, auth=logins.check if logins is not None else None, allowed_paths=[str(SAMPLE_IMAGES)],
                                   footer_links=[], theme=_theme(), css=CSS, ssr_mode=False, mcp_server=False,
                                   max_file_size=runner.settings.max_body_bytes)
     quiet_queue(demo)

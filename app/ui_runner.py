@@ -160,20 +160,21 @@ class ServiceRunner:
             raise RunError(exc.message) from None
 
     def _job(self, image: ImageSource, prompt: str, speculative: bool, max_tokens: int, temperature: float,
-             seed: int | None, speculation: SpeculationOptions | None) -> Job:
+             seed: int | None, speculation: SpeculationOptions | None, tenant: str | None) -> Job:
         picture, prompt = self.inputs(image, prompt)
         images = [] if picture is None else [picture]
         max_tokens = max(1, min(int(max_tokens), self.settings.max_tokens_cap))
         config = GenerationConfig(max_new_tokens=max_tokens, sampling=SamplingParams(temperature=float(temperature)),
-                                  seed=seed, speculation=speculation if speculative and speculation else SpeculationOptions())
+                                  seed=seed, speculation=speculation if speculative and speculation else SpeculationOptions(),
+                                  tenant=tenant)
         return Job.on_loop(user_turn(prompt, len(images)), images, config, speculative=speculative,
                            timeout_s=self.settings.request_timeout_s)
 
     async def stream(self, image: ImageSource, prompt: str, *, speculative: bool, max_tokens: int = 64,
                      temperature: float = 0.0, seed: int | None = 0, speculation: SpeculationOptions | None = None,
-                     ) -> AsyncIterator[RunState]:
+                     tenant: str | None = None) -> AsyncIterator[RunState]:
         """Submit one job and yield its RunState after each engine step (and once when it is done)."""
-        job = self._job(image, prompt, speculative, max_tokens, temperature, seed, speculation)
+        job = self._job(image, prompt, speculative, max_tokens, temperature, seed, speculation, tenant)
         try:
             self.service.submit(job)
         except APIError as exc:  # queue full, shutting down
@@ -194,10 +195,10 @@ class ServiceRunner:
 
     async def compare(self, image: ImageSource, prompt: str, *, max_tokens: int = 64, temperature: float = 0.0,
                       seed: int | None = 0, speculative: bool = True, plain: bool = True,
-                      speculation: SpeculationOptions | None = None) -> AsyncIterator[Comparison]:
+                      speculation: SpeculationOptions | None = None, tenant: str | None = None) -> AsyncIterator[Comparison]:
         """The speculative run, then the plain run (each through the worker); yields the pair as it fills."""
         cmp = Comparison(RunState("speculative") if speculative else None, RunState("plain") if plain else None)
-        kw: dict[str, Any] = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed}
+        kw: dict[str, Any] = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed, "tenant": tenant}
         if speculative:
             try:
                 async for st in self.stream(image, prompt, speculative=True, speculation=speculation, **kw):

@@ -24,7 +24,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Union
+from typing import Any, Union
 
 from vlmspec.engine import Batch, GenerationConfig, SpecEngine
 from vlmspec.errors import ConfigError
@@ -161,6 +161,11 @@ class Service:
         live = list(batch.requests)
         return {"slots": self.max_batch, "entries_per_slot": self.slot_entries, "max_model_len": self.max_model_len,
                 "used_slots": len(live), "used_entries": sum(r.state.seq_len for r in live), "bytes": batch.cache.nbytes()}
+
+    def drafter_metrics(self) -> dict[str, Any] | None:
+        """The counters of a drafter that keeps its own (`suffix`, `hybrid`): /metrics reads them."""
+        read = getattr(self.spec.drafter, "metrics", None) if self.spec is not None else None
+        return read() if read is not None else None
 
     @property
     def drafter_name(self) -> str:

@@ -112,7 +112,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def server(engine):
-    settings = ServerSettings(model=MODEL, api_key=API_KEY, max_queue=8, request_timeout_s=60, max_tokens_cap=1024,
+    settings = ServerSettings(model=MODEL, api_keys=(API_KEY,), max_queue=8, request_timeout_s=60, max_tokens_cap=1024,
                               max_images=2, max_image_pixels=1024 * 1024, max_body_bytes=1_000_000)
     with LiveServer(create_app(engine, settings)) as srv:
         yield srv

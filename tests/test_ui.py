@@ -311,10 +311,10 @@ def test_step_view_idle_text_captions_and_tier_contrast(engine):
     assert contrast("#334155", "#16a34a") < 4.5  # control: the old darkest tier fails the check
 
 
-def test_ui_with_api_key_has_its_own_login(engine):
+def test_ui_with_api_keys_has_its_own_login_and_a_name_keeps_its_key(engine):
     from fastapi.testclient import TestClient
 
-    app = create_app(engine, settings(api_key="sk-ui"))
+    app = create_app(engine, settings(api_keys=("sk-ui", "sk-other")))
     with TestClient(app) as client:
         assert client.get("/v1/models").status_code == 401  # the API still needs the bearer key
         r = client.get("/ui/")
@@ -323,6 +323,9 @@ def test_ui_with_api_key_has_its_own_login(engine):
         assert client.post("/ui/login", data={"username": "me", "password": "wrong"}).status_code == 400
         assert client.post("/ui/login", data={"username": "me", "password": "sk-ui"}).status_code == 200
         assert client.get("/ui/config").status_code == 200  # the session cookie
+    with TestClient(app) as other:  # a user name is its first key's tenant: another key under it is refused
+        assert other.post("/ui/login", data={"username": "me", "password": "sk-other"}).status_code == 400
+        assert other.post("/ui/login", data={"username": "you", "password": "sk-other"}).status_code == 200
 
 
 def test_ui_can_be_turned_off(engine):

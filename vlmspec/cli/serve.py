@@ -31,8 +31,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int_in("--port", 0, 65535), default=8000, help='port to listen on (0 = any free port)')
-    p.add_argument("--api-key", default=env_default("VLMSPEC_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every route but /healthz (default: $VLMSPEC_API_KEY, else open)")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every route but /healthz; repeat it (or separate keys with commas) "
+                        "for several clients: each key is a tenant, whose earlier answers the suffix drafter never proposes to "
+                        "another (default: $VLMSPEC_API_KEY, comma-separated keys, else open)")
     p.add_argument("--allow-remote-images", action="store_true", help="let clients pass http(s) image URLs (the server fetches them)")
     p.add_argument("--served-model-name", default=None, help="the `model` name clients send (default: the model folder's name)")
     p.add_argument("--max-batch", type=positive_int("--max-batch"), default=16,
@@ -150,11 +152,20 @@ def check_port(host: str, port: int) -> None:
             raise UsageError(f"{host}:{port} {why}: pick another port with --port (make serve PORT=...)") from None
 
 
+def api_keys(given: list[str] | None) -> tuple[str, ...]:
+    """--api-key values (each may hold several, comma-separated), else $VLMSPEC_API_KEY's: the keys, in order, once each."""
+    raw = given if given is not None else [env_default("VLMSPEC_API_KEY") or ""]
+    keys = [k.strip() for value in raw for k in value.split(",")]
+    if given is not None and not all(keys):
+        raise UsageError("--api-key: an empty key (a stray comma or an empty value): give each key once, e.g. --api-key KEY1,KEY2")
+    return tuple(dict.fromkeys(k for k in keys if k))
+
+
 def server_settings(args: argparse.Namespace, model: str, ui: bool):
     from vlmspec.app import ServerSettings
 
     return ServerSettings(
-        model=served_name(model, args.served_model_name), model_aliases=(model,), api_key=args.api_key,
+        model=served_name(model, args.served_model_name), model_aliases=(model,), api_keys=api_keys(args.api_key),
         allow_remote_images=args.allow_remote_images, max_batch=args.max_batch, max_queue=args.max_queue,
         request_timeout_s=args.request_timeout, max_tokens_cap=args.max_tokens_cap, max_images=args.max_images,
         max_image_pixels=args.max_image_pixels, max_image_aspect_ratio=args.max_image_aspect_ratio, max_body_bytes=args.max_body_bytes,

@@ -96,7 +96,7 @@ class SuffixDrafter:
         """The counters, the store's size and its own counters, as plain numbers."""
         out: dict[str, Any] = {**self.counters.as_dict(), "index_tokens": self.index_tokens}
         if self.store is not None:
-            out.update({f"store_{k}": v for k, v in asdict(self.store.stats).items()})
+            out.update({f"store_{k}": v for k, v in asdict(self.store.stats).items()}, store_tenants=len(self.store.tenants()))
         return out
 
     def observe(self, tokens: list[int], tenant: str | None = None) -> None:
