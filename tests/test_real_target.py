@@ -67,6 +67,24 @@ def test_engine_equals_hf_greedy_generate_fp32(target, case):
         assert got == ref, (case, drafter, target.processor.tokenizer.decode(ref), target.processor.tokenizer.decode(got))
 
 
+@pytest.mark.parametrize("drafter", ["suffix"] + (["hybrid"] if SHIPPED_DRAFTER is not None else []))
+def test_the_learning_drafters_equal_hf_greedy_generate_on_both_passes_fp32(target, drafter):
+    """`suffix` and the hybrid (#73) with the service's store: two prompts, then both again (the second
+    pass drafts each answer from the store); every answer is HF generate's, and the repeats are drafted."""
+    engine = SpecEngine(target, factory.drafter_for(factory.EngineSpec(drafter=drafter), target))
+    suffix = getattr(engine.drafter, "suffix", engine.drafter)
+    refs = {}
+    for case in ("toyworld", "text only", "toyworld", "text only"):
+        prompt, names = CASES[case]
+        inputs = encode_prompt(target, prompt, [load_image_file(IMAGES / n) for n in names])
+        if case not in refs:
+            with torch.no_grad():
+                refs[case] = target.model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False)[0, inputs["input_ids"].shape[1]:].tolist()
+        got = engine.generate(inputs, GenerationConfig(max_new_tokens=MAX_NEW)).token_ids
+        assert got == refs[case], (case, drafter)
+    assert suffix.counters.global_hits > 0 and suffix.counters.accepted_tokens > 0
+
+
 def test_cli_generate_equals_hf_greedy_generate(capsys, target):
     prompt, names = CASES["toyworld"]
     args = ["generate", "--model", str(MODEL), "--prompt", prompt, "--image", str(IMAGES / names[0]), "--drafter", "none", "--device", "cpu",
