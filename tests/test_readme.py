@@ -313,3 +313,19 @@ def test_gpu_check_skips_cleanly_without_cuda(tmp_path):
     run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu-check.sh"), str(tmp_path / "out")], capture_output=True, text=True,
                          env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable}, timeout=120)
     assert run.returncode == 0 and "no CUDA device here" in run.stdout, run.stdout + run.stderr
+
+
+def test_the_docs_stay_a_manual_under_5_mb():
+    """docs/ as tracked by git stays <= 5 MB (#74): run histories and superseded figures leave (git
+    keeps them); the negative control is the repository's own largest folder, docs/ and assets/ together."""
+    import subprocess
+
+    def tracked_bytes(*folders: str) -> int:
+        names = subprocess.run(["git", "ls-files", "-z", *folders], cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
+        return sum((ROOT / n.decode()).stat().st_size for n in names if n and (ROOT / n.decode()).is_file())
+
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout: what is tracked is unknown")
+    docs = tracked_bytes("docs")
+    assert 0 < docs <= 5_000_000, f"docs/ tracks {docs / 1e6:.2f} MB (at most 5): move run histories out (git keeps them)"
+    assert tracked_bytes("docs", "assets") > docs  # the count sees what it is given
