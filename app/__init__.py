@@ -39,12 +39,12 @@ A request's walk from HTTP to tokens (``POST /v1/chat/completions``, the EAGLE d
                                through ``vlmspec/inputs.py`` encode_messages (the target's chat template + processor)
 5. ``vlmspec/text.py``         TextStream: incremental detokenization, stop strings, hold-back, per request, around
 6. ``vlmspec/engine/batch.py`` Batch.submit (queued), Batch.step: admit (prefill into a free slot), draft -> verify -> commit for every request
-7. ``vlmspec/target/model.py`` prefill / forward_tree / commit (KV gather-commit in ``vlmspec/kv_cache.py``)
+7. ``vlmspec/target/model.py`` prefill / forward_batch / commit_batch (KV gather-commit in ``vlmspec/kv_cache.py``)
 8. ``vlmspec/draft/eagle/session.py``  the drafter's session: start / propose (a ``vlmspec/tree.py`` DraftTree) / commit
 9. ``vlmspec/verify/acceptance.py`` verify (greedy or lossless rejection sampling, ``vlmspec/sampling.py``)
 Token ids flow back: engine StepEvent -> text.TextEvent -> Job message -> routes.py, which shapes the
 answer with protocol.Reply. The app's part is three files in one direction (routes -> protocol ->
-worker); today's server.py <-> chat.py round trips (messages, images, prompt encoding) are gone.
+worker).
 
 Routes
 ------

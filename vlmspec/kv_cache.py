@@ -8,7 +8,7 @@ a chain's head) is a crop the same thing, and then it crops.
 
 Layer kinds (from the config's `layer_types`, as transformers reads them):
 - full, sliding-window and chunked attention keep every entry (a `DynamicLayer`): a sliding or
-  chunked layer's window is applied by the attention mask (`vlmspec.target.masks`), not by dropping
+  chunked layer's window is applied by the attention mask (`Target.tree_masks`, over `vlmspec.tree.tree_attention_mask`), not by dropping
   entries, so a rejected branch can always be rolled back;
 - layers that hold no KV (`dummy`: MLP-only layers, consumers of a shared KV) are skipped;
 - every other kind (convolution or recurrent state, compressed or indexed attention) keeps transformers'

@@ -119,7 +119,8 @@ def _windows(kinds: list[str], kwargs: list[dict[str, Any]]) -> dict[str, int]:
 
 
 class Target:
-    """A Hugging Face image-text-to-text model plus its processor, batch size 1."""
+    """A Hugging Face image-text-to-text model plus its processor: prefill into a slot of a `SlotCache`,
+    verify the draft trees of several slots in one forward (`forward_batch`), commit each accepted path."""
 
     def __init__(self, model: torch.nn.Module, processor: Any, name: str = "target") -> None:
         self.model = model.eval()
