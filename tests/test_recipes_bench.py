@@ -293,3 +293,20 @@ def test_ablate_validates_its_numbers_like_every_subcommand(capsys):
 def test_ablate_rejects_an_unknown_variant(capsys, tmp_path):
     assert main(["ablate", "--suite", "loss", "--out", str(tmp_path), "--only", "nope"]) == 2
     assert "is not a variant of the 'loss' suite" in capsys.readouterr().err
+
+
+def test_the_kernel_timings_live_in_the_recipes_not_in_the_product(capsys):
+    """The CPU kernels' timing scripts (#74: no `__main__` timing code in product modules) run as
+    `python -m vlmspec.recipes kernels WHICH`; a missing --model is one line."""
+    import vlmspec.kernels.packed_linear
+    import vlmspec.onednn
+    import vlmspec.target.attention
+    import vlmspec.target.packing
+
+    for module in (vlmspec.onednn, vlmspec.target.attention, vlmspec.target.packing, vlmspec.kernels.packed_linear):
+        assert not hasattr(module, "main") and "__main__" not in open(module.__file__).read(), module.__name__
+    assert main(["kernels", "packing"]) == 2
+    assert "kernels packing needs --model DIR" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["kernels", "--help"])
+    assert "packed-linear" in capsys.readouterr().out

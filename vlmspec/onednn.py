@@ -9,7 +9,7 @@ with every prompt length (the drafter's prefill runs over the whole prompt) and 
 composition (a draft level has rows x nodes rows). Long prompts' large temporaries also fragment
 the heap between the entries. So a service under a mix of prompts grew by hundreds of MB until both caches were full: the drafter's
 five packed products at 400 new row counts took 1.6 GB of resident memory with the default
-capacities, 0.5 GB with these (`python -m vlmspec.onednn`). The shapes a service uses over and over
+capacities, 0.5 GB with these (`python -m vlmspec.recipes kernels onednn`). The shapes a service uses over and over
 are far fewer: of the 724 that three minutes of the soak built, about 220 were used ten times or
 more (docs/serving.md).
 
@@ -20,7 +20,6 @@ unless the environment already sets them: the composition root calls it before i
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 
@@ -62,17 +61,4 @@ def new_shapes_growth(row_counts: range, dtype: torch.dtype = torch.float32) -> 
     return (rss_bytes() - before) / 2**20
 
 
-def main() -> None:
-    """Prints the growth over 400 new row counts with the settings in effect (run it with and
-    without the environment variables set: `ONEDNN_PRIMITIVE_CACHE_CAPACITY=1024
-    LRU_CACHE_CAPACITY=1024 python -m vlmspec.onednn` is oneDNN's default)."""
-    settings = bound_shape_caches()
-    start = time.perf_counter()
-    grown = new_shapes_growth(range(5, 405))
-    print(f"{settings}: resident memory +{grown:.0f} MiB over 400 new row counts ({time.perf_counter() - start:.1f} s)")
-
-
 __all__ = ["SHAPE_CACHES", "bound_shape_caches", "new_shapes_growth", "shape_cache_settings"]
-
-if __name__ == "__main__":
-    main()

@@ -5,6 +5,7 @@ is `vlmspec.recipes.bench.*` (the product's benches are `vlmspec bench`, vlmspec
     python -m vlmspec.recipes adaptive ...                     goodput vs plain and the fixed tree (#21)
     python -m vlmspec.recipes stop-head ...                    SpecDec++'s stop rule with and without (#21)
     python -m vlmspec.recipes trees ...                        which draft-tree shape pays (#20)
+    python -m vlmspec.recipes kernels WHICH                    the CPU kernels the product chose between, timed here
 """
 
 from __future__ import annotations
@@ -79,6 +80,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     tr.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=96, help="new tokens per prompt at most")
     tr.add_argument("--json", dest="json_path", help="write the per-run rows and the summary here")
     tr.set_defaults(func=run_trees_bench)
+    _register_kernels(sub)
+
+
+def _register_kernels(sub: argparse._SubParsersAction) -> None:
+    k = _add_parser(sub, "kernels", help="times the CPU kernels the product chose between on this machine: onednn (its shape caches' "
+                    "memory over new row counts), attention (one layer: transformers' SDPA, grouped heads, packed queries), packing "
+                    "(a target's decode step with F.linear and its exact packed layers), packed-linear (the drafter's products)")
+    k.add_argument("which", choices=["onednn", "attention", "packing", "packed-linear"])
+    k.add_argument("--model", help="packing: a target folder (e.g. models/smolvlm-toyworld)")
+    k.add_argument("--rounds", type=positive_int("--rounds"), default=3, help="packing: rounds of both ways, taking turns")
+    k.set_defaults(func=run_kernels)
+
+
+def run_kernels(args: argparse.Namespace) -> int:
+    from vlmspec.recipes.bench import kernels
+
+    if args.which == "packing":
+        if not args.model:
+            raise UsageError("kernels packing needs --model DIR (a target folder, e.g. models/smolvlm-toyworld)")
+        kernels.time_packing(args.model, args.rounds)
+    else:
+        {"onednn": kernels.time_onednn, "attention": kernels.time_attention, "packed-linear": kernels.time_packed_linear}[args.which]()
+    return 0
 
 
 def _add_parser(sub: argparse._SubParsersAction, name: str, help: str) -> argparse.ArgumentParser:

@@ -10,7 +10,7 @@ call: on this project's 2-core Zen 4 CPU a [4, 576] x [576, 3072] product takes 
 float32 `F.linear` goes to MKL instead, which on this AMD CPU takes 350-480 us for the same
 product; oneDNN's packed weight takes 95-130 us. It sums in another order, so float32 results
 differ from `F.linear` by float rounding (about 1e-6 relative): fine for a drafter, whose tokens
-the target verifies, not for the target. See for yourself: `python -m vlmspec.kernels.packed_linear`.
+the target verifies, not for the target. See for yourself: `python -m vlmspec.recipes kernels packed-linear`.
 
 CUDA has no reorder to save: other devices and dtypes stay on `F.linear`.
 
@@ -25,7 +25,6 @@ to the bit, since the target's tokens are the answer: `ExactPackedLinear`, up to
 from __future__ import annotations
 
 import functools
-import time
 
 import torch
 from torch.nn import functional as F
@@ -136,33 +135,3 @@ def exact_rows(linear: torch.nn.Linear, most: int, seed: int = 0) -> int:
             if not torch.equal(packed(x[:m]), F.linear(x[:m], w, b)):
                 return m - 1
     return most
-
-
-def _median_us(run, repeats: int = 300) -> float:
-    for _ in range(20):
-        run()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        run()
-        times.append((time.perf_counter() - t) * 1e6)
-    return sorted(times)[len(times) // 2]
-
-
-def main() -> None:
-    """Times F.linear against the packed weight at a drafter's shapes (this machine's threads)."""
-    for dtype in PACKED_DTYPES:
-        print(f"{dtype}, {torch.get_num_threads()} threads: median us per call, F.linear vs packed (largest difference)")
-        # the default model's drafter (hidden 576, 9 + 2 x 3 heads of 64, MLP 1536, K = 4,096)
-        for name, n, k in (("q|k|v", 960, 576), ("gate|up", 3072, 576), ("down", 576, 1536), ("cut LM head", 4096, 576)):
-            w = torch.randn(n, k).to(dtype)
-            packed = PackedLinear(w)
-            for rows in (1, 4, 17):
-                x = torch.randn(rows, k).to(dtype)
-                diff = float((F.linear(x, w).float() - packed(x).float()).abs().max())
-                print(f"  {name:11s} [{rows:2d}, {k}] x [{k}, {n}]: {_median_us(lambda: F.linear(x, w)):7.1f} vs "
-                      f"{_median_us(lambda: packed(x)):7.1f}  ({diff:.1e})")
-
-
-if __name__ == "__main__":
-    main()

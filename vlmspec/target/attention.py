@@ -6,7 +6,7 @@ query head it serves (`repeat_kv`) before calling SDPA: that is every tree forwa
 batched step, over the whole cache, in every layer. torch's SDPA takes the grouped heads as
 they are (`enable_gqa=True`) with the same numbers bit for bit on CPU (tests/test_attention.py);
 on the default model a batched step of 8 rows drafting 3 levels spends about 6 ms of its
-100 ms on those copies (`python -m vlmspec.target.attention` times the kernels).
+100 ms on those copies (`python -m vlmspec.recipes kernels attention` times the kernels).
 
 In bf16, a masked call of a few queries per row goes one step further: the query heads that share a
 key / value head are laid along the query axis ([B, Hkv, G * Lq, D]) and SDPA runs without grouping.
@@ -36,7 +36,7 @@ ATTENTION_MODES = ("auto", "triton", "sdpa", "eager")
 GQA_SDPA = "vlmspec_sdpa_gqa"  # the registered name of `gqa_sdpa_forward`
 _UNSUPPORTED = ("position_bias", "softcap", "s_aux", "sinks")  # extras only transformers' own functions apply
 PACKED_QUERIES = 32  # bf16: pack a group's query heads along the query axis up to this many queries per key / value head
-PACKED_MIN_ROWS = 4  # ... from this many rows on (`python -m vlmspec.target.attention` times both)
+PACKED_MIN_ROWS = 4  # ... from this many rows on (`python -m vlmspec.recipes kernels attention` times both)
 
 
 def set_attention(model: torch.nn.Module, mode: str = "auto") -> str:
@@ -182,37 +182,3 @@ def register_gqa_sdpa() -> str:
     AttentionInterface.register(GQA_SDPA, gqa_sdpa_forward)
     AttentionMaskInterface.register(GQA_SDPA, sdpa_mask)
     return GQA_SDPA
-
-
-def main() -> None:
-    """Times one layer's attention at the default model's heads (9 query, 3 key / value, 64 wide) and
-    batched steps' shapes: transformers' SDPA path, SDPA over the grouped heads read in place, and
-    `gqa_sdpa_forward` (which packs the query heads where `packs` says), with whether the last two agree."""
-    from types import SimpleNamespace
-
-    from vlmspec.stats import median_ms
-
-    sdpa_attention_forward = sdpa_attention.sdpa_attention_forward
-
-    def grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2).contiguous()
-
-    module = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
-    for dtype in (torch.bfloat16, torch.float32):
-        print(f"{dtype}, {torch.get_num_threads()} threads: median us per layer: transformers' SDPA, grouped heads in place, gqa_sdpa_forward")
-        for rows, n, cached in ((1, 16, 200), (1, 4, 200), (2, 3, 210), (4, 2, 210), (8, 1, 210), (8, 2, 210), (8, 4, 210), (16, 3, 220)):
-            q = torch.randn(rows, n, 9, 64).to(dtype).transpose(1, 2)  # the layout the models hand over
-            k, v = torch.randn(rows, 3, cached + n, 64).to(dtype), torch.randn(rows, 3, cached + n, 64).to(dtype)
-            mask = torch.zeros(rows, 1, n, cached + n, dtype=dtype)
-            mask[..., cached:] = torch.finfo(dtype).min * (1 - torch.eye(n, dtype=dtype))
-            calls = (lambda: sdpa_attention_forward(module, q, k, v, mask), lambda: grouped(q, k, v, mask),
-                     lambda: gqa_sdpa_forward(module, q, k, v, mask))
-            with torch.no_grad():
-                same = torch.equal(grouped(q, k, v, mask), gqa_sdpa_forward(module, q, k, v, mask)[0])
-                us = [1e3 * median_ms(q.device, call, repeats=200, warmup=10) for call in calls]
-            how = "packed" if packs(q, k, mask) else "grouped"
-            print(f"  {rows:2d} rows x {n:2d} queries over {cached + n:3d} entries: {us[0]:7.1f} {us[1]:7.1f} {us[2]:7.1f}  {how:7s} (equal: {same})")
-
-
-if __name__ == "__main__":
-    main()
