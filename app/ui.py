@@ -322,6 +322,7 @@ class Logins:
         return tenant is not None and self.tenants.setdefault(username, tenant) == tenant
 
     def tenant(self, request: gr.Request | None) -> str | None:
+        """The logged-in user's tenant; None without a login (an open service: one shared pool)."""
         username = getattr(request, "username", None)
         return self.tenants.get(username) if username else None
 
@@ -331,7 +332,7 @@ class _Handlers:
     parameter names are /run's)."""
 
     def __init__(self, runner: ServiceRunner, samples: list[Path], logins: Logins | None = None) -> None:
-        self.runner, self.samples, self.logins = runner, samples, logins
+        self.runner, self.samples, self.logins = runner, samples, logins or Logins(runner.settings)
 
     def on_load(self) -> tuple[str, Any, Any, Any]:
         info = self.runner.info()
@@ -368,7 +369,7 @@ class _Handlers:
                                    max_depth=int(max_depth) if max_depth is not None else None)
         async for cmp in self.runner.compare(picture, prompt, max_tokens=int(max_tokens), temperature=float(temperature),
                                              speculative=bool(speculative), plain=bool(plain), speculation=knobs,
-                                             tenant=self.logins.tenant(request) if self.logins is not None else None):
+                                             tenant=self.logins.tenant(request)):
             now = time.monotonic()
             done = any(r is not None and (r.result is not None or r.error) for r in (cmp.spec, cmp.plain))
             if now - last < 0.05 and not done:  # at most ~20 page updates a second
@@ -432,12 +433,13 @@ def _theme() -> gr.themes.Theme:
 def mount_ui(app: Any, runner: ServiceRunner, path: str = "/ui") -> Any:
     """Mount the demo at `path` of the FastAPI app. With API keys, Gradio's login page asks for one
     (`Logins`: a user name, a key as password)."""
-    logins = None if runner.settings.open else Logins(runner.settings)
+    logins = Logins(runner.settings)
+    auth = None if runner.settings.open else logins.check
 
     # root_path: file URLs in event outputs (a picked sample's preview) carry the mount prefix; without it
     # Gradio builds them from the x-gradio-server header, which names the site root (measured: 404)
     demo = build_ui(runner, logins)
-    mounted = gr.mount_gradio_app(app, demo, path=path, root_path=path, auth=logins.check if logins is not None else None, allowed_paths=[str(SAMPLE_IMAGES)],
+    mounted = gr.mount_gradio_app(app, demo, path=path, root_path=path, auth=auth, allowed_paths=[str(SAMPLE_IMAGES)],
                                   footer_links=[], theme=_theme(), css=CSS, ssr_mode=False, mcp_server=False,
                                   max_file_size=runner.settings.max_body_bytes)
     quiet_queue(demo)
