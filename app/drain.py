@@ -26,7 +26,7 @@ from types import FrameType
 
 import uvicorn
 
-from .worker import Service
+from .service import Service
 
 logger = logging.getLogger("vlmspec.server")
 SIGNALS = (signal.SIGINT, signal.SIGTERM)

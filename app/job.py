@@ -14,8 +14,10 @@ the request id of a 500 and of the server log's lines about it.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,3 +86,12 @@ class Job:
         except asyncio.TimeoutError:
             self.cancel("timeout")
             return "error", cancelled("timeout", timeout_s)
+
+
+@dataclass
+class Inbox:
+    """The jobs the service accepted, waiting for its worker, and whether it is closing (under `cond`)."""
+
+    cond: threading.Condition = field(default_factory=threading.Condition)  # also guards the worker's rows
+    queue: deque[Job] = field(default_factory=deque)
+    closing: bool = False

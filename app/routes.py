@@ -35,7 +35,7 @@ from .protocol import (DONE_EVENT, APIError, ChatCompletionRequest, ChatInputs, 
 from .settings import ServerSettings
 from .site import DOCS_OPENAPI_URL, add_site_routes
 from .job import Job
-from .worker import EngineSource, Service
+from .service import EngineSource, Service
 
 logger = logging.getLogger("vlmspec.server")
 UI_PATH = "/ui"  # where the Gradio demo is mounted
@@ -234,7 +234,7 @@ async def healthz(request: Request) -> JSONResponse:
     body = {
         "status": "ok" if why is None else "unavailable" if service.broken() else "draining",
         "model": settings.model,
-        "drafter": service.drafter_name,
+        "drafter": service.engine_info().drafter,
         "active": active,  # requests decoding in the batch
         "waiting": waiting,  # requests queued for a free slot
         "free_slots": max(service.max_batch - active, 0),
@@ -258,7 +258,7 @@ async def prometheus_metrics(request: Request) -> Response:
 def _model_card(request: Request) -> dict[str, Any]:
     service: Service = request.app.state.service
     return {"id": request.app.state.settings.model, "object": "model", "created": service.started_at,
-            "owned_by": "vlmspec", "drafter": service.drafter_name}
+            "owned_by": "vlmspec", "drafter": service.engine_info().drafter}
 
 
 async def list_models(request: Request) -> dict[str, Any]:
@@ -309,7 +309,7 @@ async def chat_completions(request: Request) -> Response | dict[str, Any]:
         kind, payload = await job.receive(settings.request_timeout_s)
         if kind == "error":
             raise payload
-        reply = Reply(job.id, int(time.time()), settings.model, job.speculative, service.drafter_name, int(payload))
+        reply = Reply(job.id, int(time.time()), settings.model, job.speculative, service.engine_info().drafter, int(payload))
         if inputs.request.stream:
             handed_over = True
             return StreamingResponse(_sse(job, watcher, reply, settings, _include_usage(inputs)), media_type="text/event-stream",

@@ -1,8 +1,9 @@
 """One request in the worker's batch (a row): how it joins, how each engine step's tokens reach its
-client, how it finishes. The worker (`worker.Service`) runs these on its thread, one row at a time,
+client, how it finishes. The worker (`worker.Worker`) runs these on its thread, one row at a time,
 and decides what a failure of one of them ends: that request alone.
 
-    row = Row.join(job, engine, batch)     # encode, check the context (a 400, never a cut answer), admit: prefill into a free slot
+    row = Row.join(job, engine, batch)     # encode, check the context (a 400, never a cut answer), queue it in the batch
+    row.failure()                          # after a step: (stage, error) when serving it failed for it alone
     row.emit(event, batch_size, now, metrics)   # a step's tokens -> its TextStream (detokenization, stop strings) -> the job
     row.finish(metrics)                    # its last text and its Completion, once it left the batch with a result
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlmspec.control import SpeculationOptions
-from vlmspec.engine import Batch, GenerationConfig, SpecEngine, StepEvent
+from vlmspec.engine import Batch, GenerationConfig, SpecEngine, StepEvent, Ticket
 from vlmspec.errors import ContextLengthError
 from vlmspec.inputs import encode_messages
 from vlmspec.text import TextStream
@@ -54,17 +55,22 @@ def fitted(config: GenerationConfig, prompt_tokens: int, limit: int, max_tokens_
 
 @dataclass
 class Row:
-    """A job decoding in the batch: its engine request and its text."""
+    """A job given to the batch: its ticket (its engine request once a step has admitted it) and its text."""
 
     job: Job
-    req: Any  # the engine's request (its admitted ticket's `request`)
+    ticket: Ticket
     text: TextStream
     joined: float  # time.monotonic() when it joined the batch
     last_emit: float | None = None  # when it last emitted tokens (None: not yet; its first event carries the prefill's token)
 
+    @property
+    def req(self) -> Any:
+        """The engine's request (None while it waits for a slot)."""
+        return self.ticket.request
+
     @classmethod
     def join(cls, job: Job, engine: SpecEngine, batch: Batch) -> "Row":
-        """The job's request prefilled into a free slot of `batch`. APIError 400 when the request
+        """The job's request queued in `batch` (a step admits it). APIError 400 when the request
         cannot be served as asked (its input, its context); anything else raised is the server's."""
         target = engine.target
         try:
@@ -79,13 +85,19 @@ class Row:
             ticket = batch.submit(inputs, config)
         except ContextLengthError as exc:  # it could never fit a slot
             raise APIError(400, str(exc), param="messages", code="context_length_exceeded") from exc
-        batch.admit()  # the batch's own admission, now (the worker takes no more jobs than it has free slots)
-        if isinstance(ticket.error, ContextLengthError):  # the prompt is over the context
-            raise APIError(400, str(ticket.error), param="messages", code="context_length_exceeded") from ticket.error
-        if ticket.error is not None:  # its prefill failed (its slot is free again): the server's error
-            raise ticket.error
-        assert ticket.request is not None
-        return cls(job, ticket.request, text, time.monotonic())  # nothing to undo after the admission
+        return cls(job, ticket, text, time.monotonic())
+
+    def failure(self) -> tuple[str, Exception] | None:
+        """(stage, error) when serving this request failed for it alone: its prefill raised before it
+        took a slot (a prompt over the context: a 400 APIError), or a step failed for it ("prefill",
+        "draft", "commit"); None otherwise."""
+        error = self.ticket.error
+        if isinstance(error, ContextLengthError):
+            return "prefill", APIError(400, str(error), param="messages", code="context_length_exceeded")
+        if error is not None:
+            return "prefill", error
+        req = self.ticket.request
+        return (req.failure.stage, req.failure.error) if req is not None and req.failure is not None else None
 
     def emit(self, event: StepEvent, batch_size: int, now: float, metrics: Metrics) -> None:
         """A step's tokens to the client, through this request's TextStream; their latencies to the metrics."""

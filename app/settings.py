@@ -30,6 +30,8 @@ class ServerSettings:
     remote_image_timeout_s: float = 10.0
     max_model_len: int | None = None  # the longest prompt + answer a request may have; the KV pool is sized from it once
     # (every slot: this + the draft tree), at start-up (None: the model's context, at most DEFAULT_MAX_MODEL_LEN)
+    prefill_chunk: int | None = 512  # prompts longer than this enter their slot in pieces of at most this many
+    # tokens, one step's budget each, so decoding rows wait at most one piece (None: whole prompts; docs/serving.md)
     shutdown_grace_s: float = 30.0  # the drain on SIGTERM / SIGINT (--drain-seconds): how long the accepted requests may finish
     ui: bool = True  # mount the Gradio demo at /ui when gradio is importable (with API keys: a login page)
 
@@ -40,6 +42,8 @@ class ServerSettings:
             raise ValueError("request_timeout_s must be > 0")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2 (a prompt token and an answer token)")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ValueError("prefill_chunk must be >= 1 (or None: whole prompts)")
         if self.shutdown_grace_s < 0:
             raise ValueError("shutdown_grace_s must be >= 0")
         if isinstance(self.api_keys, str) or any(not k or k != k.strip() for k in self.api_keys):

@@ -12,6 +12,7 @@ the speculation knobs (policy, max depth, tree size) become this job's `Generati
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from vlmspec.text import Completion, TextEvent
 from .protocol import APIError
 from .settings import ServerSettings
 from .job import Job
-from .worker import Service
+from .service import Service
 
 
 # what the demo hands the runner: a decoded image, an uploaded file's path or a data URL, or none
@@ -129,7 +130,7 @@ def _run_summary(r: RunState | None) -> dict[str, Any] | None:
 
 
 class ServiceRunner:
-    """Runs UI generations through the service's worker (app.worker.Service) as ordinary Jobs."""
+    """Runs UI generations through the service's worker (app.service.Service) as ordinary Jobs."""
 
     def __init__(self, service: Service, settings: ServerSettings) -> None:
         self.service = service
@@ -137,9 +138,7 @@ class ServiceRunner:
 
     def info(self) -> dict[str, Any]:
         default = assets.DEFAULT_TARGET.resolve()
-        return {"model": self.settings.model, "drafter": self.service.drafter_name,
-                "tree_total_tokens": self.service.tree_total_tokens, "tree_depth": self.service.tree_depth,
-                "policy": self.service.default_policy, "max_tokens_cap": self.settings.max_tokens_cap,
+        return {"model": self.settings.model, **dataclasses.asdict(self.service.engine_info()), "max_tokens_cap": self.settings.max_tokens_cap,
                 "default_model": any(Path(a).resolve() == default for a in self.settings.model_aliases),
                 "toy_model": any(Path(a).resolve() == assets.BUNDLED_TARGET.resolve() for a in self.settings.model_aliases)}
 

@@ -125,3 +125,19 @@ def wait_for(cond, timeout: float = 20.0) -> bool:
             return True
         time.sleep(0.01)
     return cond()
+
+
+@pytest.fixture
+def paced(monkeypatch):
+    """20 ms an engine step's decode round: the tiny models would finish a request before the next
+    client's request arrives; paced, the concurrent requests of a test share steps (and are still
+    running when a drain starts)."""
+    from vlmspec.engine import Batch
+
+    decode = Batch.decode
+
+    def slow(self):
+        time.sleep(0.02)
+        return decode(self)
+
+    monkeypatch.setattr(Batch, "decode", slow)

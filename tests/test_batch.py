@@ -526,10 +526,10 @@ def test_a_request_whose_prefill_raises_fails_alone(monkeypatch):
     real_open = engine._open
     bad = requests[1][0]
 
-    def failing(inputs, config, cache, slot):
+    def failing(inputs, config, cache, slot, end=None):
         if inputs is bad:
             raise RuntimeError("injected prefill fault")
-        return real_open(inputs, config, cache, slot)
+        return real_open(inputs, config, cache, slot, end)
 
     for inject in (True, False):
         monkeypatch.setattr(engine, "_open", failing if inject else real_open)

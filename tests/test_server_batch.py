@@ -134,19 +134,6 @@ def expected(client):
     return alone(client, MIXED)
 
 
-@pytest.fixture
-def paced(monkeypatch):
-    """20 ms an engine step: the tiny model would finish a request before the next client's request
-    arrives; paced, every concurrent request of a test shares steps with the others."""
-    step = Batch.step
-
-    def slow(self):
-        time.sleep(0.02)
-        return step(self)
-
-    monkeypatch.setattr(Batch, "step", slow)
-
-
 def test_every_answer_in_a_batch_equals_its_answer_alone(server, client, expected, paced):
     before = client.get("/metrics").text
     got = together(server.url, MIXED)  # 8 requests, 4 slots: half wait, then join as rows leave

@@ -16,7 +16,6 @@ import concurrent.futures
 import json
 import logging
 import threading
-import time
 
 import pytest
 
@@ -30,7 +29,7 @@ from conftest import metric, tiny_target, wait_for
 from vlmspec.app import ServerSettings, create_app
 from vlmspec.draft import NgramDrafter, TreeConfig
 from vlmspec.draft.ngram import _NgramSession
-from vlmspec.engine import Batch, GenerationConfig, SpecEngine
+from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.inputs import encode_prompt
 from vlmspec.testing.live_server import LiveServer
 from vlmspec.text import TextStream
@@ -104,7 +103,7 @@ def beside(server, bad: dict, others: list[dict]) -> list[tuple[int, dict]]:
 
     with concurrent.futures.ThreadPoolExecutor(len(others) + 1) as pool:
         futures = [pool.submit(one, body) for body in others]
-        assert wait_for(lambda: len(service._rows) >= 2), "the other requests did not start"
+        assert wait_for(lambda: len(service.worker.rows) >= 2), "the other requests did not start"
         futures.insert(0, pool.submit(one, bad))
         return [f.result(timeout=300) for f in futures]
 
@@ -140,18 +139,6 @@ def expected(client):
         assert status == 200, got  # the poisoned request itself is served when nothing is injected
         out.append(got)
     return out[:-1]
-
-
-@pytest.fixture
-def paced(monkeypatch):
-    """20 ms an engine step, so that the concurrent requests of a test share steps."""
-    step = Batch.step
-
-    def slow(self):
-        time.sleep(0.02)
-        return step(self)
-
-    monkeypatch.setattr(Batch, "step", slow)
 
 
 # ------------------------------------------------------------------------------------------ the injections

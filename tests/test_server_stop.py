@@ -31,7 +31,7 @@ from conftest import tiny_target, wait_for
 from vlmspec import assets
 from vlmspec.app import ServerSettings, create_app
 from vlmspec.draft import NgramDrafter, TreeConfig
-from vlmspec.engine import Batch, SpecEngine
+from vlmspec.engine import SpecEngine
 from vlmspec.testing.live_server import LiveServer
 
 MODEL = "tiny-llava"
@@ -63,18 +63,6 @@ def ask(client: httpx.Client, body: dict) -> tuple[int, dict]:
 @pytest.fixture(scope="module")
 def engine():
     return SpecEngine(tiny_target("llava"), NgramDrafter(TreeConfig(depth=4, top_k=2, total_tokens=8)))
-
-
-@pytest.fixture
-def paced(monkeypatch):
-    """20 ms an engine step: the requests are still running when the drain starts."""
-    step = Batch.step
-
-    def slow(self):
-        time.sleep(0.02)
-        return step(self)
-
-    monkeypatch.setattr(Batch, "step", slow)
 
 
 def _settings(grace_s: float) -> ServerSettings:
@@ -118,7 +106,7 @@ def test_the_drain_cuts_what_outlasts_it(engine, paced, how):
         service = srv.app.state.service
         with concurrent.futures.ThreadPoolExecutor(len(long)) as pool:
             futures = [pool.submit(ask, httpx.Client(base_url=srv.url, timeout=120), body) for body in long]
-            assert wait_for(lambda: service.active == 2 and all(len(r.req.emitted) > 1 for r in service._rows))
+            assert wait_for(lambda: service.active == 2 and all(r.req is not None and len(r.req.emitted) > 1 for r in service.worker.rows))
             t0 = time.monotonic()
             srv.server.drain()
             if how == "second signal":

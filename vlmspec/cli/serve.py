@@ -46,6 +46,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the longest prompt + answer a request may have, in tokens; the KV pool (every slot this plus the "
                         "draft tree) is sized from it at start-up and never grows; longer requests get a 400 (default: the "
                         "model's context, at most 2048)")
+    p.add_argument("--prefill-chunk", type=non_negative_int("--prefill-chunk"), default=512,
+                   help="prompts longer than this many tokens enter the batch in pieces of at most this many, one per "
+                        "step, so the requests already decoding wait for at most one piece (chunked prefill; a piece "
+                        "never splits an image); 0: whole prompts")
     p.add_argument("--max-tokens-cap", type=positive_int("--max-tokens-cap"), default=1024, help="the most max_tokens a request may ask for")
     p.add_argument("--max-images", type=non_negative_int("--max-images"), default=4, help="images per request")
     p.add_argument("--max-image-pixels", type=positive_int("--max-image-pixels"), default=4096 * 4096,
@@ -169,7 +173,7 @@ def server_settings(args: argparse.Namespace, model: str, ui: bool):
         allow_remote_images=args.allow_remote_images, max_batch=args.max_batch, max_queue=args.max_queue,
         request_timeout_s=args.request_timeout, max_tokens_cap=args.max_tokens_cap, max_images=args.max_images,
         max_image_pixels=args.max_image_pixels, max_image_aspect_ratio=args.max_image_aspect_ratio, max_body_bytes=args.max_body_bytes,
-        shutdown_grace_s=args.drain_seconds, ui=ui, max_model_len=args.max_model_len,
+        shutdown_grace_s=args.drain_seconds, ui=ui, max_model_len=args.max_model_len, prefill_chunk=args.prefill_chunk or None,
     )
 
 

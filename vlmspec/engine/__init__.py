@@ -2,8 +2,8 @@
 
     ticket = batch.submit(inputs, config)                   # queued; admitted by a step
     batch.step():                                            # one round over every live request
-        admit waiting tickets into free slots, FCFS, under the step's prefill budget
-                                                            # (prefill into the slot, first token: root)
+        prefill: the next piece of each long prompt (one forward), then waiting tickets into free
+        slots, FCFS, under the step's prefill budget        # (vlmspec.engine.prefill; first token: root)
         depth_b  = control_b.choose(max_depth_b)            # how deep each row drafts (vlmspec.control)
         trees    = propose_all(drafter, sessions, roots, depths, chains)   # per-row trees (EAGLE: rows together)
         out      = target.forward_batch(states, trees)      # ONE target forward over every row's nodes

@@ -1,6 +1,6 @@
 """`Batch`: requests decoded together in the slots of one KV cache, the one place requests are
-admitted (`submit`, then each `step` admits under its prefill budget and runs one draft -> verify ->
-commit round over every live request)."""
+admitted (`submit`, then each `step` prefills under its budget, whole prompts or pieces of long ones,
+and runs one draft -> verify -> commit round over every request whose prompt is in)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 from vlmspec.batch_control import BatchTiming, batch_chains, choose_depths
 from vlmspec.control import Controller
 from vlmspec.draft.base import TreeConfig, feature_layers, propose_all
+from vlmspec.engine.prefill import PromptPieces, run_pieces
 from vlmspec.engine.types import TIMING_KEYS, Clock, GenerationConfig, GenerationResult, StepEvent
 from vlmspec.errors import ContextLengthError
 from vlmspec.stats import SpecStats
@@ -27,7 +28,7 @@ from vlmspec.verify.acceptance import verify_rows
 class RowFailure:
     """Why a request left its batch early: the part of a step that failed for it alone."""
 
-    stage: str  # "draft" (its drafter session's propose) | "commit" (its session's commit, controller, tokens)
+    stage: str  # "prefill" (a piece of its prompt, its drafter's start) | "draft" (its session's propose) | "commit" (its session's commit, controller, tokens)
     error: Exception
 
 
@@ -37,7 +38,7 @@ class _Request:
 
     config: GenerationConfig
     state: TargetState  # its slot of the batch's cache, its committed length
-    session: Any  # DraftSession
+    session: Any  # DraftSession (None while its prompt is still entering its slot: `pieces`)
     control: Controller  # this request's speculation controller
     policy: str  # its policy's name ("none": plain decoding, the `none` drafter)
     tree: TreeConfig | None  # this request's tree shape (None: a drafter without one)
@@ -52,7 +53,7 @@ class _Request:
     depths: list[int] = field(default_factory=list)  # the controller's choice per step (none when nothing drafts)
     finish: str = "length"
     done: bool = False
-    pending: list[StepEvent] = field(default_factory=list)  # events not yet handed out (the prefill's token)
+    pieces: PromptPieces | None = None  # its prompt while it enters its slot piece by piece (chunked prefill)
     result: GenerationResult | None = None  # set when the request leaves its batch
     failure: RowFailure | None = None  # set when a step failed for this request alone (it left the batch)
 
@@ -93,15 +94,18 @@ class Batch:
     """Requests decoded together, each in a slot of one KV cache (`vlmspec.slot_cache`): the one
     place requests are admitted.
 
-    `submit` queues a request; `step` admits waiting ones (`admit`), then runs one draft -> verify ->
-    commit round over every live request in ONE target forward and returns each request's events.
+    `submit` queues a request; `step` prefills (`prefill`: the next piece of each long prompt, then
+    waiting requests admitted under the step's budget), then runs one draft -> verify -> commit round
+    over every request whose prompt is in, in ONE target forward (`decode`), and returns each request's events.
     Requests leave (EOS, max tokens, full context, `cancel`) between steps; their slot is free at
     once. Each keeps its own sampling parameters, generator, tree shape and controller.
 
     slots: requests at once; capacity: cache entries per slot (None: each slot grows as its request
     needs, the batch of one `SpecEngine.generate` runs); with one the memory is fixed at the first
-    write and never grows, and `submit` refuses a request that could outgrow its slot. prefill_budget: prompt tokens
-    admitted per step (None: every waiting request that has a slot).
+    write and never grows, and `submit` refuses a request that could outgrow its slot.
+    prefill_chunk: the longest piece a prompt enters its slot in (chunked prefill, `vlmspec.engine.prefill`;
+    None: whole prompts). prefill_budget: prompt tokens a step prefills, pieces and new requests
+    together, at least one piece (None: `prefill_chunk`, and without it every waiting request that has a slot).
     per_row_depths: goodput rows choose their own depths where the target verifies rows of unequal
     trees without padding (`Target.verifies_ragged`; `vlmspec.batch_control.choose_depths`); off,
     they share one depth per step, which served more tokens/s on the default model
@@ -109,12 +113,14 @@ class Batch:
     """
 
     def __init__(self, engine: Any, slots: int = 1, capacity: int | None = None, per_row_depths: bool = False,
-                 prefill_budget: int | None = None) -> None:
+                 prefill_budget: int | None = None, prefill_chunk: int | None = None) -> None:
         # engine: the `SpecEngine` (vlmspec.engine.spec) whose target, drafter and `_open` the batch uses
         if slots < 1:
             raise ValueError(f"a batch needs at least one slot, got {slots}")
         if prefill_budget is not None and prefill_budget < 1:
             raise ValueError(f"prefill_budget must be at least 1 token (or None), got {prefill_budget}")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be at least 1 token (or None), got {prefill_chunk}")
         if slots > 1:
             engine.target.check_batching()  # e.g. a model that counts positions its own way: one at a time
         self.engine = engine
@@ -123,7 +129,8 @@ class Batch:
         if capacity is not None:
             self.cache.fix(capacity)  # memory fixed at the first write: a request that could outgrow its slot is refused
         self.free = list(range(slots))
-        self.prefill_budget = prefill_budget
+        self.prefill_chunk = prefill_chunk
+        self.prefill_budget = prefill_budget if prefill_budget is not None else prefill_chunk
         self.waiting: deque[Ticket] = deque()  # submitted, not yet admitted (first come, first served)
         self.requests: list[_Request] = []  # live ones, by slot
         self.timings = dict.fromkeys(TIMING_KEYS, 0.0)  # the batch's own seconds by phase (prefills included)
@@ -162,49 +169,80 @@ class Batch:
         self.waiting.append(ticket)
         return ticket
 
-    def admit(self) -> list[Ticket]:
-        """Admit waiting tickets into free slots, first come first served, up to `prefill_budget`
-        prompt tokens (at least one ticket); each is prefilled alone and its first token comes with
-        this step's events. A ticket whose prefill raises gets the exception as its `error` and
-        gives its slot back; the others are admitted as if it had not come. Called by `step`."""
-        admitted: list[Ticket] = []
-        spent = 0
+    def prefill(self) -> list[tuple["_Request", StepEvent]]:
+        """The step's prefill, up to `prefill_budget` prompt tokens (at least one piece): the next piece
+        of each request whose prompt is entering its slot, all in one forward, then waiting tickets
+        admitted into free slots, first come first served, each prefilled alone (its first piece).
+        Returns the first token of each request whose whole prompt is now in. A request whose
+        prefill raises fails alone: an admitted one leaves with its `failure` (stage "prefill"), a
+        ticket gets the exception as its `error` and gives its slot back."""
+        events: list[tuple[_Request, StepEvent]] = []
+        spent = self._run_pieces(events)
         while self.waiting and self.free:
             ticket = self.waiting[0]
-            if admitted and self.prefill_budget is not None and spent + ticket.prompt_tokens > self.prefill_budget:
+            end = self.engine.first_piece(ticket.inputs, self.prefill_chunk)
+            if spent and self.prefill_budget is not None and spent + end > self.prefill_budget:
                 break
             self.waiting.popleft()
-            spent += ticket.prompt_tokens
-            admitted.append(ticket)
+            spent += end
             try:
-                ticket.request = self._prefill(ticket)
+                ticket.request = req = self._admit(ticket, end)
             except Exception as exc:  # noqa: BLE001  (one request's prefill fails that request alone: its ticket says why)
                 ticket.error = exc
-        return admitted
+                continue
+            if req.pieces is None:
+                events.append((req, _emit(req, [req.root], 0, 0)))
+        return events
 
-    def _prefill(self, ticket: Ticket) -> "_Request":
+    def _admit(self, ticket: Ticket, end: int) -> "_Request":
         slot = self.free.pop(0)
         try:
             if self.capacity is None:
                 self.cache.reserve(self.need(ticket.inputs, ticket.config))
             with decoding_sdpa(self.engine.target.device):
-                req = self.engine._open(ticket.inputs, ticket.config, self.cache, slot)
+                req = self.engine._open(ticket.inputs, ticket.config, self.cache, slot, end)
         except BaseException:
             self.free.insert(0, slot)
             raise
-        req.pending.append(_emit(req, [req.root], 0, 0))
         for key, sec in req.timings.items():
             self.timings[key] += sec
         self.requests.append(req)
         self.requests.sort(key=lambda r: r.state.slot)  # consecutive slots read as views
         return req
 
-    @staticmethod
-    def take_pending(req: "_Request") -> list[StepEvent]:
-        """The events of `req` no step has handed out yet (its prefill's token), handed out now
-        (the next step returns only what comes after them)."""
-        events, req.pending = req.pending, []
-        return events
+    def _run_pieces(self, events: list[tuple["_Request", StepEvent]]) -> int:
+        """The next piece of each request still entering its slot, first come first served within the
+        budget (at least one), in one forward; their first tokens to `events`. Returns tokens spent."""
+        budget = self.prefill_budget if self.prefill_budget is not None else 1 << 62
+        chunk = self.prefill_chunk or 1 << 62
+        reqs, sizes, spent = [], [], 0
+        for r in sorted((r for r in self.requests if r.pieces is not None and not r.done), key=lambda r: r.t_start):
+            n = min(r.pieces.left, chunk, budget - spent) if reqs else min(r.pieces.left, chunk)
+            if n < 1:
+                break
+            reqs.append(r)
+            sizes.append(n)
+            spent += n
+        if not reqs:
+            return 0
+        t0 = time.perf_counter()
+        try:
+            with decoding_sdpa(self.engine.target.device):
+                run_pieces(self.engine.target, reqs, sizes, feature_layers(self.engine.drafter))
+        except Exception as exc:  # noqa: BLE001  the forward of these pieces: their requests fail, no decoding row is touched
+            for r in reqs:
+                self._fail(r, "prefill", exc)
+            return spent
+        seconds = time.perf_counter() - t0
+        self.timings["prefill"] += seconds
+        for r in reqs:
+            r.timings["prefill"] += seconds
+            if r.pieces.left == 0:
+                with self._isolated(r, "prefill"):
+                    for key, sec in self.engine._begin(r).items():
+                        self.timings[key] += sec
+                    events.append((r, _emit(r, [r.root], 0, 0)))
+        return spent
 
     @property
     def draft_waits(self) -> int:
@@ -212,24 +250,28 @@ class Batch:
         return self.cost_timing.waits
 
     def step(self) -> list[tuple["_Request", StepEvent]]:
-        """One round: admit waiting requests (`admit`), the prefill tokens of requests that joined, then
-        one draft -> verify -> commit over every live request. Requests that finished have left when it
-        returns (their `result` set), and so have requests the step failed for alone (their `failure`
-        set, none of their events returned). What it raises belongs to the batch as a whole: the
-        batch cannot go on."""
-        self.admit()
-        events = [(r, e) for r in self.requests for e in r.pending]
-        for r in self.requests:
-            r.pending.clear()
+        """One round: the step's prefill (`prefill`: pieces, admissions, their first tokens), then
+        `decode`. Requests that finished have left when it returns (their `result` set), and so have
+        requests the step failed for alone (their `failure` set, none of their events returned).
+        What it raises belongs to the batch as a whole: the batch cannot go on."""
+        events = self.prefill()
+        return events + self.decode()
+
+    def decode(self) -> list[tuple["_Request", StepEvent]]:
+        """One draft -> verify -> commit over every request whose prompt is in (ONE target forward);
+        then the requests that are done leave."""
         live = []
         for r in self.requests:
+            if r.pieces is not None:
+                continue
             if not r.done and r.max_depth(self.engine.target.max_positions) < 0:
                 r.done = True  # the context is full
             if not r.done:
                 live.append(r)
+        events = []
         if live:
             with decoding_sdpa(self.engine.target.device):
-                events += self._round(live)
+                events = self._round(live)
         for r in [r for r in self.requests if r.done]:
             self._leave(r)
         return events
@@ -317,12 +359,13 @@ class Batch:
         return events
 
     @contextlib.contextmanager
-    def _isolated(self, req: "_Request") -> Iterator[None]:
-        """A row's own part of the step after the forward (stage "commit"): what it raises ends that request alone."""
+    def _isolated(self, req: "_Request", stage: str = "commit") -> Iterator[None]:
+        """A row's own part of the step after the forward (its session, controller, tokens; its
+        drafter's start after its last piece: "prefill"): what it raises ends that request alone."""
         try:
             yield
-        except Exception as exc:  # one row's session, controller or tokens: no other row's state is touched by them
-            self._fail(req, "commit", exc)
+        except Exception as exc:  # one row's own state: no other row's is touched by it
+            self._fail(req, stage, exc)
 
     @staticmethod
     def _fail(req: "_Request", stage: str, exc: Exception) -> None:

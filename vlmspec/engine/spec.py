@@ -12,10 +12,12 @@ import torch
 from vlmspec.control import Speculation
 from vlmspec.draft.base import Drafter, NoDrafter, PromptContext, TreeConfig, feature_layers
 from vlmspec.engine.batch import Batch, _Request
+from vlmspec.engine.prefill import PromptPieces
 from vlmspec.engine.types import Clock, GenerationConfig, GenerationResult, StepEvent
 from vlmspec.sampling import next_token
 from vlmspec.slot_cache import SlotCache
 from vlmspec.target import Target
+from vlmspec.target.pieces import first_piece, prompt_head
 
 
 class Generation:
@@ -80,16 +82,17 @@ class SpecEngine:
         return Generation(self, inputs, config)
 
     def batch(self, slots: int, capacity: int | None = None, per_row_depths: bool = False,
-              prefill_budget: int | None = None) -> Batch:
+              prefill_budget: int | None = None, prefill_chunk: int | None = None) -> Batch:
         """A batch of `slots` requests decoded together (see `Batch`)."""
-        return Batch(self, slots, capacity, per_row_depths, prefill_budget)
+        return Batch(self, slots, capacity, per_row_depths, prefill_budget, prefill_chunk)
 
     def generate_many(self, requests: list[tuple[dict[str, torch.Tensor], GenerationConfig]], slots: int,
-                      capacity: int | None = None, prefill_budget: int | None = None) -> list[GenerationResult]:
+                      capacity: int | None = None, prefill_budget: int | None = None,
+                      prefill_chunk: int | None = None) -> list[GenerationResult]:
         """Every request, at most `slots` at a time, each joining as soon as a slot is free; results in
         order. A request whose admission (or a step, for it alone) fails raises its error once the
         others have finished."""
-        batch = self.batch(slots, capacity, prefill_budget=prefill_budget)
+        batch = self.batch(slots, capacity, prefill_budget=prefill_budget, prefill_chunk=prefill_chunk)
         tickets = [batch.submit(inputs, config) for inputs, config in requests]
         while not batch.idle:
             batch.step()
@@ -100,22 +103,45 @@ class SpecEngine:
                 raise ticket.request.failure.error
         return [t.result for t in tickets]  # type: ignore[misc]
 
-    def _open(self, inputs: dict[str, torch.Tensor], config: GenerationConfig, cache: SlotCache, slot: int) -> _Request:
-        """Prefill into `slot`, open the drafter's session, pick the first token."""
+    def first_piece(self, inputs: dict[str, torch.Tensor], chunk: int | None) -> int:
+        """The prompt tokens a request's first prefill takes when pieces are `chunk` tokens at most
+        (`vlmspec.target.pieces.first_piece`); drafters that read the prompt's attention get it whole."""
+        return first_piece(self.target, inputs, None if self.drafter.needs_visual else chunk)
+
+    def _open(self, inputs: dict[str, torch.Tensor], config: GenerationConfig, cache: SlotCache, slot: int,
+              end: int | None = None) -> _Request:
+        """Prefill into `slot` the prompt's first `end` tokens (None: all; the rest enter in pieces,
+        `vlmspec.engine.prefill`). Once the whole prompt is in, `_begin`."""
         target = self.target
         t_start = time.perf_counter()
         clock = Clock(target.device, config.sync_timings)
-        state, out = target.prefill(inputs, visual=self.drafter.needs_visual, cache=cache, slot=slot, layers=feature_layers(self.drafter))
+        end = int(inputs["input_ids"].shape[1]) if end is None else end
+        state, out = target.prefill(prompt_head(inputs, end), visual=self.drafter.needs_visual, cache=cache, slot=slot,
+                                    layers=feature_layers(self.drafter))
         clock.lap("prefill")
-        prompt = PromptContext(inputs["input_ids"][0].cpu(), out.features, inputs, out.image_mask, out.image_embeds, out.attention,
-                               kv=state.entries, tenant=config.tenant, remember=config.remember)
-        tree = self.request_tree(config)
-        session = self.drafter.start(prompt, tree)
-        clock.lap("draft")
         rng = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
         policy = config.policy or self.speculation.policy(config.speculation.policy)
         name = "none" if isinstance(self.drafter, NoDrafter) else policy.name  # plain decoding: no policy at work
-        req = _Request(config, state, session, policy.start(), name, tree, rng,
-                       set() if config.ignore_eos else target.eos_token_ids, clock.t, state.seq_len, t_start)
-        req.root = next_token(out.logits[0], config.sampling, rng)
+        req = _Request(config, state, None, policy.start(), name, self.request_tree(config), rng,
+                       set() if config.ignore_eos else target.eos_token_ids, clock.t, int(inputs["input_ids"].shape[1]), t_start)
+        req.pieces = PromptPieces(inputs, out, end, [out.features], out.logits)
+        if req.pieces.left == 0:
+            self._begin(req)
         return req
+
+    def _begin(self, req: _Request) -> dict[str, float]:
+        """The whole prompt is in its slot: open the drafter's session on its features, pick the first
+        token. Returns its seconds by phase (also added to the request's)."""
+        pieces, config = req.pieces, req.config
+        assert pieces is not None and pieces.left == 0 and pieces.logits is not None
+        clock = Clock(self.target.device, config.sync_timings)
+        first = pieces.first
+        prompt = PromptContext(pieces.inputs["input_ids"][0].cpu(), pieces.prompt_features(), pieces.inputs, first.image_mask,
+                               first.image_embeds, first.attention, kv=req.state.entries, tenant=config.tenant, remember=config.remember)
+        req.session = self.drafter.start(prompt, req.tree)
+        req.root = next_token(pieces.logits[0], config.sampling, req.rng)
+        req.pieces = None
+        clock.lap("draft")
+        for key, sec in clock.t.items():
+            req.timings[key] += sec
+        return clock.t

@@ -33,6 +33,7 @@ from vlmspec.kernels.packed_linear import ExactPackedLinear
 from vlmspec.kv_cache import ATTENTION_KINDS, blocker_message, cache_kwarg, layer_kinds, rollback_blockers
 from vlmspec.slot_cache import SlotCache, single_slot_reason
 from vlmspec.target.attention import GQA_SDPA, RAGGED_KWARG, RaggedRows
+from vlmspec.target.pieces import probe_prompt_pieces
 from vlmspec.transfer import to_device
 from vlmspec.tree import DraftTree, additive_mask, windowed_tree_mask
 from vlmspec.vision_compress.capture import capture, image_token_id, last_layer_attention
@@ -146,6 +147,7 @@ class Target:
         self.position_offset = POSITION_OFFSETS.get(str(getattr(model.config, "model_type", "")), 0)
         self._tree_problem: str | None = None  # checked once, when a speculative drafter first asks
         self._ragged: bool | None = None  # whether unequal trees can be laid end to end: checked once (`verifies_ragged`)
+        self._pieces_problem: str | None = None  # why a prompt cannot be prefilled in pieces: checked once
 
     # ---------------------------------------------------------------- properties
     @property
@@ -244,6 +246,13 @@ class Target:
         if float((chain - plain).abs().max()) <= tol:
             return ""
         return "the model computes its own position ids or masks (a chain given explicitly changes its logits)"
+
+    def prompt_pieces_problem(self) -> str:
+        """'' when a prompt may be prefilled in pieces (chunked prefill), else why not: checked once
+        (`vlmspec.target.pieces.probe_prompt_pieces`)."""
+        if self._pieces_problem is None:
+            self._pieces_problem = probe_prompt_pieces(self)
+        return self._pieces_problem
 
     def input_embeddings(self) -> torch.nn.Module:
         return self.model.get_input_embeddings()
