@@ -3,16 +3,14 @@
     server = DrainingServer(uvicorn.Config(app, ...), app.state.service)
     server.run()            # until a signal (or server.drain()), then returns: the process exits 0
 
-The first signal starts the drain (`Service.stop`): from then on new requests get 503 (and
-/healthz 503, status "draining"), while the requests already accepted, decoding or queued, go on
-for up to `ServerSettings.shutdown_grace_s` (`vlmspec serve --drain-seconds`); what is left then
-gets 503. The server keeps listening meanwhile, so a client is told, not refused a connection.
-Then uvicorn stops: the answers still being sent finish, the lifespan ends, `run()` returns. A
-second signal cuts the drain short: the requests still running get 503 at the next engine step.
-
-uvicorn's own handlers stop listening at once and raise the signal again once stopped (a SIGTERM'd
-process then exits with -15, an interrupted one with 130); these do neither. A server run off the
-main thread (tests: `vlmspec.testing.live_server`) gets no signals: `drain()` is what they call.
+The first signal starts the drain (`Service.stop`): new requests get 503 (and /healthz 503,
+"draining"), while those already accepted, decoding or queued, go on for up to
+`ServerSettings.shutdown_grace_s` (`vlmspec serve --drain-seconds`); what is left then gets 503. The
+server keeps listening meanwhile, so a client is told, not refused a connection. Then uvicorn
+stops: the answers being sent finish, the lifespan ends, `run()` returns. A second signal cuts the
+drain short (503 at the next engine step). Unlike uvicorn's own handlers these neither stop
+listening at once nor raise the signal again (exit -15 / 130). A server run off the main thread
+(tests: `vlmspec.testing.live_server`) gets no signals: `drain()` is what they call.
 """
 
 from __future__ import annotations

@@ -1,23 +1,17 @@
 """The service on Ray Serve (`vlmspec serve --replicas N`, #49): the same FastAPI app, `create_app`, as
-a Ray Serve deployment of N replicas behind Ray's HTTP proxy. Ray does the placement, routing,
-health checks, replacement of dead replicas and autoscaling; vlmspec adds nothing of its own to
-those. Each replica builds its own engine (`vlmspec.factory.build_engine`, in its own process) and
-runs its own batched worker and queue: nothing is shared between replicas.
+a Ray Serve deployment of N replicas behind Ray's HTTP proxy. Ray does placement, routing, health
+checks, replacement and autoscaling; each replica builds its own engine (`vlmspec.factory.build_engine`)
+and runs its own worker and queue: nothing is shared between replicas (docs/scale-out.md).
 
     cfg = RayConfig(replicas=2)                                    # or min_replicas / max_replicas: autoscaling
     with ray_serving(spec, settings, cfg, port=0) as url: ...      # tests and benches: Ray's proxy URL
     serve_on_ray(spec, settings, cfg, host, port)                  # `vlmspec serve --replicas N` (until SIGTERM / SIGINT)
 
-What the replicas add to the one-process app (and nothing else):
-  - the response header ``x-vlmspec-replica`` on every answer: the replica that served it;
-  - ``GET /metrics/replicas``: every live replica's Prometheus metrics, each sample labelled
-    ``replica="<id>"`` (collected at request time from every replica through a Serve broadcast);
-    ``GET /metrics`` stays the metrics of the one replica that answers (the header says which);
-  - ``check_health``: Ray's periodic health check fails when the replica's worker thread is gone,
-    and Ray replaces the replica.
-
-Ray is an optional dependency (``pip install 'vlmspec[ray]'``): this module imports it at the top and
-is imported only when the Ray path runs (`vlmspec.app` does not import it).
+Added to the one-process app: the header ``x-vlmspec-replica`` on every answer; ``GET
+/metrics/replicas``, every live replica's metrics labelled ``replica="<id>"`` (a Serve broadcast);
+``check_health``, which fails when the replica's worker thread is gone, so Ray replaces it.
+Ray is optional (``pip install 'vlmspec[ray]'``): this module imports it at the top and is imported
+only when the Ray path runs (`vlmspec.app` does not import it).
 """
 
 from __future__ import annotations

@@ -6,13 +6,11 @@
 A "Run" submits the speculative job, then the plain one (one after the other, through the same
 worker and queue as the API; see ui_runner.py), and streams both answers, their tokens/s, the
 speedup, and a step-by-step view where each target forward's emitted tokens (accepted drafts + the
-bonus token) are highlighted, and the steps where the speculation controller drafted nothing are
-marked. The speculation controls (policy, max depth, tree size) become the speculative job's
-`GenerationConfig.speculation`; they are hidden when the drafter has no tree.
-
-The page is also one Gradio API endpoint, /run (gradio_client: ``Client(url).predict(image=..., prompt=...,
-api_name="/run")``): its inputs carry the page's names and defaults (the served drafter's tree and
-policy, as the page shows them on load), its outputs the page's HTML and a JSON record of the runs.
+bonus token) are highlighted, and the steps where the controller drafted nothing are marked. The
+speculation controls (policy, max depth, tree size) become the speculative job's
+`GenerationConfig.speculation`; they are hidden when the drafter has no tree. The page is also one
+Gradio API endpoint, /run (``Client(url).predict(image=..., prompt=..., api_name="/run")``): its
+inputs carry the page's names and defaults, its outputs the page's HTML and a JSON record of the runs.
 """
 
 from __future__ import annotations

@@ -3,14 +3,13 @@ its request ends, plain rows against goodput rows, alternating round by round (n
 batch's controller does shows without the service's own costs).
 
     PYTHONPATH=<checkout> .venv/bin/python scripts/batch_closed_loop.py [--slots 8] [--requests 32] [--rounds 2] \\
-        [--dtype bfloat16] [--no-ignore-eos] [--no-check] [--per-row] [--chains 1,2,3,4] [--kind-chains 3/0/0]
+        [--dtype bfloat16] [--no-ignore-eos] [--no-check] [--chains 1,2,3,4] [--kind-chains 3/0/0]
 
 Per round and way: tokens/s over the round, steps, the steps that drafted, tokens per step, the
 steps the batch's check held back (`BatchTiming.waits`), the median step, the drafted steps'
 times as the check saw them (median and the two slowest), and how many drafted tokens each row's
 drafted steps had accepted. `--no-check` lets every step draft what the rows choose (the check
-always allows), to see what the check costs or saves. `--per-row` adds goodput with depths chosen
-per row (`Batch(per_row_depths=True)`: rows of unequal trees verified without padding). `--chains`
+always allows), to see what the check costs or saves. `--chains`
 adds ways whose every row drafts a chain of that many levels at every step (the fixed policy): the best of them is what one depth for the whole batch, chosen in hindsight, would have
 given, the yardstick of the goodput controller's choice. `--kind-chains 3/0/0,...` adds ways whose rows draft by
 their kind (ToyWorld scenes / photographs / text): depths per row, chosen in hindsight per kind. Tokens/s are also given over the decode
@@ -40,7 +39,6 @@ parser.add_argument("--dtype", default="bfloat16")
 parser.add_argument("--max-new-tokens", type=int, default=64)
 parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
 parser.add_argument("--no-check", action="store_true", help="the batch's check of its drafted steps always allows drafting")
-parser.add_argument("--per-row", action="store_true", help="add a way whose goodput rows choose their own depths (Batch per_row_depths)")
 parser.add_argument("--chains", default="", help="comma-separated depths: a way per depth whose rows draft that deep a chain every step")
 parser.add_argument("--kind-chains", default="", help="comma-separated t/p/x plans: a way per plan whose ToyWorld rows draft a chain of t "
                     "levels every step, photographs p, text x (0: plain steps)")
@@ -75,8 +73,6 @@ def chain(depth: int) -> Way:
 
 # a way: its options for the mix's ToyWorld rows, photographs and text (row i of the mix is of kind i % 3)
 WAYS: dict[str, list[Way]] = {"plain": [chain(0)] * 3, "goodput": [(SpeculationOptions(policy="goodput"), None)] * 3}
-if args.per_row:
-    WAYS["per-row"] = [(SpeculationOptions(policy="goodput"), None)] * 3
 for depth in (int(d) for d in args.chains.split(",") if d):
     WAYS[f"chain-{depth}"] = [chain(depth)] * 3
 for plan in (p for p in args.kind_chains.split(",") if p):
@@ -87,7 +83,7 @@ rates: dict[str, list[float]] = {name: [] for name in WAYS}
 def run(name: str) -> str:
     configs = [GenerationConfig(max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, speculation=spec, tree=tree)
                for spec, tree in WAYS[name]]
-    batch = engine.batch(args.slots, capacity=1024, per_row_depths=name == "per-row")
+    batch = engine.batch(args.slots, capacity=1024)
     waiting = [(mix[i % len(mix)], configs[i % 3]) for i in range(args.requests)]
     tokens, drafted, step_s, t0 = 0, 0, [], time.perf_counter()
     accepted: collections.Counter[int] = collections.Counter()  # drafted tokens accepted -> row-steps

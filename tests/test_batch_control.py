@@ -349,44 +349,6 @@ def test_the_cost_model_is_measured_once_and_measured_again_when_the_model_draft
     assert len(list(tmp_path.glob("cost-*.json"))) == 5
 
 
-def test_a_ragged_steps_cost_is_the_plain_step_one_rows_drafting_and_each_drafting_rows_share():
-    """Every row at depth D: the measured B-row step. One row at D: the plain step, one row's drafting
-    (B = 1's extra), and an eighth of what the rest of B = 8's extra is. Padded, a step costs its
-    deepest row's depth for every row (negative control)."""
-    assert COST.step_seconds([5] * 8, ragged=True) == pytest.approx(COST.seconds(8, 5))
-    assert COST.step_seconds([2] * 4, ragged=True) == pytest.approx(COST.seconds(4, 2))
-    one = 2.0 + (1.5 - 1.0) + (7.0 - 2.0 - 0.5) / 8
-    assert COST.step_seconds([5] + [0] * 7, ragged=True) == pytest.approx(one)
-    assert COST.step_seconds([5] + [0] * 7) == pytest.approx(7.0)
-    assert COST.step_seconds([0] * 8, ragged=True) == COST.step_seconds([0] * 8) == pytest.approx(2.0)
-
-
-def test_ragged_rows_each_get_their_own_depth():
-    """B = 8, two rows whose drafts are always accepted and six whose drafts never are. Padded, the
-    six would verify as many nodes as the two: a drafted step costs 3.5 plain steps for 18 tokens, so
-    the batch decodes plainly (negative control). Ragged, the two draft deep, the six not at all:
-    2.5 + 2 x 0.56 seconds for 18 tokens, 1.24x plain steps' 4 tokens a second."""
-    rows = lambda: [_tracker(5), _tracker(5)] + [_tracker(0) for _ in range(6)]  # noqa: E731
-    assert choose_depths(rows(), [5] * 8, COST, per_row=True) == [5, 5] + [0] * 6
-    assert choose_depths(rows(), [5] * 8, COST, per_row=False) == [0] * 8
-    # rows that all pay keep drafting deep either way; rows that never pay never draft
-    assert choose_depths([_tracker(5) for _ in range(8)], [5] * 8, COST, per_row=True) == [5] * 8
-    assert choose_depths([_tracker(0) for _ in range(8)], [5] * 8, COST, per_row=True) == [0] * 8
-
-
-def test_a_ragged_row_drafts_a_level_only_where_it_pays_at_the_batchs_rate():
-    """Rows accepting 2 of 5 in a batch of 4 with a cheap batch cost: each draft level is worth less
-    than the last, so a row stops short of its cap where the next level costs more than the batch's
-    rate gives back; the choice is never worse than any one shared depth (the padded choice)."""
-    cheap = BatchCost(((1, B1), (4, CostModel.fit({0: 1.6, 1: 1.8, 2: 2.0, 5: 2.6}))))
-    rows = lambda: [_tracker(2) for _ in range(4)]  # noqa: E731
-    ragged = choose_depths(rows(), [5] * 4, cheap, per_row=True)
-    assert 0 < ragged[0] < 5 and len(set(ragged)) == 1
-    probe = rows()
-    rate = lambda depths: sum(probe[i].expected_tokens(d, chain=True) for i, d in enumerate(depths)) / cheap.step_seconds(depths, True)  # noqa: E731
-    assert all(rate(ragged) >= rate([d] * 4) - 1e-12 for d in range(6))
-
-
 # ms per step by depth (0: plain) of the default model's batched table, bf16, as measured today on this
 # CPU: once on a quiet machine, once while the test suite ran beside it (the 4-row steps slower than
 # the 8-row ones, a 2-row step drafting 4 levels at 487 ms)

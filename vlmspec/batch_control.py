@@ -1,45 +1,17 @@
-"""Goodput over a batch (SmartSpec): every row's depth for one step of a batch, chosen together.
-
-SmartSpec's goodput is defined over the batch, and so is `choose_depths`. One step drafts every
-level for its drafting rows at once and verifies every row's tree in one forward, so its cost
-follows the batch size and the rows' depths (`BatchCost`, measured at start-up per batch size).
-There a drafted node costs a row-sized slice of a batched forward, not the nearly free extra query
-it is alone, so a goodput row of a batch drafts its first-child chain, one node per level
-(`batch_chains`; the EAGLE head grows it top-1), and its E_b is the chain's: the tracker keeps the
-chain's acceptance apart from the tree's, learnt from every drafted step (alone, from how far the
-accepted path ran along first children, `DraftTree.first_chain_run`). Each row's E_b comes from
-its own acceptance history; a row's cap is its max depth, or `probe_depth` while it is probing (as
-alone: a fresh row or a retry drafts shallow, so a batch of fresh rows prices a depth-1 step, not
-its full tree at the prior's optimistic acceptance); rows of the fixed policy keep their own
-choice, and rows not chosen for count a token each.
-
-The goodput rows of a step share one depth D, priced as the forward pads every row to the
-largest tree,
+"""Goodput over a batch (SmartSpec): every row's depth for one step of a batch, chosen together
+(docs/adaptive.md, "Over a batch"). One step drafts every level for its drafting rows at once and
+verifies every row's tree in one forward, so its cost follows the batch size and the rows' depths
+(`BatchCost`, measured at start-up per batch size). A goodput row of a batch drafts its first-child
+chain (`batch_chains`), its E_b the chain's, from its own acceptance history; the goodput rows of a
+step share one depth D, the step priced padded to the largest tree:
 
     D* = argmax_D  sum_b E_b[min(D, cap_b)] / T_B[max(min(D, cap_b) over b, deepest fixed row)]
 
-and a probing row next to deeper rows drafts as deep as the step is, which costs nothing more.
-Where the target lays unequal trees end to end (`Target.verifies_ragged`: the CPU's attention), a
-batch may instead let each row choose its own depth d_b (`per_row`; off by default, as on the
-default model it served no more: docs/adaptive.md, "Depths per row"),
-
-    d* = argmax_d  sum_b E_b[d_b] / T_B(d),   T_B(d) = plain + drafting to max(d) + sum_b share(d_b)
-
-(`BatchCost.step_seconds`, `_ragged_depths`), so rows whose drafts are accepted draft deep beside
-rows that draft nothing. Either way the choice keeps a margin over plain decoding. As the batch
-grows a drafted step costs more plain steps and drafting falls, to none where it no longer pays
-for the batch. With one row, or without a batch cost, each row's controller chooses alone
-(`vlmspec.control`). Inside a batch a row's step times are not its own, so they do not correct its
-cost model; the batch's own step times correct the batch cost instead (`BatchTiming`: measured /
-modelled seconds, medians of the last steps, drafted and plain steps apart), as a request's do
-alone: the batch's prompts (long image prompts) are not the short one it was measured on.
-
-Estimates can still be wrong together: the rows' expected tokens lean optimistic, and a drafted
-step's cost can be off by more than that correction follows (the cost model is measured on one
-short prompt copied to every row). So the batch also checks what its drafted steps delivered, per
-batch-size bucket (`BatchTiming.allows_draft`): where they emitted fewer tokens per
-second than plain steps of the same rows would, drafting there waits, and is retried now and then
-(a retry drafts what the rows choose: the check is of the steps the batch would take).
+with a margin over plain decoding (`min_gain`); a row's cap is its max depth, or `probe_depth`
+while it probes. The batch's own step times correct the batch cost (`BatchTiming`: medians of
+measured / modelled seconds, drafted and plain steps apart), and per batch-size bucket it checks
+what its drafted steps delivered (`BatchTiming.allows_draft`): where they emitted fewer tokens per
+second than plain steps would, drafting waits, retried now and then.
 """
 
 from __future__ import annotations
@@ -162,12 +134,10 @@ class BatchTiming:
 
 
 def choose_depths(controls: list[Controller], max_depths: list[int], cost: BatchCost | None,
-                  timing: BatchTiming | None = None, per_row: bool = False) -> list[int]:
+                  timing: BatchTiming | None = None) -> list[int]:
     """Every row's depth for one step (see the module docstring: goodput over the batch), the batch
     cost corrected by the batch's own `timing` when given. Rows whose max depth is negative (a full
-    context) get 0 and are not asked. `per_row`: each goodput row gets its own depth
-    (`_ragged_depths`), the step priced as one that verifies each row's own nodes only
-    (`Target.verifies_ragged`); else they share one, the step priced padded."""
+    context) get 0 and are not asked. The goodput rows share one depth, the step priced padded."""
     chains = batch_chains(controls, cost)
     tracked = [i for i, c in enumerate(controls) if chains[i] and max_depths[i] > 0]
     if not tracked:
@@ -181,7 +151,7 @@ def choose_depths(controls: list[Controller], max_depths: list[int], cost: Batch
 
     def goodput(rows_at: dict[int, int]) -> float:
         step = [rows_at.get(i, d) for i, d in enumerate(depths)]
-        seconds = cost.step_seconds(step, per_row) * (timing.scale(max(step)) if timing is not None else 1.0)
+        seconds = cost.step_seconds(step) * (timing.scale(max(step)) if timing is not None else 1.0)
         return (others + sum(tokens[i][d] for i, d in rows_at.items())) / seconds
 
     def shared(depth: int) -> dict[int, int]:
@@ -190,16 +160,7 @@ def choose_depths(controls: list[Controller], max_depths: list[int], cost: Batch
         step = max([floor] + [min(depth, caps[i]) for i in tracked])
         return {i: min(depth, max_depths[i], max(caps[i], step)) for i in tracked}
 
-    deepest = max(caps.values())
-    parts = [cost.ragged_parts(len(controls), d) for d in range(max(deepest, floor) + 1)] if per_row else []
-    fixed = sum(parts[d][1] for d in depths) if per_row else 0.0  # the other rows' own nodes (their depths <= floor)
-
-    def ragged_at(depth: int) -> dict[int, int]:
-        once = cost.seconds(len(controls), 0) + parts[max(depth, floor)][0] + fixed
-        share = [p[1] for p in parts[: depth + 1]]
-        return _ragged_depths({i: tokens[i][: min(depth, caps[i]) + 1] for i in tracked}, others, once, share)
-
-    choices = [(ragged_at if per_row else shared)(depth) for depth in range(deepest + 1)]
+    choices = [shared(depth) for depth in range(max(caps.values()) + 1)]
     best = max(choices, key=lambda rows_at: (goodput(rows_at), -max(rows_at.values())))
     rested = dict.fromkeys(tracked, 0)
     if best != rested and goodput(best) < (1.0 + policy.min_gain) * goodput(rested):
@@ -210,23 +171,6 @@ def choose_depths(controls: list[Controller], max_depths: list[int], cost: Batch
         depths[i] = d
         controls[i].chosen.append(d)  # type: ignore[attr-defined]
     return depths
-
-
-def _ragged_depths(tokens: dict[int, list[float]], others: float, once: float, share: list[float]) -> dict[int, int]:
-    """Each row's own depth for a ragged step that pays `once` seconds whatever its rows draft and
-    `share[d]` for each row drafting d levels; row i drafting d emits tokens[i][d] (d up to its own
-    limit), the other rows `others`. The depths that maximise the step's tokens per second, by
-    Dinkelbach's iteration for a ratio: at rate g each row takes the depth maximising its tokens less
-    g times its seconds, and g becomes that choice's rate; the rate only rises, and it settles in a
-    few rounds."""
-    rows_at = dict.fromkeys(tokens, 0)
-    for _ in range(16):
-        rate = (others + sum(tokens[i][d] for i, d in rows_at.items())) / (once + sum(share[d] for d in rows_at.values()))
-        new = {i: max(range(len(t)), key=lambda d, t=t: (t[d] - rate * share[d], -d)) for i, t in tokens.items()}
-        if new == rows_at:
-            break
-        rows_at = new
-    return rows_at
 
 
 def batch_chains(controls: list[Controller], cost: BatchCost | None) -> list[bool]:

@@ -1,45 +1,17 @@
-"""Adaptive speculation: how many levels to draft at each step of a request (SmartSpec's goodput).
+"""Adaptive speculation: how many levels to draft at each step of a request (SmartSpec's goodput;
+docs/adaptive.md). The policy is shared and stateless, the acceptance history the request's own:
+`ctl = policy.start()`, `depth = ctl.choose(max_depth)`, `ctl.observe(depth, num_accepted, secs)`.
 
-The engine asks the request's controller before every step and tells it what happened after;
-the policy itself is shared and stateless, the acceptance history is the request's own:
-
-    ctl = policy.start()                      # one per request
-    depth = ctl.choose(max_depth)             # 0: no draft this step (a plain decoding step)
-    ctl.observe(depth, num_accepted, secs)    # after verification, with the step's measured seconds
-
-`FixedPolicy` always drafts the drafter's full depth (what the engine did before). `GoodputPolicy`
-maximises the expected goodput of the step, emitted tokens per second:
+`FixedPolicy` drafts the drafter's full depth. `GoodputPolicy` maximises emitted tokens per second:
 
     E[D] = 1 + sum_{k=1..D} prod_{d=1..k} a_d     a_d = P(the depth-d token is accepted | depth d-1 was)
-    T[D] = cost.seconds(D)                        a step that drafts D levels (CostModel)
     D*   = argmax_{D in 0..max_depth} E[D] / T[D], and 0 unless E[D*] / T[D*] >= (1 + min_gain) E[0] / T[0]
 
-The margin `min_gain` (0.1) is there because the estimates lean optimistic (the prior keeps a share
-of them, and the cost model is measured on a short prompt): a drafted step that looks break-even
-is a likely loss, and a 10% margin costs little where drafting pays (it pays 1.2x-1.9x there).
-
-a_d is estimated per request from decayed counts under a Beta prior (for a_1 `prior_accept`, for
-each deeper a_d the estimate of a_(d-1)): a collapse of acceptance shows within a few steps, and while nothing is drafted the estimates drift back to the prior, so
-the policy tries drafting again now and then (slowly: `idle_decay` per plain step, raised to
-1 / the price of a drafted step in plain steps when that is over 1, so a drafter that keeps failing
-costs a retry every few dozen steps, not every few, and a dearer retry comes less often). Retries
-back off: each retry in a row that emits fewer tokens per second than a plain step would doubles
-the wait before the next (up to 2 ** `max_backoff` = 16 times), and a drafted step that pays resets
-it, so a drafter that never pays on a long request is retried 16 times less often than it was.
-A drafted step that follows no paying one (a request's first, a retry after plain steps, or the
-step after a draft that accepted nothing) is a probe: it drafts at most `probe_depth` levels (1).
-A failing drafter then pays for a depth-1 tree (top_k nodes) per probe instead of its full tree
-(on this project's CPU about 1.6 plain steps instead of 2.2, more on a long image prompt), and a
-probe that is accepted lets the next step go as deep as goodput says. The cost model is measured at start-up through the
-engine itself (`vlmspec.cost.measure_cost`) or given; only ratios of its times matter. It is
-measured on a short text prompt, so each request corrects it with its own step times (the engine
-passes them to `observe`): a drafted step's cost is scaled by the ratio of the drafted steps'
-measured seconds to the model's (decayed mean), a plain step's by the plain steps' own ratio.
-Until a plain step has been timed it keeps the model's seconds, so a drafted step found dearer
-than modelled (a long image prompt makes a tree's attention dearer) counts wholly against drafting.
-
-Over a batch (SmartSpec's goodput is defined over the batch) the rows' depths are chosen together:
-`vlmspec.batch_control`, over a `BatchCost` measured per batch size.
+a_d comes from decayed counts under a Beta prior; T[D] from a `CostModel` measured at start-up and
+corrected by the request's own step times. While nothing is drafted the estimates drift back to the
+prior (`idle_decay`), so drafting is retried, with a backoff that doubles after each losing retry
+(up to 2 ** `max_backoff`); a probe (a first draft, a retry) drafts at most `probe_depth` levels.
+Over a batch the rows' depths are chosen together: `vlmspec.batch_control`, over a `BatchCost`.
 """
 
 from __future__ import annotations
@@ -136,26 +108,10 @@ class BatchCost:
         s0, s1 = m0.seconds(depth), m1.seconds(depth)
         return max(s0 + (s1 - s0) * (batch - b0) / (b1 - b0), min(s0, s1))
 
-    def step_seconds(self, depths: list[int], ragged: bool = False) -> float:
-        """Seconds of a step whose rows draft `depths` (0: a plain row). Padded (every row verified as
-        deep as the deepest): `seconds(B, max)`. Ragged (each row verifies its own nodes only,
-        `Target.verifies_ragged`): the plain step, plus `ragged_parts` (once for the deepest level,
-        and each drafting row's share)."""
-        rows, deepest = len(depths), max(depths)
-        if not ragged:
-            return self.seconds(rows, deepest)
-        return self.seconds(rows, 0) + self.ragged_parts(rows, deepest)[0] + sum(self.ragged_parts(rows, d)[1] for d in depths)
-
-    def ragged_parts(self, rows: int, depth: int) -> tuple[float, float]:
-        """A ragged step of `rows` rows drafting up to `depth` levels: (what it pays once, one row's
-        drafting to that level, `seconds(1, depth) - seconds(1, 0)`, as a level's head forward costs
-        about the same for one row or eight; what each row drafting `depth` levels adds, its share of
-        the rest of a batch that drafts that deep). With every row at `depth` the step costs
-        `seconds(rows, depth)` again; with one row there, close to what drafting costs alone."""
-        if depth == 0:
-            return 0.0, 0.0
-        alone = self.seconds(1, depth) - self.seconds(1, 0)
-        return alone, max(0.0, self.seconds(rows, depth) - self.seconds(rows, 0) - alone) / rows
+    def step_seconds(self, depths: list[int]) -> float:
+        """Seconds of a step whose rows draft `depths` (0: a plain row), every row verified as deep as
+        the deepest: `seconds(B, max)`."""
+        return self.seconds(len(depths), max(depths))
 
     def as_dict(self) -> dict[str, Any]:
         return {str(b): m.as_dict() for b, m in self.by_size}

@@ -6,16 +6,12 @@ The CLI, the server and the benchmarks build engines here and nowhere else:
     engine = build_engine(spec)                  # SpecEngine(target, drafter)
     target = load(spec)                          # the target alone (training, evaluation)
 
-Resolution rules: no model -> the target a drafter folder records it was trained for (its config's
-`trained_for`), else the aligned real target when it is built (`vlmspec build-target`
-with the trained parts), else the committed toy; "toy" -> the toy; drafter "auto" -> the EAGLE drafter shipped for that model (the toy's, the
-default model's), else n-gram; "eagle" -> that drafter (the name the service shows for it); device None -> CUDA when available; dtype "auto" -> bfloat16 on CUDA, float32 on CPU;
-policy "goodput" (the default) -> the engine's cost model is measured at build (`vlmspec.cost.measured_costs`:
-three rounds of 16 tokens at every depth from 0 to the tree's on a short text prompt, about 20 s in fp32 here for a depth-5 tree,
-growing with the depth, and per batch size up to `max_batch` for batched serving) unless the drafter never drafts; it is kept in a
-cache file per model, drafter, device and dtype, so the next build with the same ones reads it instead.
-Before it builds an engine it bounds oneDNN's per-shape caches (`vlmspec.onednn`: on CPU a service's memory
-would otherwise grow with every new prompt length). Bad choices raise `ConfigError` with a message that says what to pass instead.
+Resolution: no model -> the target a drafter folder records (`trained_for`), else the aligned real
+target when built (`vlmspec build-target`), else the committed toy ("toy"); drafter "auto" -> the
+EAGLE drafter shipped for that model ("eagle" names it), else n-gram; device None -> CUDA if there;
+dtype "auto" -> bfloat16 on CUDA, float32 on CPU; policy "goodput" -> the cost model measured at
+build (`vlmspec.cost.measured_costs`, cached per model, drafter, device, dtype) unless nothing drafts.
+oneDNN's caches are bounded first (`vlmspec.onednn`); a bad choice raises `ConfigError` saying what to pass.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """User inputs -> model inputs: the one image loader and the one prompt encoder.
 
-Images: bytes, files, data URLs and (opt-in) http(s) URLs -> RGB PIL images, with limits. Every
-path into the model goes through `decode_image` (the CLI's files, the server's data URLs, the
-demo's uploads through `checked_rgb`, training JSONL images): non-images, truncated files,
-decompression bombs and extreme aspect ratios are refused with an `InputError` that names the
-field (`param`) and a short `code`.
-
-Prompts: chat messages (and their images) -> the target's model inputs. Every message keeps its
-role; a message's content is a list of parts in order, ``{"type": "text", "text": ...}`` or
-``{"type": "image"}`` (one per image, handed to the processor in the order they appear). The
-conversation goes through the target's own chat template with ``add_generation_prompt=True``,
-then through its processor.
+Images: bytes, files, data URLs and (opt-in) http(s) URLs -> RGB PIL images, with limits; every path
+into the model goes through `decode_image` (the demo's uploads through `checked_rgb`): non-images,
+truncated files, decompression bombs and extreme aspect ratios raise an `InputError` naming the
+field (`param`) with a short `code`. Prompts: chat messages, each keeping its role, its content a
+list of ``{"type": "text", "text": ...}`` / ``{"type": "image"}`` parts in order, through the
+target's own chat template (``add_generation_prompt=True``), then its processor.
 
     load_image_file("photo.jpg")                             # -> RGB PIL image, or InputError
     load_image(pil_image | path | b"..." | "data:..." | "https://...", limits)   # whatever the caller holds

@@ -1,17 +1,12 @@
 """oneDNN's per-shape caches, bounded: a service's memory that stays flat over prompts of every length.
 
-On CPU torch hands some matrix products to oneDNN: the drafter's (`PackedLinear`, fp32 and bf16),
-the vision encoder's convolutions, and in bf16 the target's linear layers too. oneDNN builds a
-primitive per shape, and two caches keep what it built, each 1,024 entries by default: oneDNN's
-own primitive cache (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`) and that of ideep, torch's wrapper around
-it (`LRU_CACHE_CAPACITY`). A product's row count is part of its shape, and a service sees a new one
-with every prompt length (the drafter's prefill runs over the whole prompt) and every batch
-composition (a draft level has rows x nodes rows). Long prompts' large temporaries also fragment
-the heap between the entries. So a service under a mix of prompts grew by hundreds of MB until both caches were full: the drafter's
-five packed products at 400 new row counts took 1.6 GB of resident memory with the default
-capacities, 0.5 GB with these (`python -m vlmspec.recipes kernels onednn`). The shapes a service uses over and over
-are far fewer: of the 724 that three minutes of the soak built, about 220 were used ten times or
-more (docs/serving.md).
+On CPU torch hands some matrix products to oneDNN (the drafter's `PackedLinear`, the vision
+encoder's convolutions, in bf16 the target's linear layers), which builds a primitive per shape and
+keeps it in two caches of 1,024 entries by default: oneDNN's own (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`)
+and that of ideep, torch's wrapper around it (`LRU_CACHE_CAPACITY`). A row count is part of a shape,
+and a service meets new ones with every prompt length and batch composition, so its memory grew by
+hundreds of MB until both were full, while the shapes it uses over and over are far fewer
+(docs/serving.md has the soak that found it, and `python -m vlmspec.recipes kernels onednn`).
 
 `bound_shape_caches` sets both capacities before oneDNN's first primitive (they are read once, then),
 unless the environment already sets them: the composition root calls it before it builds an engine.

@@ -1,14 +1,11 @@
 """One thread at a time on torch's CPU thread pool: giving a thread's OpenMP workers back.
 
-On CPU, torch runs each operator on an OpenMP team. The OpenMP runtime (libgomp in the Linux
-wheels) keeps one pool of worker threads per thread that ever ran an operator, and the pool stays
-after that thread stops calling torch. Once the pools hold more threads than the machine has
-cores, the runtime stops letting its threads spin between operators; they sleep and are woken for
-each one instead, and a forward of a few hundred operators pays that wake-up on every one. The
-service's CLI builds the engine (and measures its cost model) on the main thread and its worker
-thread runs it, so every step paid it: on this project's 2-core CPU the service's plain decoding
-at 1 client went from 14.8 to 25.8 tokens/s once the main thread gave its pool back, and from
-54.0 to 83.2 at 8 clients (`vlmspec bench load`, default model, fp32; docs/serving.md).
+On CPU, torch runs each operator on an OpenMP team, and the runtime (libgomp in the Linux wheels)
+keeps a pool of worker threads per thread that ever ran an operator, after that thread stops
+calling torch. Once the pools hold more threads than the machine has cores, the runtime stops
+letting its threads spin between operators, and a forward of a few hundred operators pays a
+wake-up on every one. The service builds its engine on the main thread and its worker thread runs
+it, so every step paid it (docs/serving.md measures it: about 1.6x slower).
 
 So a thread that has finished with torch gives its pool back (`release_thread_pool`): the
 service's caller after building the engine, the worker when its batch is empty. The next operator

@@ -2,25 +2,16 @@
 
     keys, values of layer l: [slots, kv_heads, capacity, head_dim]     (allocated at the first write)
 
-A request owns a slot (a row of every buffer) while it runs; its committed length lives with the
-request (`TargetState.seq_len`), not here. Each forward covers some slots (`rows`), each row writing
-its new entries at its own offset (`starts`): a prefill at 0, a verify step at the row's committed
-length. A rejected draft is dropped by not advancing the length (its entries stay as stale values
-past the row's end, masked out and overwritten by the next step); an accepted path that is not a
-contiguous run of the tree is gathered within its own row (`commit`). Nothing is re-padded or
-realigned between steps.
-
-The cache is an HF `Cache` the unmodified models accept: `update` writes at the rows' offsets and
-returns the rows' keys and values up to the furthest end, `get_seq_length` / `get_mask_sizes` are
-those of the furthest row (for one row: exactly a `DynamicLayer`'s, so a model may build its own
-masks and positions for a one-row step). Rows shorter than the furthest one are cut by the 4D mask
-the caller passes (`vlmspec.target.model.Target.forward_batch`). A ragged step's new entries come
-laid end to end, one sequence of sum(counts) (`begin(..., counts)`), and each goes to its row.
-
-Layer kinds follow `vlmspec.kv_cache`: full, sliding-window and chunked attention keep every entry
-in a slot layer (windows are applied by masks); `dummy` layers hold nothing; any other kind
-(convolution, recurrent state, ...) keeps transformers' own layer, which holds one request's state
-and cannot be rolled back: such a cache has one slot, and plain decoding only.
+A request owns a slot while it runs; its committed length lives with the request
+(`TargetState.seq_len`). A forward writes its rows' (`rows`) new entries at each row's own offset
+(`starts`); a rejected draft is dropped by not advancing the length, an accepted path that is not
+a contiguous run is gathered within its row (`commit`); nothing is re-padded or realigned. It is an
+HF `Cache` the unmodified models accept: `update` returns the rows' keys and values up to the
+furthest end, `get_seq_length` / `get_mask_sizes` are the furthest row's (one row: a
+`DynamicLayer`'s); shorter rows are cut by the caller's 4D mask; a ragged step's entries come laid
+end to end (`begin(..., counts)`). Layer kinds follow `vlmspec.kv_cache`: full, sliding and chunked
+attention keep every entry (windows are masks), `dummy` holds nothing; any other kind keeps
+transformers' own layer, which cannot be rolled back: such a cache has one slot, plain decoding only.
 """
 
 from __future__ import annotations

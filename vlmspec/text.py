@@ -5,15 +5,12 @@
         print(event.text, end="")
     gen.completion.text, gen.completion.finish_reason, gen.completion.result  # the engine's GenerationResult
 
-A row of a batch (the service's worker drives `Batch.step` itself) keeps a `TextStream` and feeds
-it that row's StepEvents; `TextGeneration` is the same TextStream around a generation of its own,
-so both give the same text, stop and finish reason.
-
-Each step decodes only a short window of tokens (never the whole output again), so the cost per
-token does not grow with the output's length. What is streamed, concatenated, equals the final
-text, which equals the tokenizer's decode of all the emitted tokens (skip_special_tokens=True), cut
-before the first stop string. Text is held back while it could still be the start of a stop string
-or ends in half a UTF-8 character.
+A batch row keeps a `TextStream` fed with its StepEvents; `TextGeneration` is the same TextStream
+around a generation of its own, so both give the same text, stop and finish reason. Each step
+decodes only a short window of tokens, so the cost per token does not grow with the output. What
+is streamed, concatenated, equals the final text, which equals the tokenizer's decode of all the
+emitted tokens (skip_special_tokens=True) cut before the first stop string. Text is held back while
+it could still be the start of a stop string or ends in half a UTF-8 character.
 """
 
 from __future__ import annotations
@@ -38,10 +35,8 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self._prefix = 0
         self._read = 0
-        self.decoded_tokens = 0  # tokens passed to the tokenizer's decode, all calls together
 
     def _decode(self, ids: list[int]) -> str:
-        self.decoded_tokens += len(ids)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def push(self, token_id: int) -> str:
@@ -121,10 +116,6 @@ class TextStream:
         """Whether a stop string has been found (the engine should stop this request)."""
         return self._stop.stopped
 
-    @property
-    def decoded_tokens(self) -> int:
-        return self._detok.decoded_tokens
-
     def push(self, step: StepEvent) -> TextEvent:
         return TextEvent("".join(self._stop.push(self._detok.push(t)) for t in step.token_ids), step)
 
@@ -144,10 +135,6 @@ class TextGeneration:
         self._gen = engine.stream(inputs, config)
         self._text = TextStream(engine.target.tokenizer, stop)
         self._it = self._run()
-
-    @property
-    def decoded_tokens(self) -> int:
-        return self._text.decoded_tokens
 
     def __iter__(self) -> Iterator[TextEvent]:
         return self._it

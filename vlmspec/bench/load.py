@@ -1,42 +1,16 @@
 """`vlmspec bench load`: the service under load, a concurrency sweep through the real HTTP server (#47 item 4).
 
-At each concurrency C, C clients each send their next request as soon as their last one ends
-(a closed loop), until the level's requests are done (at least `requests`, and two per client).
-The requests are the batched benches' held-out mix (ToyWorld scenes, photographs, text-only
-instructions, in turn: `bench.batch.mixed_conversations`), streamed, at temperature 0, `ignore_eos`
-so every answer has `max_tokens` tokens (or, with `ignore_eos=False`, each answer ends where the
-model ends it, as a user gets it: the mix's answers average 23 tokens on the default model, and
-`ignore_eos` fills the rest of the 64 with the model's end-of-turn token over and over;
-docs/serving.md compares the two). With `repeat_share` (the repeating mix, #73) a level sends the
-mix's distinct requests, then that share of repeats of them, every one of them: what a drafter
-that learns from traffic (`--drafter suffix`, `hybrid`) drafts from (its store lives in the
-server, so a level also sees the answers of the levels before it). The ways differ only in each
-request's own options:
-
-    plain      "speculative": false                         (rows of the batch that never draft)
-    fixed      "speculation": {"policy": "fixed"}           (the drafter's full tree every step)
-    goodput    "speculation": {"policy": "goodput"}         (the controller's depth per step)
-
-and the baseline is the one-at-a-time service (a server with max_batch 1), with the server's
-default policy. Measured per level: total tokens/s (completion tokens of the level over its wall
-time), latency (send -> last byte) and time to first token (send -> the first chunk with text),
-p50 and p99 over the level's requests, and the mean batch size per engine step (the server's
-`vlmspec_batch_size` histogram over the level); tokens/s and mean batch also while every client
-was busy (`run_level`: the server's token counter, up to when the first client ran out of
-requests). Where the engine's time went (the server's `vlmspec_engine_seconds_total{phase}`): the
-share of it spent prefilling joining requests, and the tokens per second of the decode steps alone,
-which is what speculation speeds up (every request's prefill costs the same in every way, so a
-large prefill share pulls the ways' ratios towards 1). Every answer is compared with the same
-request's answer at concurrency 1 in the same way: in fp32 they must be identical.
-
-The bench talks HTTP only (the service is above the benches in the layer rule): the CLI starts the
-servers (`vlmspec.app.serve.serving`) over one engine and passes their URLs, or, with `--url`, sends
-the sweep to a service already running (`remote`: e.g. Ray Serve's proxy in front of N replicas,
-whose aggregated `/metrics/replicas` gives the mean batch over all of them, and whose
-`x-vlmspec-replica` header says how many replicas served each level). Levels are interleaved:
-for each concurrency, every way in turn (rotated), so a drifting machine moves them together.
-After each level the report so far can be written (`sweep`'s `on_level`; the CLI rewrites
-load.json and load.md), so a run stopped by a time limit keeps the levels it measured.
+At each concurrency C, C closed-loop clients send the batched benches' held-out mix
+(`bench.batch.mixed_conversations`; streamed, T=0, `ignore_eos` unless told otherwise) until the
+level's requests are done; with `repeat_share` (#73) a level also sends that share of repeats. The
+ways differ only in each request's options: plain (`"speculative": false`), fixed and goodput
+(`"speculation": {"policy": ...}`); the baseline is a server with max_batch 1. Per level: total
+tokens/s, latency and time to first token (p50, p99), mean batch (also while every client was
+busy: `run_level`), the prefills' share of the engine's time and the decode steps' tokens/s
+(`vlmspec_engine_seconds_total{phase}`); in fp32 every answer must equal that request's at
+concurrency 1. HTTP only: the CLI starts the servers (`vlmspec.app.serve.serving`), or `--url` sends
+the sweep to a running service (`remote`, e.g. Ray Serve's proxy). Levels interleave the ways
+(rotated); `sweep`'s `on_level` writes the report after each level. What it measured: docs/serving.md.
 """
 
 from __future__ import annotations

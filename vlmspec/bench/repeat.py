@@ -6,14 +6,11 @@ traffic (`--drafter suffix`, `hybrid`) is measured on, beside the benches' other
     plan.items                          # (0, 1, ..., 11, 0, 1, ..., 11): the prompt each request asks
     plan.repeat                         # (False x 12, True x 12)
 
-The distinct prompts come first, in order, then the repeats cycle over them in order, so a share s
-of R requests is R * s repeats: round(n * s / (1 - s)) of them for n distinct prompts (s = 0.5: one
-second pass; s = 0: the distinct prompts alone). `bench run` measures each pass apart
-(`pass_report`); `bench load` sends the plan's requests in order.
-
-In `bench run` a learning drafter keeps only what each request's last round answered (the engine's
-`remember`), so every round of request i drafts from the answers of requests 0..i-1 alone: a
-warm-up round never turns a fresh prompt into a repeat.
+The distinct prompts come first, in order, then the repeats cycle over them: round(n * s / (1 - s))
+repeats for n distinct prompts at share s. `bench run` measures each pass apart (`pass_report`);
+`bench load` sends the plan's requests in order. In `bench run` a learning drafter keeps only what
+each request's last round answered (the engine's `remember`), so every round of request i drafts
+from the answers of requests 0..i-1 alone: a warm-up round never turns a fresh prompt into a repeat.
 """
 
 from __future__ import annotations

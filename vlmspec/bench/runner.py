@@ -5,14 +5,12 @@ HTTP service); an "item" is what they all answer (a prompt, or a prompt at a tem
 item runs `warmup + repeats` rounds; each round runs every way once, in an order rotated by
 item + round (`stats.rotated`), so no way always goes first on a noisy machine. Ratios are paired:
 the reference way's seconds over a way's seconds, on the same item and round (> 1: faster than
-the reference), summarised by their geometric mean and spread.
+the reference), summarised by their geometric mean and spread. A way is a callable
+`(item, round) -> result` (`round` counts the warm-up rounds too; `Timed.repeat` does not).
 
     run = run_ways({"plain": plain_call, "fixed": fixed_call}, n_items=8, reference="plain", repeats=2)
     run.paired("fixed").geomean      # per-item speedup of "fixed" over "plain", geometric mean
     run.rounds()                     # {(item, repeat): {way: Timed}}, to build a bench's rows
-
-A way is a callable `(item, round) -> result`: `round` counts the warm-up rounds too (0 ..
-warmup + repeats - 1), for seeds; `Timed.repeat` counts the measured ones only.
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """`vlmspec bench server`: what the HTTP service adds to a request (#22 item 5).
 
-The same engine answers the same held-out prompts two ways, interleaved prompt by prompt and
-repeat by repeat (`runner.run_ways`): directly, as `vlmspec generate` does (prompt encoding ->
-engine -> text), and through the running service at `url` (`POST /v1/chat/completions`, the image
-as a PNG data URL built before the clock starts), which must serve that same engine as `model`.
-Both answers must be the same at temperature 0. Reported per request: the wall-clock time of each
-path, and the ratio served / direct with its spread. The order of the two paths alternates, so the
-geometric mean of the ratios cancels a first-of-pair effect; its 90% interval is a bootstrap over
-the requests (fixed seed).
-
-The bench talks to the service over HTTP only (the service is above the benches in the layer
-rule): the CLI starts it in a thread (`vlmspec.app.serve.serving`) and passes its URL.
+The same engine answers the same held-out prompts two ways, interleaved prompt by prompt and repeat
+by repeat (`runner.run_ways`): directly, as `vlmspec generate` does (prompt encoding -> engine ->
+text), and through the running service at `url` (`POST /v1/chat/completions`, the image as a PNG
+data URL built before the clock starts), which must serve that same engine as `model`; both answers
+must be the same at temperature 0. Reported per request: each path's wall-clock time and the ratio
+served / direct; the paths' order alternates, so the geometric mean of the ratios cancels a
+first-of-pair effect (its 90% interval a bootstrap over the requests, fixed seed). The bench talks
+HTTP only (the service is above the benches): the CLI starts it in a thread and passes its URL.
 
     with serving(engine, ServerSettings(model="bench", ui=False)) as url:
         report = measure(engine, prompts, url, "bench", max_tokens=64, repeats=3)

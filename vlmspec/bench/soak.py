@@ -1,28 +1,16 @@
 """`vlmspec bench soak`: the service under a long mixed load, checked answer by answer (#47's soak).
 
-`clients` closed-loop clients send requests for `minutes` through the real HTTP server. Each request
-is drawn (seeded) from a few held-out prompts (`bench.batch.mixed_conversations`) and a few option
-sets (`VARIANTS`: plain rows, the goodput and fixed policies, greedy and seeded sampling, streamed
-or not, stop strings, a short answer), and is one of four kinds:
-
-    complete        read to the end: 200, and its text is the same request's text alone (fp32; seeded
-                    sampling of plain rows too), or, where speculation changes which sample a seed
-                    gives (sampled rows that draft), an answer that finished. One that the server
-                    cuts at its request timeout (a machine loaded beyond it) is counted apart
-                    ("cut") and judged as a prefix, as a cancel is
-    cancel          streamed; the client closes the connection after a few chunks: what it got is a
-                    prefix of the text alone (where that is exact, as above), and the slot is freed
-    client-timeout  streamed with a read timeout far under a step under load: the same as a
-                    cancel, by the client's clock
-    server-timeout  an answer far longer than the server's request timeout (ignore_eos): it ends
-                    with the server's 504 `timeout` event, its text a prefix of that request's text
-                    alone, cut to a short max_tokens
-
-Before the soak every body is answered alone, one at a time (the reference). During it the
-process's resident memory is sampled (the server runs in this process); after it `/healthz` must
-show every slot free and nothing waiting. Pass: no answer changed, no cut answer off its prefix,
-no unexpected status, nothing hung (every request has a deadline), memory after warm-up within
-`rss_growth_limit`, all slots free.
+`clients` closed-loop clients send requests for `minutes` through the real HTTP server, each drawn
+(seeded) from a few held-out prompts (`bench.batch.mixed_conversations`) and option sets
+(`VARIANTS`), and of one of four kinds: complete (read to the end; its text must be the same
+request's text alone, in fp32, while sampled rows that draft need only finish; one cut at the
+server's request timeout is counted apart as "cut", judged as a prefix), cancel (the client closes
+after a few chunks: a prefix, the slot freed), client-timeout (a read timeout far under a step: as a
+cancel) and server-timeout (`ignore_eos`, far past the server's timeout: a 504 `timeout` event, a
+prefix). Every body is first answered alone (the reference); resident memory is sampled during the
+soak (the server runs in this process). Pass: no answer changed, no cut answer off its prefix, no
+unexpected status, nothing hung, memory after warm-up within `rss_growth_limit`, and `/healthz`
+then showing every slot free and nothing waiting. The runs and what they found: docs/serving.md.
 """
 
 from __future__ import annotations

@@ -11,8 +11,7 @@ options here and calls the library (engines through `vlmspec.factory`); nothing 
     (how the bundled targets were trained, and the research suites: python -m vlmspec.recipes)
     number validators, engine options                  vlmspec/cli/options.py
 
-Bad input ends with one line on stderr and exit code 2: argparse's usage error for a bad option,
-"vlmspec COMMAND: error: ..." for every `vlmspec.errors.VlmspecError` the library raises.
+Bad input: one line on stderr, exit code 2 (argparse's usage error, or "vlmspec COMMAND: error: ..." for a VlmspecError).
 """
 
 from __future__ import annotations

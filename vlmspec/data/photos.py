@@ -1,16 +1,12 @@
 """Real photographs for training data, taken from pip packages that ship them, and their seeded
 augmentation (crop, flip, scale, colour).
 
-The held-out photographs stay out: the sample photographs of scikit-image, matplotlib,
-scikit-learn and scipy (`assets/images/` ships five of them; the evaluation sets read those) are
-in no catalogue entry, and `heldout_photo_hashes` lets a caller refuse any image whose bytes are
-one of `assets/images/`'s files.
-
-`CATALOGUE` names each photograph by package, path inside it and sha256: a file whose bytes differ
-(another release of the package) is not used, so a corpus' photographs are the ones listed here.
-A package that is not installed contributes nothing; `available_photos` says which are missing.
-The licence column is the package's own: neither package states a separate licence for its
-images, so they are used under the package's (docs/data.md says so).
+The held-out photographs stay out: the sample photographs of scikit-image, matplotlib, scikit-learn
+and scipy (`assets/images/` ships five of them; the evaluation sets read those) are in no catalogue
+entry, and `heldout_photo_hashes` lets a caller refuse any image whose bytes are one of
+`assets/images/`'s files. `CATALOGUE` names each photograph by package, path inside it and sha256:
+a file whose bytes differ (another release) is not used. A package that is not installed
+contributes nothing (`available_photos` says which). Licences: the packages' own (docs/data.md).
 
     photos, missing = available_photos()          # [Photo], ["imgaug (pip install ...)", ...]
     image, params = augment(photo.image(), random.Random(7))   # a new RGB image, the ops applied

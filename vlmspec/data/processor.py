@@ -1,22 +1,17 @@
 """Tokenizer + LLaVA processor for the ToyWorld tiny VLM (fully offline).
 
-Image tokens
-------------
-The vision tower is a CLIP ViT on 96x96 images. The bundled target uses patch 32
-(``TargetArch.patch_size``): 3 x 3 = 9 patch embeddings + 1 CLS; ``PATCH_SIZE`` (12, 64 patches) is
-only this module's default for other uses. We use ``vision_feature_select_strategy="default"``
-(LlavaModel drops the CLS feature, ``features[:, 1:]``) together with
-``num_additional_image_tokens=1`` in the processor, so ``LlavaProcessor`` expands each ``<image>``
-to ``(96 // patch) ** 2 + 1 - 1`` placeholder tokens (9 for the bundled target), exactly the patch
-features the model scatters into them. (``"full"`` would keep CLS and need one
-placeholder more.) :func:`llava_config_kwargs` returns the matching ``LlavaConfig`` fields.
+Image tokens: a CLIP ViT on 96x96 images; the bundled target uses patch 32 (``TargetArch.patch_size``:
+3 x 3 = 9 patch embeddings + 1 CLS; ``PATCH_SIZE``, 12, is only this module's default). With
+``vision_feature_select_strategy="default"`` (LlavaModel drops the CLS feature) and
+``num_additional_image_tokens=1``, ``LlavaProcessor`` expands each ``<image>`` to
+``(96 // patch) ** 2 + 1 - 1`` placeholders (9 for the bundled target), exactly the patch features
+the model scatters into them. :func:`llava_config_kwargs` returns the matching ``LlavaConfig`` fields.
 
 Chat format (``CHAT_TEMPLATE``)::
 
     <s><|user|>\\n<image>\\n{prompt}\\n<|assistant|>\\n{answer}</s>\\n
 
-The assistant turn always ends with the eos token ``</s>``; ``add_generation_prompt=True``
-appends ``<|assistant|>\\n``.
+The assistant turn always ends with the eos token ``</s>``; ``add_generation_prompt=True`` appends ``<|assistant|>\\n``.
 """
 
 from __future__ import annotations

@@ -1,26 +1,16 @@
 """ToyWorld: a deterministic synthetic visual world for training tiny VLMs from scratch.
 
 Every sample is a pure function of ``(seed, task)`` (``random.Random(seed)``; no global state),
-so train / val / test splits are just disjoint seed ranges (:data:`SPLITS`).
+so train / val / test splits are just disjoint seed ranges (:data:`SPLITS`). The 96x96 images are
+learnable by a small LLaVA model whose CLIP ViT reads 32x32 patches (the bundled target,
+``assets/toyworld-vlm``): 3x3 = 9 patches, one per grid cell, each object whole in one image token.
 
-The world is deliberately *learnable* by a small LLaVA-architecture model (the bundled target,
-``assets/toyworld-vlm``, has 4.1M parameters) whose CLIP ViT reads the 96x96 images in 32x32
-patches: 3x3 = 9 patches, exactly one per grid cell, so each object lies whole inside one image
-token (``TargetArch.patch_size`` in :mod:`vlmspec.recipes.train.target_sft`; 12-px patches, 8x8 = 64
-tokens with 2.67 x 2.67 patches per cell, did not learn to read the image within the CPU budget):
+* **object scenes**: 2-6 objects, one per cell of a 3x3 grid, 5 shapes, 7 colours, 2 sizes, small
+  jitter; optionally a white sign on the top or bottom row with ONE upper-case word (:data:`WORDS`).
+* **bar charts**: 3-4 bars labelled from :data:`CHART_LABELS`, values 1-9 printed above each bar.
 
-* **object scenes**: 2-6 objects, one per cell of a 3x3 grid (cells are 32 px), 5 shapes,
-  7 saturated colours, 2 sizes (radius 8 px / 13 px), small positional jitter (large neighbours
-  may touch / overlap a little), plain light background. Optionally a white sign spanning the
-  top or bottom row with ONE upper-case word (from :data:`WORDS`) in a ~20 px bold font; objects
-  then occupy only the other two rows.
-* **bar charts**: 3-4 coloured bars labelled with a letter from :data:`CHART_LABELS`, integer
-  values 1-9 printed above each bar.
-
-Images are rendered at 4x and downsampled with a box filter (anti-aliased, deterministic).
-
-Tasks (:data:`TASKS`): ``describe`` (long, sampled from a rich grammar), ``count``,
-``attribute``, ``spatial``, ``read_text``, ``read_chart`` and ``text_only`` (no image).
+Rendered at 4x and box-filter downsampled. Tasks (:data:`TASKS`): ``describe``, ``count``,
+``attribute``, ``spatial``, ``read_text``, ``read_chart``, ``text_only`` (no image);
 :func:`score` parses a model answer back against the ground truth.
 """
 

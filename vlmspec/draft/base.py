@@ -1,25 +1,17 @@
 """The one Drafter protocol every drafter implements, and the tree knobs they share.
 
-A Drafter is stateless model/config; ``start`` opens a DraftSession holding one request's
-state (its own KV cache, the token history, the request's tree shape). The engine only reads
-``needs_visual`` and calls:
+A Drafter is stateless model/config; ``start`` opens a DraftSession holding one request's state
+(its own KV cache, the token history, the request's tree shape). The engine reads ``needs_visual`` and calls:
 
     session = drafter.start(prompt, tree)    # after the target's prefill; tree None = drafter.tree
     tree = session.propose(root, max_depth)  # root = last emitted token, not yet in the target KV
-    session.commit(tokens, features)         # tokens [k] now in the target KV (root + accepted),
-                                             # features [k, H] the target's features for them
+    session.commit(tokens, features)         # tokens [k] now in the target KV (root + accepted), features [k, H]
+    session.finish(tokens)                   # optional: once, when the request leaves, every token it emitted
 
-A session may also have `finish(tokens)`: the engine calls it once, when the request leaves its
-batch, with every token the request emitted (a drafter that learns from traffic keeps them there).
-
-A drafter may name `feature_layers` (a tuple of target layer ids, EAGLE-3): its features are then
-those layers' hidden states, concatenated, [k, m x H], from the same target forwards
-(`vlmspec.target.model.layer_features`); without it (or None) they are the last hidden state.
-
-A batch step drafts for all its rows with `propose_all(drafter, sessions, roots, max_depths, chains)`:
-the drafter's own `propose_batch` where it has one (the EAGLE head runs every row's level in one
-forward), else each session's `propose`. Rows may ask for different depths, 0 included, and for
-a chain (one node per level) instead of their tree.
+With `feature_layers` (target layer ids, EAGLE-3) the features are those layers' hidden states
+concatenated, [k, m x H] (`vlmspec.target.model.layer_features`); else the last hidden state. A batch
+step drafts every row with `propose_all(drafter, sessions, roots, max_depths, chains)`: the drafter's
+`propose_batch` if it has one, else each session's `propose`; rows may ask any depth (0 too) or a chain.
 """
 
 from __future__ import annotations

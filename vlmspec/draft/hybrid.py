@@ -4,25 +4,14 @@ likelier tree per step and per row.
     drafter = HybridDrafter(eagle, suffix)           # both built by the composition root (vlmspec.factory)
     trees = drafter.propose_batch(sessions, roots, max_depths, chains)
 
-Each drafter estimates its tree's expected accepted length E (`DraftTree.expected_accepted`): the
-suffix tree the sum of its nodes' observed frequencies, the head's the sum of its nodes' cumulative
-draft probabilities. Neither is calibrated (a continuation seen once has frequency 1; a head may
-be over- or under-confident), so the hybrid scales each by how its picked trees fared: the
-decayed ratio of tokens accepted to tokens expected (`Calibration`), kept apart for the head, for
-suffix trees from a `sure` match (the same prompt answered the same way so far: the pool's match
-covered the whole context) and for the other suffix trees (another request's answer to the same
-question, a template).
-
-Each row's suffix tree comes first (a few dict lookups). Where its scaled E reaches the most the
-head could give the row (one token per level of its depth, scaled the same way; `skip_at` of it)
-the head drafts nothing for the row this step (its pairs wait for its next draft, as a plain
-step's do): a repeated answer is drafted from the store at the cost of the lookups. Elsewhere the
-head drafts (every such row in its one batched forward per level) and each row gets the tree of
-the higher scaled E: the head keeps its wins on fresh text. Rows asked for a chain compare chains.
-Either tree is verified as usual, so the output is the target's (lossless).
-
-The goodput policy (`vlmspec.control`) prices the row as it prices any drafter: from what the
-row's proposals had accepted; the hybrid raises that acceptance where either drafter is sure.
+Each tree's expected accepted length E (`DraftTree.expected_accepted`: the suffix tree's summed node
+frequencies, the head's summed cumulative draft probabilities) is uncalibrated, so each is scaled by
+the decayed ratio of tokens accepted to tokens expected (`Calibration`), kept apart for the head, for
+`sure` suffix trees (the pool's match covered the whole context) and for other suffix trees. A row's
+suffix tree comes first; where its scaled E reaches `skip_at` of the most the head could give (one
+token per level, scaled alike) the head drafts nothing for that row this step; elsewhere the head
+drafts (one batched forward per level) and the higher scaled E wins (chains for rows asked for a
+chain). Either tree is verified as usual, so the output is the target's (lossless).
 """
 
 from __future__ import annotations

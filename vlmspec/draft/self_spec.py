@@ -1,22 +1,17 @@
 """Self-speculation (Kangaroo, DEL): the target's own first E decoder layers draft; no separate drafter.
 
-Each step (`propose(root, depth)`): the target's committed KV entries of layers < E are copied into
-a shallow cache (those layers compute exactly what they compute inside the target, so nothing is
-recomputed); the root, then each drafted token, goes through layers < E, the target's final norm and
-its LM head (`vlmspec.target.early_exit.ExitView`). The tree is a chain of the top-1 tokens with the
-next `top_k - 1` candidates of every level as leaf siblings (they cost no forward), at most
-`total_tokens` drafted nodes. The verifier treats the children as deterministic choices (no draft
-probabilities), so greedy and sampled outputs stay the target's.
-
-Exit layer: fixed (`exit_layer=E`, Kangaroo without its adapter), or chosen per request and step
-among `exits` (DEL's dynamic exit): each candidate keeps a decayed count of drafted and accepted
-levels (a Beta prior at `prior_accept`), and its measured seconds per drafted level; the session
-drafts with the E whose chain of `depth` levels has the highest expected tokens per second,
+Each step copies the target's committed KV entries of layers < E into a shallow cache (nothing is
+recomputed) and runs the root, then each drafted token, through layers < E, the final norm and the
+LM head (`vlmspec.target.early_exit.ExitView`). The tree: a chain of top-1 tokens with each level's
+next `top_k - 1` candidates as leaf siblings, at most `total_tokens` nodes, verified as
+deterministic choices (outputs stay the target's). Exit layer: fixed (`exit_layer=E`, Kangaroo
+without its adapter) or per request and step among `exits` (DEL): each keeps a decayed count of
+drafted and accepted levels (Beta prior `prior_accept`) and its seconds per level t_E, and the
+session drafts with the E of the most expected tokens per second at the controller's `depth`:
 
     tokens(E) = 1 + sum_{k=1..depth} a_E^k       seconds(E) = step + depth * t_E
 
-with `step` estimated from the measured per-layer time (t_E / E per layer, times the target's layers,
-plus its LM head). The engine's speculation controller still chooses `depth` (0: nothing drafted).
+with `step` estimated from the per-layer time t_E / E times the target's layers, plus its LM head.
 """
 
 from __future__ import annotations

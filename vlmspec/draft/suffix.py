@@ -1,5 +1,4 @@
-"""`--drafter suffix`: SuffixDecoding (Oliaro et al., NeurIPS 2025), model-free drafting from the
-service's own traffic and from the request itself.
+"""`--drafter suffix`: SuffixDecoding (Oliaro et al., NeurIPS 2025), drafting from past answers and the request itself.
 
     store = SuffixStore(max_tokens=200_000)          # the composition root's: one per model (vlmspec.factory)
     drafter = SuffixDrafter(tree, SuffixConfig(), store)     # store None: no cross-request memory
@@ -7,19 +6,12 @@ service's own traffic and from the request itself.
     tree = session.propose(root, max_depth)          # a frequency tree, verified as any draft tree
     session.finish(emitted)                          # the engine, when the request leaves: the answer joins the pool
 
-Each step matches the longest suffix of the request's context (prompt + answer so far + root) in
-two indexes (`vlmspec.draft.suffix_index`): the request's own (its prompt and answer, grown at every
-commit) and its tenant's pool of earlier answers in the store. Each match gives a tree whose
-branches follow how often each continuation was observed there, scored by empirical probability
-(the product of its path's child frequencies), the best `total_tokens` nodes within `depth` kept
-and at most `spec_factor` x the match length of them (a longer match earns a longer draft); the
-tree with the higher expected accepted length (the sum of its nodes' probabilities) is proposed.
-Verification is the engine's, so the output is the target's whatever is proposed (lossless).
-
-The tenant key keeps pools apart: a request of tenant A is never drafted from B's answers (None is
-the shared pool of requests that name none). The store's budget bounds its memory; the oldest
-answers are evicted first. `SuffixConfig.prompt_tail` tokens of each prompt are kept before its
-answer, so a repeated question matches from its answer's first token.
+Each step matches the longest suffix of the context (prompt + answer so far + root) in the request's
+own index and its tenant's pool (`vlmspec.draft.suffix_index`); a match's tree keeps the best
+`total_tokens` nodes within `depth` by empirical probability (the product of the path's child
+frequencies), at most `spec_factor` x the match length, and the tree of higher expected accepted
+length (its nodes' probabilities summed) is proposed. A tenant never reads another's pool (None: the
+shared one); the oldest answers are evicted past the budget; each keeps its prompt's `prompt_tail`.
 """
 
 from __future__ import annotations

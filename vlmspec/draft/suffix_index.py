@@ -6,18 +6,12 @@ context occurred before, and the tree of what followed it, branching by observed
     match = index.match(context)               # Match: longest suffix of `context` found, its occurrences
     tree = frequency_tree(root, match.continuations(index, depth), budget, min_prob)   # DraftTree
 
-A suffix tree over the documents answers "which positions end with this context suffix, and what
-follows them"; this index answers the same with a dict from every n-gram (n = 1..`max_ngram`) to
-the positions it ends at (oldest first), and extends each candidate's match backwards token by
-token up to `max_match`, so a node of the suffix tree (a matched suffix) is the set of its
-occurrences and its subtree is the trie of their continuations, counted: a continuation's
-empirical probability is (occurrences passing through it) / (occurrences of the match). Memory is
-`max_ngram` entries per stored token; nothing grows with the depth of a suffix tree.
-
-`SuffixStore` is the service's cross-request memory: one `SuffixIndex` per tenant (None = the
-shared pool), a token budget over all of them, and the oldest documents evicted first when it is
-exceeded (FIFO: each n-gram's oldest positions sit at the left of its deque, so evicting a
-document pops them from the left). It holds a lock: a service may feed it from other threads.
+In place of a suffix tree: a dict from every n-gram (n = 1..`max_ngram`) to the positions it ends
+at (oldest first), each candidate's match extended backwards up to `max_match` tokens. A
+continuation's empirical probability is (occurrences passing through it) / (occurrences of the
+match); memory is `max_ngram` entries per stored token. `SuffixStore`: one `SuffixIndex` per tenant
+(None = the shared pool), a token budget over all, the oldest documents evicted first (popped from
+the left of each n-gram's deque); it holds a lock, as a service may feed it from other threads.
 """
 
 from __future__ import annotations

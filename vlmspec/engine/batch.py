@@ -106,13 +106,9 @@ class Batch:
     prefill_chunk: the longest piece a prompt enters its slot in (chunked prefill, `vlmspec.engine.prefill`;
     None: whole prompts). prefill_budget: prompt tokens a step prefills, pieces and new requests
     together, at least one piece (None: `prefill_chunk`, and without it every waiting request that has a slot).
-    per_row_depths: goodput rows choose their own depths where the target verifies rows of unequal
-    trees without padding (`Target.verifies_ragged`; `vlmspec.batch_control.choose_depths`); off,
-    they share one depth per step, which served more tokens/s on the default model
-    (docs/adaptive.md, "Depths per row").
     """
 
-    def __init__(self, engine: Any, slots: int = 1, capacity: int | None = None, per_row_depths: bool = False,
+    def __init__(self, engine: Any, slots: int = 1, capacity: int | None = None,
                  prefill_budget: int | None = None, prefill_chunk: int | None = None) -> None:
         # engine: the `SpecEngine` (vlmspec.engine.spec) whose target, drafter and `_open` the batch uses
         if slots < 1:
@@ -136,8 +132,6 @@ class Batch:
         self.timings = dict.fromkeys(TIMING_KEYS, 0.0)  # the batch's own seconds by phase (prefills included)
         self.rounds = 0  # target forwards run by `step` (prefills not counted)
         self.cost_timing = BatchTiming()  # its steps' measured / modelled seconds (goodput over the batch)
-        ragged = slots > 1 and engine.target.verifies_ragged  # unequal trees verified without padding (checked once, here)
-        self.per_row = per_row_depths and ragged  # depths chosen per row, each step priced as a ragged one
 
     @property
     def full(self) -> bool:
@@ -307,7 +301,7 @@ class Batch:
         t_step = time.perf_counter()
         batch_cost = self.engine.speculation.batch_cost
         controls = [r.control for r in reqs]
-        depths = choose_depths(controls, [r.max_depth(target.max_positions) for r in reqs], batch_cost, self.cost_timing, self.per_row)
+        depths = choose_depths(controls, [r.max_depth(target.max_positions) for r in reqs], batch_cost, self.cost_timing)
         chains = batch_chains(controls, batch_cost)  # goodput rows of a batch draft a chain
         failed: dict[int, Exception] = {}
         proposed = propose_all(self.engine.drafter, [r.session for r in reqs], [r.root for r in reqs], depths, chains, failed)
@@ -336,7 +330,7 @@ class Batch:
         if batch_cost is not None and len(reqs) > 1:
             drafted = [int(t.depth.max()) for t in trees]
             self.cost_timing.observe(batch_cost, len(reqs), max(drafted), seconds, sum(v.num_accepted for v in verdicts) + len(reqs),
-                                     batch_cost.step_seconds(drafted, self.per_row))
+                                     batch_cost.step_seconds(drafted))
         events = []
         for r, t, v, path, depth, chain in zip(reqs, trees, verdicts, paths, depths, chains):
             if r.failure is not None:

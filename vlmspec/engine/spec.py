@@ -81,10 +81,10 @@ class SpecEngine:
     def stream(self, inputs: dict[str, torch.Tensor], config: GenerationConfig) -> Generation:
         return Generation(self, inputs, config)
 
-    def batch(self, slots: int, capacity: int | None = None, per_row_depths: bool = False,
-              prefill_budget: int | None = None, prefill_chunk: int | None = None) -> Batch:
+    def batch(self, slots: int, capacity: int | None = None, prefill_budget: int | None = None,
+              prefill_chunk: int | None = None) -> Batch:
         """A batch of `slots` requests decoded together (see `Batch`)."""
-        return Batch(self, slots, capacity, per_row_depths, prefill_budget, prefill_chunk)
+        return Batch(self, slots, capacity, prefill_budget, prefill_chunk)
 
     def generate_many(self, requests: list[tuple[dict[str, torch.Tensor], GenerationConfig]], slots: int,
                       capacity: int | None = None, prefill_budget: int | None = None,

@@ -1,25 +1,16 @@
 """Linear layers over weights prepacked for oneDNN: a drafter's CPU matrix products at a few
 rows, without repacking the weight on every call.
 
-`F.linear` on a bf16 CPU tensor hands the product to oneDNN, which first reorders the weight into
-its blocked layout, on every call. At a draft level's 1-4 rows that reorder is up to half of the
-call: on this project's 2-core Zen 4 CPU a [4, 576] x [576, 3072] product takes 120-150 us through
-`F.linear` and about 60 us over a weight packed once. The results are equal bit for bit
-(tests/test_packed_linear.py holds them so): only when the reorder happens changes.
-
-float32 `F.linear` goes to MKL instead, which on this AMD CPU takes 350-480 us for the same
-product; oneDNN's packed weight takes 95-130 us. It sums in another order, so float32 results
-differ from `F.linear` by float rounding (about 1e-6 relative): fine for a drafter, whose tokens
-the target verifies, not for the target. See for yourself: `python -m vlmspec.recipes kernels packed-linear`.
-
-CUDA has no reorder to save: other devices and dtypes stay on `F.linear`.
-
-oneDNN builds a primitive for each row count it is called at and caches it; the composition root
-bounds those caches (`vlmspec.onednn`), or a service's memory grows with every new prompt length.
-
-The target's own linear layers take packed weights too, but only where the numbers stay F.linear's
-to the bit, since the target's tokens are the answer: `ExactPackedLinear`, up to the row count
-`exact_rows` finds equal (`vlmspec.target.packing` packs a target's layers).
+`F.linear` on a bf16 CPU tensor hands the product to oneDNN, which reorders the weight into its
+blocked layout on every call: at a draft level's 1-4 rows, up to half of the call. Over a weight
+packed once the results are equal bit for bit (tests/test_packed_linear.py): only when the reorder
+happens changes. float32 `F.linear` goes to MKL; oneDNN's packed product is faster but sums in
+another order (about 1e-6 relative): fine for a drafter, whose tokens the target verifies, not for
+the target. Timings: docs/default-model.md. CUDA has no reorder to save: other devices and dtypes
+stay on `F.linear`. oneDNN caches a primitive per row count; the composition root bounds those
+caches (`vlmspec.onednn`). The target's own layers take packed weights only where the numbers stay
+F.linear's to the bit: `ExactPackedLinear`, up to the row count `exact_rows` finds equal
+(`vlmspec.target.packing` packs a target's layers).
 """
 
 from __future__ import annotations

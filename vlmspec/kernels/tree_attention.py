@@ -1,29 +1,17 @@
 """Tree attention as a Triton kernel, and a Hugging Face attention function that uses it.
 
-Verifying a draft tree of N tokens is one target forward in which the N queries attend over
-[P cached prefix tokens + the N tree tokens]: every query sees the whole prefix, and inside the
-tree only its ancestors and itself. With SDPA this needs a dense [N, P + N] mask, which pushes
-torch onto its slower masked kernels. Here the prefix part needs no mask at all and the tree part
-is a bit-packed [N, ceil(N / 32)] int32 matrix (bit j of row i: query i may see tree key j).
+Verifying a draft tree of N tokens: N queries attend over [P cached prefix tokens + the N tree
+tokens], each seeing the whole prefix and, inside the tree, its ancestors and itself. SDPA would
+need a dense [N, P + N] mask (torch's slower masked kernels); here the prefix needs no mask and the
+tree is a bit-packed [N, ceil(N / 32)] int32 matrix (bit j of row i: query i may see tree key j).
 
-Public pieces:
-
-* ``tree_attention(q, k, v, tree_mask, prefix_len, scale)``: the kernel (q [B, Hq, N, D],
-  k / v [B, Hkv, P + N, D], Hq a multiple of Hkv) -> [B, Hq, N, D] in q's dtype. Rows may differ:
-  ``prefix_len`` a [B] tensor of per-row prefix lengths P_b (row b's tree keys at P_b .. P_b + N - 1,
-  the keys after them unread) and ``tree_mask`` [B, N, N] / [B, N, W] per-row trees.
-* ``tree_attention_reference``: the same in plain PyTorch (fp32 softmax), for tests.
-* ``pack_tree_mask``: [N, N] bool -> [N, ceil(N / 32)] int32 bits.
-* ``triton_tree_attention_forward`` + ``register(name)``: a transformers attention function. A
-  model loaded with ``attn_implementation=register()`` (default name ``"vlmspec_tree"``) runs the
-  kernel whenever the 4D mask it is given is "full prefix + tree": either described by its maker
-  with ``describe_mask`` (per-row lengths and trees, e.g. the rows of a batched verify, read with no
-  host sync) or found so by analysing it (one host sync; every batch slice alike), and
-  transformers' SDPA otherwise (prefill, no mask, windowed layers, CPU tensors, ...).
-
-The kernel is launched on CUDA tensors, or on any tensors under Triton's interpreter
-(``TRITON_INTERPRET=1`` in the environment before the first kernel call: the kernels are
-jit-decorated lazily, so the variable is read then, not at import).
+* ``tree_attention(q, k, v, tree_mask, prefix_len, scale)``: q [B, Hq, N, D], k / v [B, Hkv, P + N, D]
+  (Hq a multiple of Hkv) -> [B, Hq, N, D]; per-row prefixes (``prefix_len`` [B]) and trees
+  (``tree_mask`` [B, N, W]). ``tree_attention_reference``: the same in plain PyTorch, for tests;
+  ``pack_tree_mask``: [N, N] bool -> bits.
+* ``register(name)`` (``triton_tree_attention_forward``): a transformers attention function that runs
+  the kernel when the 4D mask is "full prefix + tree" (``describe_mask``, or found so by analysis: one
+  host sync), SDPA otherwise. CUDA tensors, or any under ``TRITON_INTERPRET=1`` (read at first call).
 """
 
 from __future__ import annotations

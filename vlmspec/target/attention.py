@@ -1,22 +1,15 @@
 """Which attention implementation the target's language model runs its forwards with.
 
-On CPU 'auto' is SDPA that reads grouped key / value heads in place (`GQA_SDPA`). transformers'
-own SDPA path, given a mask and more than one query, copies every key / value head once per
-query head it serves (`repeat_kv`) before calling SDPA: that is every tree forward and every
-batched step, over the whole cache, in every layer. torch's SDPA takes the grouped heads as
-they are (`enable_gqa=True`) with the same numbers bit for bit on CPU (tests/test_attention.py);
-on the default model a batched step of 8 rows drafting 3 levels spends about 6 ms of its
-100 ms on those copies (`python -m vlmspec.recipes kernels attention` times the kernels).
-
-In bf16, a masked call of a few queries per row goes one step further: the query heads that share a
-key / value head are laid along the query axis ([B, Hkv, G * Lq, D]) and SDPA runs without grouping.
-torch's CPU kernel takes a block of up to `PACKED_QUERIES` queries at once, and where it gives each
-query of a block the numbers it gives it alone, the output is the same to the bit and a verify step
-of 8 rows of 2 to 4 tokens spends about a third less time in attention. Whether it does depends on
-the CPU's kernels (the AVX-512 one did here, the AVX2 one did not), so a one-time check per head
-width and group size (`packing_is_exact`) decides; where it finds a difference the grouped call
-runs. One query (a plain step), fewer than `PACKED_MIN_ROWS` rows and fp32 keep the grouped call,
-which is as fast or faster there.
+On CPU 'auto' is SDPA that reads grouped key / value heads in place (`GQA_SDPA`): transformers'
+own SDPA path, given a mask and more than one query, copies every key / value head once per query
+head it serves (`repeat_kv`) over the whole cache in every layer; torch's SDPA takes them as they
+are (`enable_gqa=True`), with the same numbers bit for bit on CPU (tests/test_attention.py).
+In bf16 a masked call of a few queries per row goes further: the query heads sharing a key / value
+head are laid along the query axis ([B, Hkv, G * Lq, D], blocks of up to `PACKED_QUERIES`) and SDPA
+runs ungrouped, exact only where the CPU's kernel gives each query of a block its numbers alone: a
+one-time check per head width and group size (`packing_is_exact`) decides, else the grouped call
+runs. One query, fewer than `PACKED_MIN_ROWS` rows and fp32 keep the grouped call. Timings:
+docs/batching.md (`python -m vlmspec.recipes kernels attention`).
 """
 
 from __future__ import annotations

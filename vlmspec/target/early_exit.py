@@ -8,11 +8,10 @@ self-speculation (Kangaroo, DEL), over the unmodified Hugging Face modules.
     logits = linear(hidden, w, b)                            # [V] (or [K])
 
 Layers < E compute exactly what they compute inside the full target, so their KV entries for the
-committed tokens are already in the target's cache: a draft step reuses them and appends its own
-entries to a copy (the target's cache is never written). The stack is run the way the decoder's own
-forward runs it (embed, rotary embeddings, layers, norm) for decoders built as
-``embed_tokens / layers / norm / rotary_emb`` with one rotary embedding for every layer (Llama,
-Mistral, Qwen2, SmolLM2: the real target's language model); others are refused with a message.
+committed tokens are already in the target's cache: a draft step appends its own entries to a copy
+(the target's cache is never written). The stack runs as the decoder's own forward runs it (embed,
+rotary embeddings, layers, norm), for decoders built as ``embed_tokens / layers / norm / rotary_emb``
+with one rotary embedding for every layer (Llama, Mistral, Qwen2, SmolLM2); others are refused.
 """
 
 from __future__ import annotations

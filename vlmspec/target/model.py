@@ -7,15 +7,10 @@ Calls on explicit state (nothing is hung on the model); a request is a row of a 
   its own 4D ancestor mask over its own committed entries and its own per-node position ids (3-axis
   M-RoPE ids with the row's rope delta) -> logits [B, N, V], features [B, N, H] (N = max N_b);
 - ``commit_batch(states, paths)``: keep exactly each row's accepted path's KV entries.
-``forward_tree`` / ``commit`` are the same for one row.
-
-"Features" are the target's last hidden states (what its LM head consumes): what an EAGLE-style
-drafter is trained to predict. A drafter that reads other layers (EAGLE-3: `layers`, ids as
-`vlmspec.draft.eagle.default_feature_layers`) gets those layers' hidden states concatenated,
-[.., m x H], from the same forward's `hidden_states` (no second forward).
-
-Loading (`vlmspec.target.loading`), the attention backend (`vlmspec.target.attention`) and
-prompts (`vlmspec.inputs`) live next to this class, not in it.
+``forward_tree`` / ``commit`` are the same for one row. "Features" are the target's last hidden
+states (what an EAGLE-style drafter learns to predict), or with `layers` those layers' states
+concatenated [.., m x H] from the same forward. Loading, the attention backend, where a prompt may
+be cut (chunked prefill) and prompts live beside this class: `loading`, `attention`, `pieces`, `vlmspec.inputs`.
 """
 
 from __future__ import annotations

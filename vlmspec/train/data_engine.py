@@ -3,8 +3,7 @@ batched engine (plain rows, `cfg.slots` at once), resumable shard by shard.
 
     for each shard k not yet complete (vlmspec.train.data_plan.plan_shard: a pure function of the config and k):
         every sample's rows through one Batch (`run_samples`), each row joining as soon as a slot is free:
-          a Magpie sample: the target writes its user turn (sampled, its own seed; a turn that did not end,
-                           is too short, held out or one of the shard's given turns is tried again, then templated)
+          a Magpie sample: the target writes its user turn (sampled, its own seed; retried, then templated)
           then each user turn in order: the dialogue so far through the chat template -> one row -> the answer
           (a follow-up turn is asked after a cut answer too, as a user would; `meta.ended` says which were cut)
         images saved under images/k/, the shard written atomically, the manifest rewritten (vlmspec.data.corpus)

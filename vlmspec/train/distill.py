@@ -1,31 +1,17 @@
 """`vlmspec train`: online-logit distillation of an EAGLE-style draft head against a frozen target.
 
-No stored hidden-state corpus: every batch runs the target (the teacher) on the fly for its
-features F [B, T, H] and logits. The head reads pairs (F_t, x_{t+1}) and is trained with
+Every batch runs the target (the teacher) on the fly for its features F [B, T, H] and logits; the
+head reads pairs (F_t, x_{t+1}) at answer positions (labels != -100) and is trained with
 
     loss = w_ce * CE(lm_head(h_t), softmax(teacher_logits_{t+1}))  +  w_feat * SmoothL1(h_t, F_{t+1})
 
-(SpecVLM's online-logit distillation, defaults 0.1 / 1.0; an EAGLE-3 head, `--arch eagle3`, reads the
-target's chosen layers [B, T, mH] and is trained on the CE alone, as EAGLE-3 is), plus training-time test: the head is
-unrolled `ttt_steps` times, step j reading its OWN predictions of step j-1 as features, so it
-learns to draft from what it will really see at depth j. (An approximation of EAGLE-3's TTT:
-within step j the head attends causally over that step's sequence of predicted features.)
-
-With `acceptance_head` (SpecDec++) a small head learns beside it, on the head's detached outputs,
-whether each of the top-k draft children at every unrolled position is the teacher's next token
-(the greedy acceptance given that the path so far was accepted): weighted binary cross-entropy,
-`accept_rej_weight` on the rejected class as in the paper. Its stop threshold is then chosen on
-validation prompts (`choose_stop_threshold`).
-
-Only answer positions are trained (labels != -100). Data: ToyWorld (with a text-only-first
-curriculum) or a LLaVA-style JSONL. Checkpoints are safetensors with exact resume
-(`vlmspec.train.loop` runs the schedule, budget, evaluations and checkpoints).
-
-Several processes (`torchrun --nproc_per_node N -m vlmspec.cli train ...`, on one machine or
-several) train one head with PyTorch's DistributedDataParallel: process r takes the r-th share of
-each step's batch of N x batch_size (`distill_data.conversations`), and the losses are means over
-the whole batch (`distill_losses.shard_mean`), so N processes end with the weights one process
-with the N-times batch would; only process 0 evaluates, checkpoints and writes the drafter.
+(SpecVLM's, defaults 0.1 / 1.0; an EAGLE-3 head, `--arch eagle3`, on the CE alone), unrolled
+`ttt_steps` times, step j reading its own predicted features of step j-1 (training-time test,
+approximated: within a step the head attends causally over that step's predictions). With
+`acceptance_head` (SpecDec++) a small head learns whether each top-k child is the teacher's next
+token (weighted BCE), its stop threshold chosen on validation prompts (`choose_stop_threshold`).
+Under torchrun (DistributedDataParallel) process r trains the r-th share of each step's batch and
+losses are means over the whole batch (`distill_losses.shard_mean`), as one process would with it.
 """
 
 from __future__ import annotations

@@ -3,19 +3,15 @@ plain EAGLE-1 or EAGLE-3 head learns from, computed once per conversation by one
 stored on disk, so training runs many epochs without the target.
 
 Per conversation (token t of its T tokens):
-    ids [T] int32, answer [T] bool (t is an answer token: the labels), feats [T, H'] bf16 (the last
-    hidden state, or EAGLE-3's layers concatenated), and at every row whose next token is an answer
-    token (the rows the loss reads: `teach`) the teacher's top-k logits over the whole vocabulary,
-    top_ids / top_logits [M, k] int32 / fp16.
+    ids [T] int32, answer [T] bool (the labels), feats [T, H'] bf16 (the last hidden state, or
+    EAGLE-3's layers concatenated), and at every row whose next token is an answer token (`teach`)
+    the teacher's top-k logits, top_ids / top_logits [M, k] int32 / fp16 (renormalised by the loss;
+    k = 64 keeps ~all of the mass of a 135M model's answers).
 
-A shard is one safetensors file of `shard_size` conversations laid end to end (`offsets` [n+1] into
-the token axis, `teach_offsets` [n+1] into the teacher rows), read memory-mapped. `manifest.json`
-names the corpus, the target (its folder digest), the layers and k, and each shard's sha256: a
-resumed build keeps the shards it lists, and training checks every shard before it reads one (a
-corrupt shard is reported with its path, never trained on). Caches are never committed.
-
-What the cache gives the loss differs from the online path in one way: the teacher's distribution
-is its top k, renormalised (k = 64 keeps ~all of the mass of a 135M model's answers).
+A shard is one safetensors file of `shard_size` conversations end to end (`offsets`, `teach_offsets`
+[n+1]), read memory-mapped. `manifest.json` names the corpus, the target (folder digest), the layers,
+k and each shard's sha256: a resumed build keeps the shards it lists, and training checks each shard
+before reading it (a corrupt one is reported with its path, never trained on). Never committed.
 """
 
 from __future__ import annotations

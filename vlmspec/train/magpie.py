@@ -1,28 +1,15 @@
 """Text-only instructions and answers from the instruct model itself (Magpie), for want of an
 offline instruction dataset.
 
-Magpie's observation: an aligned chat model given only its template's opening of a user turn
-(``<|im_start|>user\\n`` after the default system prompt) writes a plausible user instruction.
-Sampling that turn (temperature 1, nucleus 0.95) gives the prompts; the same model's greedy answers
-to them are the targets. Trained on, these pairs keep a fine-tuned model's text-only behaviour
-its base's (self-distillation); a drafter trained on them sees what the target really says.
-
-Varied openings (`openers`): left alone, a small model samples much the same request again and
-again (SmolLM2-135M: mostly "I'm looking for ..."). With `openers`, each sampled user turn starts
-with one of them ("Write", "List", "Why", ...) and the model writes the rest, so the pairs
-spread over the kinds of instruction people send (`INSTRUCTION_OPENERS`; the openers are cycled
-over the batch slots).
-
-The data engine (`vlmspec data`, vlmspec/train/data_engine.py) writes its user turns the same way
-through the batched engine, from a wider spread: `ENGINE_OPENERS` (these and 75 more), half of them
-led in by a topic (`TOPIC_LEADS`, `vlmspec.data.prompts.TOPICS`: `magpie_start`), filtered by
-`usable_instruction`.
-
-Kept: an instruction that ended with the end-of-turn token within `prompt_tokens`, of at least 3
-words, not one of the held-out text prompts (`heldout.TEXT_PROMPTS`), not a repeat; with its
-answer's first `answer_tokens` tokens and whether the answer ended there (a cut answer is trained
-without an end of turn: `Conversation.open_end`). The result is a pure function of the model and
-the config (seeded per batch).
+Given only its template's opening of a user turn (``<|im_start|>user\\n`` after the default system
+prompt) an aligned chat model writes a plausible instruction: sampled (temperature 1, nucleus
+0.95) they are the prompts, the same model's greedy answers the targets (self-distillation).
+With `openers` each sampled turn starts with one of them (`INSTRUCTION_OPENERS`, cycled over the
+batch slots); left alone a small model asks much the same thing again and again. The data engine
+uses `ENGINE_OPENERS`, `TOPIC_LEADS` (`magpie_start`) and `usable_instruction` (docs/data.md). Kept:
+an instruction ended within `prompt_tokens`, of at least 3 words, not held out
+(`heldout.TEXT_PROMPTS`), not a repeat, with its answer's first `answer_tokens` tokens and whether
+it ended there (`Conversation.open_end`); a pure function of the model and config (seeded per batch).
 
     pairs = magpie_pairs(model, tokenizer, MagpieConfig(n=96))   # [(instruction, answer, ended), ...]
 """

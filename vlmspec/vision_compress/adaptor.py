@@ -1,19 +1,17 @@
 """How a VLM-aware EAGLE head reads the prompt: its rows, with the image spans compressed.
 
-The head reads one row per prompt position i: (feature_i, token_{i+1}) at position i. For the
-plain head (`compressor="none"`, no decoupling) an image position's row is the target's feature
-there, like any text row. The variants (issue #5):
+The head reads one row per prompt position i: (feature_i, token_{i+1}) at position i. For the plain
+head (`compressor="none"`, no decoupling) an image row is the target's feature there. Variants (#5):
 
 * compression (SpecVLM): each image span's rows are replaced by m rows built from the target's
-  projected image embeddings by a compressor (or a gate's choice of one), taking the positions
-  of their anchor tokens; the last kept row carries the token that follows the span;
+  projected image embeddings by a compressor (or a gate's choice of one), at the positions of their
+  anchor tokens; the last kept row carries the token that follows the span;
 * decoupling (MSD): visual rows bypass `fc`: their input IS the (compressed) image embedding;
 * global feature (ViSpec): one resampler query summarises all image embeddings into g [H],
   fused into every later text row's feature by `fuse([f, g])`, initialised to return f.
 
-`prompt_rows` returns full-length rows (one per prompt position) with a `keep` mask: compressed
-rows sit in the first slots of their span and the rest are dropped. Inference runs the kept
-rows only; training keeps the length and masks dropped keys, which is the same computation.
+`prompt_rows` returns full-length rows with a `keep` mask (compressed rows first in their span, the
+rest dropped): inference runs the kept rows only; training masks dropped keys, the same computation.
 """
 
 from __future__ import annotations

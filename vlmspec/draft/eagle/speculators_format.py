@@ -2,21 +2,16 @@
 `speculators` package on PyPI trains and writes): reading one into an `Eagle3Head`'s config and
 weights, checked against the target field by field, and writing an `Eagle3Head` in it.
 
-The format: config.json with `speculators_model_type: "eagle3"`, `architectures:
-["Eagle3Speculator"]`, `transformer_layer_config` (a full HF config of the draft's one decoder
-layer; its vocab_size is the target's), `draft_vocab_size`, `target_hidden_size`,
-`norm_before_residual`, `eagle_aux_hidden_state_layer_ids` (absent: [2, n // 2, n - 3] of the
-verifier's n layers), `speculators_config` (algorithm, proposal methods, the verifier), and
-model.safetensors:
+config.json (`speculators_model_type: "eagle3"`, `transformer_layer_config`, `draft_vocab_size`,
+`eagle_aux_hidden_state_layer_ids`: [2, n // 2, n - 3] when absent, `speculators_config`) + model.safetensors:
 
     fc.weight [H, mH]      layers.0.self_attn.{q,k,v}_proj.weight [*, 2H], o_proj, mlp.{gate,up,down}_proj
     layers.0.{input_layernorm, post_attention_layernorm, hidden_norm}.weight [H]
     norm.weight [H]        lm_head.weight [K, H]       embed_tokens.weight [V, H] (the target's)
     d2t [K] long OFFSETS: target id = draft index + d2t[draft index]     t2d [V] bool (both absent when K = V)
 
-vlmspec keeps d2t as target ids (`EagleHead.d2t`); this module converts both ways. `speculators`
-defaults `norm_before_residual` to false when absent (vLLM to true): we read it as speculators
-does and always write it.
+vlmspec keeps d2t as target ids and converts both ways; `norm_before_residual` is read as
+speculators does (false when absent; vLLM: true) and always written.
 """
 
 from __future__ import annotations
