@@ -329,3 +329,65 @@ def test_the_docs_stay_a_manual_under_5_mb():
     docs = tracked_bytes("docs")
     assert 0 < docs <= 5_000_000, f"docs/ tracks {docs / 1e6:.2f} MB (at most 5): move run histories out (git keeps them)"
     assert tracked_bytes("docs", "assets") > docs  # the count sees what it is given
+
+
+CONFIGURATION = ROOT / "docs" / "configuration.md"
+
+
+def serve_options() -> list[str]:
+    """Every --option that `vlmspec serve`'s parser defines (--help aside)."""
+    serve = _subparsers(build_parser())["serve"]
+    return sorted({o for a in serve._actions for o in a.option_strings if o.startswith("--") and o != "--help"})
+
+
+def environment_reads(*folders: Path) -> list[str]:
+    """The environment variables the Python code under `folders` names: every string constant spelled
+    VLMSPEC_..., and the constant key of every `os.environ[...]`, `os.environ.get / setdefault / pop(...)`
+    (an `environ` mapping passed in too), `os.getenv(...)` and `env_default(...)`."""
+    import ast
+
+    def is_environ(node: ast.AST) -> bool:
+        return isinstance(node, ast.Name) and node.id == "environ" or isinstance(node, ast.Attribute) and node.attr == "environ"
+
+    names = set()
+    for path in sorted(p for folder in folders for p in folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"VLMSPEC_[A-Z0-9_]+", node.value):
+                names.add(node.value)
+            key = None
+            if isinstance(node, ast.Subscript) and is_environ(node.value):
+                key = node.slice
+            elif isinstance(node, ast.Call) and node.args:
+                func = node.func
+                if (isinstance(func, ast.Attribute) and func.attr in ("get", "setdefault", "pop") and is_environ(func.value)
+                        or isinstance(func, (ast.Name, ast.Attribute)) and getattr(func, "id", getattr(func, "attr", "")) in ("getenv", "env_default")):
+                    key = node.args[0]
+            if isinstance(key, ast.Constant) and isinstance(key.value, str):
+                names.add(key.value)
+    return sorted(names)
+
+
+def missing_from_page(text: str, options: list[str], variables: list[str]) -> list[str]:
+    """The options and variables that `text` never names as themselves (`--replicas` inside
+    `--min-replicas`, or `RANK` inside `LOCAL_RANK`, does not count)."""
+    missing = [o for o in options if not re.search(rf"(?<![\w-]){re.escape(o)}(?![\w-])", text)]
+    return missing + [v for v in variables if not re.search(rf"(?<!\w){re.escape(v)}(?!\w)", text)]
+
+
+def test_the_configuration_page_names_every_serve_option_and_variable(tmp_path):
+    """docs/configuration.md names every option of `vlmspec serve` and every environment variable the
+    code under vlmspec/ and app/ reads. Negative controls: a made-up option and variable, and a real
+    option taken off the page, are reported; the scan finds the reads in a file written for it."""
+    options, variables = serve_options(), environment_reads(ROOT / "vlmspec", ROOT / "app")
+    assert len(options) >= 30 and {"--max-queue", "--drain-seconds", "--no-packed-weights", "--replica-cpus"} <= set(options)
+    assert {"VLMSPEC_API_KEY", "VLMSPEC_MODELS", "VLMSPEC_ASSETS", "VLMSPEC_CACHE_DIR"} <= set(variables)
+    text = CONFIGURATION.read_text()
+    missing = missing_from_page(text, options, variables)
+    assert not missing, f"docs/configuration.md does not name {', '.join(missing)}"
+    assert missing_from_page(text, ["--no-such-option", "--max-queue"], ["VLMSPEC_NO_SUCH_VARIABLE", "VLMSPEC_CACHE_DIR"]) == [
+        "--no-such-option", "VLMSPEC_NO_SUCH_VARIABLE"]
+    taken_off = re.sub(r"(?<![\w-])--replicas(?![\w-])", "--", text)
+    assert missing_from_page(taken_off, options, variables) == ["--replicas"]  # --min-replicas and --max-replicas still there
+    (tmp_path / "reads.py").write_text('import os\nA = os.environ.get("SOME_HOST")\nB = os.environ["SOME_DIR"]\n'
+                                       'C = os.getenv("SOME_FLAG")\nD = env_default("VLMSPEC_NEW_KEY")\nE = {"x": 1}.get("NOT_ENV")\n')
+    assert environment_reads(tmp_path) == ["SOME_DIR", "SOME_FLAG", "SOME_HOST", "VLMSPEC_NEW_KEY"]
