@@ -42,6 +42,11 @@ def context_error(prompt_tokens: int, max_tokens: int, limit: int) -> APIError:
                     param="messages" if prompt_tokens >= limit else "max_tokens", code="context_length_exceeded")
 
 
+def slot_error(exc: ContextLengthError) -> APIError:
+    """The 400 for a prompt the engine found too long for a slot or for the model's context."""
+    return APIError(400, str(exc), param="messages", code="context_length_exceeded")
+
+
 def fitted(config: GenerationConfig, prompt_tokens: int, limit: int, max_tokens_given: bool) -> GenerationConfig:
     """`config` if prompt + max tokens fit the context `limit`; a request that gave no max_tokens has
     the server's default lowered to the context left; otherwise the 400 `context_error`."""
@@ -84,7 +89,7 @@ class Row:
         try:
             ticket = batch.submit(inputs, config)
         except ContextLengthError as exc:  # it could never fit a slot
-            raise APIError(400, str(exc), param="messages", code="context_length_exceeded") from exc
+            raise slot_error(exc) from exc
         return cls(job, ticket, text, time.monotonic())
 
     def failure(self) -> tuple[str, Exception] | None:
@@ -93,7 +98,7 @@ class Row:
         "draft", "commit"); None otherwise."""
         error = self.ticket.error
         if isinstance(error, ContextLengthError):
-            return "prefill", APIError(400, str(error), param="messages", code="context_length_exceeded")
+            return "prefill", slot_error(error)
         if error is not None:
             return "prefill", error
         req = self.ticket.request

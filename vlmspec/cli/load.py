@@ -100,7 +100,7 @@ def _env(engine, args: argparse.Namespace, max_batch) -> dict:
     target = engine.target
     return {"model": model_label(target), "drafter": engine.drafter.name, "dtype": str(target.dtype).replace("torch.", ""),
             "device": str(target.device), "threads": torch.get_num_threads(), "max_batch": max_batch,
-            "prefill_chunk": getattr(args, "prefill_chunk", None), "default_policy": engine.speculation.policy().name, "command": args.command_line,
+            "prefill_chunk": args.prefill_chunk, "default_policy": engine.speculation.policy().name, "command": args.command_line,
             "onednn_caches": shape_cache_settings(), "packed_layers": target.packed_layers}
 
 
