@@ -35,9 +35,14 @@ $(BASE_MODEL)/config.json: $(STAMP)
 $(MODEL)/config.json: $(STAMP) $(MODEL_PARTS)
 	$(VENV)/bin/vlmspec build-target --out $(MODEL)
 
+# the suites run in TEST_WORKERS processes (pytest-xdist), one torch thread each, a test file per
+# process at a time (its module fixtures built once); TEST_WORKERS=0: one process, as many threads as cores (up to 2)
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 # the default suite: maths on constructed tensors + tiny in-process HF models (no slow/gpu figures)
 test: setup
-	$(PY) -m pytest -m "not slow and not gpu" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow and not gpu" $(XDIST) $(PYTEST_ARGS)
 
 # the exactness tests again under other kernel paths of this CPU (AVX2 instead of AVX-512 / AMX, one
 # thread): what another CPU of this kind computes (docs/batching.md, "Exact on any CPU"). test-kernels
@@ -46,7 +51,7 @@ test: setup
 KERNEL_PATHS ?= ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 OMP_NUM_THREADS=1
 KERNEL_HEAVY := --deselect tests/test_coverage.py::test_every_family_lossless_or_refused --deselect tests/test_coverage.py::test_docs_are_generated_from_the_matrix --ignore tests/test_real_target.py
 test-kernels: setup
-	env $(KERNEL_PATHS) $(PY) -m pytest -m "exactness and not slow and not gpu" $(KERNEL_HEAVY) $(PYTEST_ARGS)
+	env $(KERNEL_PATHS) $(PY) -m pytest -m "exactness and not slow and not gpu" $(KERNEL_HEAVY) $(XDIST) $(PYTEST_ARGS)
 
 test-kernels-all: setup
 	env $(KERNEL_PATHS) $(PY) -m pytest -m "exactness and not slow and not gpu" $(PYTEST_ARGS)

@@ -6,7 +6,13 @@ import time
 import pytest
 import torch
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs the suite in two processes (pytest-xdist): one thread each on a 2-core machine,
+    # and the processes they start (servers, Ray, DDP) inherit it
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(min(2, torch.get_num_threads()))
 
 # answers and logits held against their oracles: `make test-kernels` runs these again under other
 # kernel paths of the same CPU (docs/batching.md, "Exact on any CPU")

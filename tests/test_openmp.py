@@ -16,8 +16,17 @@ from vlmspec.openmp import release_thread_pool
 
 # torch's Linux wheels ship libgomp beside libtorch; a build on another OpenMP runtime is left alone (vlmspec.openmp)
 LIBGOMP = any(p.name.startswith("libgomp") for p in (Path(torch.__file__).parent / "lib").glob("*.so*"))
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or torch.get_num_threads() < 2 or not LIBGOMP,
-                                reason="counts the process's threads in /proc (Linux, torch on libgomp); one torch thread keeps no pool")
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or (os.cpu_count() or 1) < 2 or not LIBGOMP,
+                                reason="counts the process's threads in /proc (Linux, torch on libgomp, 2+ cores)")
+
+
+@pytest.fixture(autouse=True)
+def _two_threads():
+    """A pool to count: two torch threads here, whatever the suite runs with (one per process under `make test`)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
 
 
 def _threads() -> int:

@@ -88,6 +88,34 @@ def test_the_store_stays_within_its_budget_over_a_soak_evicting_the_oldest_first
     assert store.tokens == 500 and store.match([1998]).length == 1
 
 
+def test_documents_extended_out_of_order_are_evicted_whole_whatever_the_order():
+    """Answers written as they decode interleave their positions in the n-grams' deques; after any
+    mix of extends and evictions every deque holds exactly the live documents' positions (the
+    index rebuilt from its documents is the oracle), and a match never reads an evicted document."""
+    rng = random.Random(3)
+    ix = SuffixIndex(IndexConfig(max_ngram=3, max_match=8))
+    for _ in range(400):
+        live = list(ix.docs)
+        op = rng.random()
+        if op < 0.15 or not live:
+            ix.add([rng.randrange(6) for _ in range(rng.randrange(3))])
+        elif op < 0.85:
+            assert ix.extend(rng.choice(live), [rng.randrange(6) for _ in range(rng.randrange(1, 4))])
+        else:
+            gone = next(iter(ix.docs))
+            ix.evict_oldest()
+            assert not ix.extend(gone, [1])  # an evicted document takes nothing more
+        want: dict[tuple, set] = {}
+        for doc, seq in ix.docs.items():
+            for end in range(len(seq)):
+                for n in range(1, min(3, end + 1) + 1):
+                    want.setdefault(tuple(seq[end - n + 1 : end + 1]), set()).add(doc << 32 | end)
+        assert {k: set(v) for k, v in ix.grams.items()} == want
+        assert ix.tokens == sum(map(len, ix.docs.values()))
+        ix.match([rng.randrange(6) for _ in range(5)])  # reads only live documents (KeyError otherwise)
+    assert ix._late  # the interleaving happened (negative control of the fast path's shortcut)
+
+
 def test_the_store_s_memory_follows_its_budget_not_its_traffic():
     def traced(docs):
         store = SuffixStore(max_tokens=2_000)
@@ -135,6 +163,31 @@ def test_protocol_and_the_pool_drafts_a_repeated_answer_whole():
     # the match: the prompt's fingerprint, its 3 tokens and the root: 5 tokens, 5 nodes (spec_factor 1)
     assert tree.tokens.tolist() == [50, 51, 52, 53, 54, 55] and tree.expected_accepted() == 5.0 and again.sure
     assert d.counters.hits == 1 and d.counters.global_hits == 1 and d.index_tokens == 1 + 3 + 7
+
+
+def test_a_repeat_drafts_from_its_original_while_the_original_still_decodes():
+    d = SuffixDrafter(DEEP, store=SuffixStore())
+    original = d.start(_ctx([40, 41, 42]))
+    original.propose(50, 4)
+    original.commit(torch.tensor([50, 51, 52, 53, 54]), torch.zeros(5, 4))  # no finish: it is still decoding
+    repeat = d.start(_ctx([40, 41, 42]))
+    assert repeat.propose(50, 10).tokens.tolist() == [50, 51, 52, 53, 54] and d.counters.global_hits == 1
+    original.finish([50, 51, 52, 53, 54, 55])  # the last (never committed) token is written at the end
+    assert d.store.tokens == 1 + 3 + 6
+    quiet = SuffixDrafter(DEEP, store=SuffixStore())  # negative control: the original keeps nothing
+    hidden = quiet.start(_ctx([40, 41, 42], remember=False))
+    hidden.commit(torch.tensor([50, 51, 52, 53, 54]), torch.zeros(5, 4))
+    assert quiet.start(_ctx([40, 41, 42])).propose(50, 10).size == 1 and quiet.store.tokens == 0
+
+
+def test_a_request_never_drafts_from_its_own_answer_in_the_pool():
+    d = SuffixDrafter(DEEP, SuffixConfig(local=False), store=SuffixStore())
+    first = d.start(_ctx([40, 41, 42]))
+    first.commit(torch.tensor([7, 8, 9, 7, 8]), torch.zeros(5, 4))
+    assert first.propose(9, 10).size == 1  # its own "9 -> 7 8" is not read from the pool
+    second = d.start(_ctx([40, 41, 42]))  # the control: another request reads it
+    second.commit(torch.tensor([7, 8, 9, 7, 8]), torch.zeros(5, 4))
+    assert second.propose(9, 10).tokens.tolist()[:3] == [9, 7, 8]
 
 
 def test_the_fingerprint_tells_the_same_prompt_from_another_image_with_the_same_question():

@@ -4,14 +4,15 @@
     drafter = SuffixDrafter(tree, SuffixConfig(), store)     # store None: no cross-request memory
     session = drafter.start(prompt)                  # prompt.tenant: whose pool it reads and joins
     tree = session.propose(root, max_depth)          # a frequency tree, verified as any draft tree
-    session.finish(emitted)                          # the engine, when the request leaves: the answer joins the pool
+    session.finish(emitted)                          # the engine, when the request leaves: the answer's last tokens
 
 Each step matches the longest suffix of the context (prompt + answer so far + root) in the request's
 own index and its tenant's pool (`vlmspec.draft.suffix_index`); a match's tree keeps the best
 `total_tokens` nodes within `depth` by empirical probability (the product of the path's child
 frequencies), at most `spec_factor` x the match length, and the tree of higher expected accepted
 length (its nodes' probabilities summed) is proposed. A tenant never reads another's pool (None: the
-shared one); the oldest answers are evicted past the budget; each keeps its prompt's `prompt_tail`.
+shared one). An answer joins its pool as it is written (after its prompt's `prompt_tail`), so a
+repeat sent while its original still decodes drafts from it; the oldest answers are evicted first.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from vlmspec.draft.base import DraftSession, PromptContext, TreeConfig
-from vlmspec.draft.suffix_index import DraftLimits, IndexConfig, SuffixIndex, SuffixStore, suffix_tree
+from vlmspec.draft.suffix_index import DraftLimits, IndexConfig, SuffixIndex, SuffixStore, Written, suffix_tree
 from vlmspec.tree import DraftTree
 
 
@@ -103,8 +104,8 @@ class SuffixDrafter:
 class _SuffixSession:
     """One request: its own index over prompt + answer, its tenant, the last proposal's size.
 
-    Its pool context is [fingerprint] + the prompt's tail + the answer so far: what an answer is
-    stored after (`finish`), so the same request's earlier answer matches back over the whole
+    Its pool context is [fingerprint] + the prompt's tail + the answer so far: what its answer is
+    stored after (`written`, extended at each commit; its own draft never reads it), so the same request's earlier answer matches back over the whole
     context, and another request's (another image, the same question) falls short of it by the
     fingerprint at least. `sure` says the last proposal's pool match covered the whole context
     (at most the index's `max_match` tokens): the same prompt, answered the same way so far."""
@@ -120,6 +121,9 @@ class _SuffixSession:
         tail = ids[len(ids) - self.config.prompt_tail :] if self.config.prompt_tail else []
         self.head = ([prompt_fingerprint(prompt)] if store is not None and self.config.fingerprint else []) + tail
         self.pooled = list(self.head)  # the pool context: head + the answer so far (its last tokens)
+        self.keep = store is not None and self.remember  # its answer joins the pool (until evicted)
+        self.written: Written | None = None  # its document there, opened at the first commit
+        self.answered = 0  # answer tokens written
         self.window = max(self.config.index.max_match, store.index_config.max_match if store is not None else 0)
         self.drafted = 0  # drafted nodes of the last proposal
         self.pooled_best = self.sure = False  # it came from the pool; that match covered the whole context
@@ -138,7 +142,7 @@ class _SuffixSession:
         store = self.drafter.store
         if store is not None:
             context = self.pooled[-self.window :] + [root]
-            pooled, length = store.tree(context, self.tenant, depth, budget, limits, top_k)
+            pooled, length = store.tree(context, self.tenant, depth, budget, limits, top_k, own=self.written)
             if pooled.size > 1 and (best.size == 1 or pooled.expected_accepted() > best.expected_accepted()):
                 best, pooled_best = pooled, True
                 self.sure = length >= min(len(context), store.index_config.max_match)
@@ -166,14 +170,28 @@ class _SuffixSession:
             self.drafted = 0
         if self.local is not None:
             self.local.extend(0, tokens)
+        self._write(tokens)
         self.pooled.extend(tokens)
         if len(self.pooled) > 4 * self.window:
             del self.pooled[: -self.window]  # only the last tokens are ever matched
 
     def finish(self, tokens: list[int]) -> None:
-        """The request's answer (every emitted token) joins its tenant's pool, after its head."""
-        if self.remember and self.drafter.store is not None and tokens:
-            self.drafter.store.add(self.head + list(tokens), self.tenant)
+        """`tokens`: every token the request emitted; those never committed (the last step's bonus
+        token) are written after the rest."""
+        self._write(list(tokens)[self.answered :])
+
+    def _write(self, tokens: list[int]) -> None:
+        """Append to the request's document in its pool, opened (after its head) by the first
+        tokens; once it is evicted, nothing more."""
+        store = self.drafter.store
+        if not (self.keep and tokens and store is not None):
+            return
+        if self.written is None:
+            self.written = store.open(self.head + tokens, self.tenant)
+        elif not store.extend(self.written, tokens):
+            self.written = None
+        self.keep = self.written is not None
+        self.answered += len(tokens)
 
 
 def prompt_fingerprint(prompt: PromptContext, samples: int = 1 << 16) -> int:

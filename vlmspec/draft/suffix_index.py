@@ -2,7 +2,7 @@
 context occurred before, and the tree of what followed it, branching by observed frequency.
 
     index = SuffixIndex()                      # token sequences ("documents"), n-grams -> where they end
-    doc = index.add([5, 6, 7, 8])              # a finished answer; `extend(doc, tokens)` grows one
+    doc = index.add([5, 6, 7, 8])              # a document; `extend(doc, tokens)` grows one, at any age
     match = index.match(context)               # Match: longest suffix of `context` found, its occurrences
     tree = frequency_tree(root, match.continuations(index, depth), budget, min_prob)   # DraftTree
 
@@ -10,8 +10,9 @@ In place of a suffix tree: a dict from every n-gram (n = 1..`max_ngram`) to the 
 at (oldest first), each candidate's match extended backwards up to `max_match` tokens. A
 continuation's empirical probability is (occurrences passing through it) / (occurrences of the
 match); memory is `max_ngram` entries per stored token. `SuffixStore`: one `SuffixIndex` per tenant
-(None = the shared pool), a token budget over all, the oldest documents evicted first (popped from
-the left of each n-gram's deque); it holds a lock, as a service may feed it from other threads.
+(None = the shared pool), a token budget over all, the oldest documents evicted first; an answer
+joins as it is written (`open`, `extend`), so a request may draft from another still decoding. It
+holds a lock, as a service feeds it from other threads.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ class SuffixIndex:
         self.grams: dict[tuple[int, ...], deque[int]] = {}  # n-gram -> coded positions of its last token, oldest first
         self.tokens = 0  # tokens over all documents
         self._next = 0
+        # documents extended after a newer one was added: their positions are not all before the
+        # newer documents' in the n-grams' deques, so evicting them filters instead of popping the left
+        self._late: set[int] = set()
 
     @property
     def entries(self) -> int:
@@ -84,10 +88,14 @@ class SuffixIndex:
         self.extend(doc, tokens)
         return doc
 
-    def extend(self, doc: int, tokens: list[int]) -> None:
-        """Append `tokens` to document `doc` (the newest document, or one that stays the only one:
-        the per-request index), indexing the n-grams that now end at each new position."""
-        seq = self.docs[doc]
+    def extend(self, doc: int, tokens: list[int]) -> bool:
+        """Append `tokens` to document `doc`, indexing the n-grams that now end at each new position;
+        False (nothing done) when `doc` was evicted."""
+        seq = self.docs.get(doc)
+        if seq is None:
+            return False
+        if tokens and doc != self._next - 1:
+            self._late.add(doc)
         for tok in tokens:
             seq.append(int(tok))
             end = len(seq) - 1
@@ -99,6 +107,7 @@ class SuffixIndex:
                     self.grams[key] = where = deque()
                 where.append(code)
         self.tokens += len(tokens)
+        return True
 
     def evict_oldest(self) -> int:
         """Drop the oldest document and its positions; returns its length (0 when empty)."""
@@ -106,38 +115,42 @@ class SuffixIndex:
             return 0
         doc = next(iter(self.docs))
         seq = self.docs.pop(doc)
-        for end in range(len(seq)):
-            for n in range(1, min(self.config.max_ngram, end + 1) + 1):
-                key = tuple(seq[end - n + 1 : end + 1])
-                where = self.grams.get(key)
-                if where is None:
-                    continue  # an n-gram seen earlier in this document: its positions are gone already
-                while where and where[0] >> _SHIFT == doc:  # FIFO: the oldest document's positions come first
-                    where.popleft()
-                if not where:
-                    del self.grams[key]
+        late = doc in self._late
+        self._late.discard(doc)
+        n_max = self.config.max_ngram
+        for key in {tuple(seq[end - n + 1 : end + 1]) for end in range(len(seq)) for n in range(1, min(n_max, end + 1) + 1)}:
+            where = self.grams[key]
+            if late:  # its positions may sit among newer documents': keep every other one
+                where = self.grams[key] = deque(c for c in where if c >> _SHIFT != doc)
+            while where and where[0] >> _SHIFT == doc:  # in order: the oldest document's positions come first
+                where.popleft()
+            if not where:
+                del self.grams[key]
         self.tokens -= len(seq)
         return len(seq)
 
-    def match(self, context: list[int]) -> Match:
+    def match(self, context: list[int], exclude: int | None = None) -> Match:
         """The longest suffix of `context` (at most `max_match` tokens) that occurs followed by at
         least one token, and its occurrences: the longest n-gram's, most recent first, each extended
-        backwards; only those reaching the longest extension are kept (the suffix tree's deepest node)."""
+        backwards; only those reaching the longest extension are kept (the suffix tree's deepest node).
+        Document `exclude` is not read (a request's own answer, as it is written)."""
         for n in range(min(self.config.max_ngram, len(context)), 0, -1):
             where = self.grams.get(tuple(context[-n:]))
-            found = self._extended(where, context, n) if where else []
+            found = self._extended(where, context, n, exclude) if where else []
             if found:
                 best = max(m for m, _, _ in found)
                 return Match(best, tuple((doc, end) for m, doc, end in found if m == best))
         return Match()
 
-    def _extended(self, where: deque[int], context: list[int], n: int) -> list[tuple[int, int, int]]:
+    def _extended(self, where: deque[int], context: list[int], n: int, exclude: int | None) -> list[tuple[int, int, int]]:
         """(match length, doc, end) of the most recent occurrences of the context's last `n` tokens
         that something follows, each match extended backwards up to `max_match`."""
         out: list[tuple[int, int, int]] = []
         limit = min(self.config.max_match, len(context))
         for code in reversed(where):
             doc, end = code >> _SHIFT, code & ((1 << _SHIFT) - 1)
+            if doc == exclude:
+                continue
             seq = self.docs[doc]
             if end + 1 >= len(seq):
                 continue  # nothing follows it (the end of the request's own text)
@@ -189,11 +202,20 @@ def frequency_tree(root: int, continuations: list[list[int]], budget: int, min_p
                      path_probs=torch.tensor([counts[i] / total if i else 1.0 for i in order], dtype=torch.float32))
 
 
+@dataclass(frozen=True)
+class Written:
+    """A document a store holds open for appending (`SuffixStore.open`): its tenant, index and id."""
+
+    tenant: Hashable
+    index: SuffixIndex
+    doc: int
+
+
 @dataclass
 class StoreStats:
     """A store's plain counters (the service's metrics read them)."""
 
-    added_tokens: int = 0  # tokens of finished answers taken in
+    added_tokens: int = 0  # tokens of answers taken in
     evicted_tokens: int = 0  # tokens dropped, oldest first, to stay within the budget
     added_docs: int = 0
     evicted_docs: int = 0
@@ -232,20 +254,36 @@ class SuffixStore:
     def add(self, tokens: list[int], tenant: Hashable = None) -> None:
         """Keep `tokens` (a finished answer) for later requests of `tenant`; evict the oldest
         documents while over the budget. A document longer than the budget keeps its last tokens."""
-        tokens = list(tokens)[-self.max_tokens :] if self.max_tokens else []
-        if not tokens:
-            return
+        self.open(list(tokens)[-self.max_tokens :] if self.max_tokens else [], tenant)
+
+    def open(self, tokens: list[int], tenant: Hashable = None) -> "Written | None":
+        """A new document of `tenant` holding `tokens` (an answer's head; `extend` appends what is
+        written after it), the newest; None when the store keeps nothing or `tokens` is empty."""
+        if not self.max_tokens or not tokens:
+            return None
         with self._lock:
             index = self._tenants.get(tenant)
             if index is None:
                 index = self._tenants[tenant] = SuffixIndex(self.index_config)
-            index.add(tokens)
+            written = Written(tenant, index, index.add([]))
             self._age.append(tenant)
-            self.tokens += len(tokens)
-            self.stats.added_tokens += len(tokens)
             self.stats.added_docs += 1
-            while self.tokens > self.max_tokens:
-                self.tokens -= self._evict()
+            self._extend(written, list(tokens))
+            return written
+
+    def extend(self, written: "Written", tokens: list[int]) -> bool:
+        """Append `tokens` to an open document; False once it has been evicted (the oldest first)."""
+        with self._lock:
+            return self._extend(written, list(tokens))
+
+    def _extend(self, written: "Written", tokens: list[int]) -> bool:
+        if self._tenants.get(written.tenant) is not written.index or not written.index.extend(written.doc, tokens):
+            return False
+        self.tokens += len(tokens)
+        self.stats.added_tokens += len(tokens)
+        while self.tokens > self.max_tokens:
+            self.tokens -= self._evict()
+        return True
 
     def _evict(self) -> int:
         tenant = self._age.popleft()
@@ -264,14 +302,16 @@ class SuffixStore:
             return Match() if index is None else index.match(context)
 
     def tree(self, context: list[int], tenant: Hashable, depth: int, budget: int, limits: "DraftLimits",
-             top_k: int | None = None) -> tuple[DraftTree, int]:
-        """`tenant`'s draft tree after `context` (`suffix_tree`; its last token is the root), read
-        under the lock (documents may be evicted meanwhile), and the match length it came from."""
+             top_k: int | None = None, own: "Written | None" = None) -> tuple[DraftTree, int]:
+        """`tenant`'s draft tree after `context` (`suffix_tree`; its last token is the root; the
+        document `own` not read), under the lock (documents may be evicted meanwhile), and the match
+        length it came from."""
         with self._lock:
             index = self._tenants.get(tenant)
             if index is None:
                 return DraftTree.root_only(context[-1]), 0
-            return suffix_tree(index, context, depth, budget, limits, top_k)
+            exclude = own.doc if own is not None and own.index is index else None
+            return suffix_tree(index, context, depth, budget, limits, top_k, exclude)
 
 
 @dataclass(frozen=True)
@@ -293,15 +333,15 @@ class DraftLimits:
 
 
 def suffix_tree(index: SuffixIndex, context: list[int], depth: int, budget: int, limits: DraftLimits,
-                top_k: int | None = None) -> tuple[DraftTree, int]:
+                top_k: int | None = None, exclude: int | None = None) -> tuple[DraftTree, int]:
     """The frequency tree (`frequency_tree`) after the longest match of `context` (whose last
-    token, the root, is the tree's root) in `index`, within `depth` levels and `limits`; and the
-    match length (0: nothing matched)."""
-    match = index.match(context)
+    token, the root, is the tree's root) in `index` (document `exclude` not read), within `depth`
+    levels and `limits`; and the match length (0: nothing matched)."""
+    match = index.match(context, exclude)
     nodes = limits.nodes(match.length, budget)
     if nodes <= 0 or depth <= 0:
         return DraftTree.root_only(context[-1]), match.length
     return frequency_tree(context[-1], match.continuations(index, depth), nodes, limits.min_prob, top_k), match.length
 
 
-__all__ = ["DraftLimits", "IndexConfig", "Match", "StoreStats", "SuffixIndex", "SuffixStore", "frequency_tree", "suffix_tree"]
+__all__ = ["DraftLimits", "IndexConfig", "Match", "StoreStats", "SuffixIndex", "SuffixStore", "Written", "frequency_tree", "suffix_tree"]
