@@ -10,7 +10,7 @@ server keeps listening meanwhile, so a client is told, not refused a connection.
 stops: the answers being sent finish, the lifespan ends, `run()` returns. A second signal cuts the
 drain short (503 at the next engine step). Unlike uvicorn's own handlers these neither stop
 listening at once nor raise the signal again (exit -15 / 130). A server run off the main thread
-(tests: `vlmspec.testing.live_server`) gets no signals: `drain()` is what they call.
+(tests: `vlmspec.app.live_server`) gets no signals: `drain()` is what they call.
 """
 
 from __future__ import annotations

@@ -38,9 +38,8 @@ def serve(engine: SpecEngine, settings: ServerSettings, host: str = "127.0.0.1",
 def serving(engine: SpecEngine, settings: ServerSettings) -> Iterator[str]:
     """The service over `engine` on 127.0.0.1 and a free port, in a background thread, for the
     length of the block; yields its base URL (what `vlmspec bench server` sends its requests to)."""
-    from vlmspec.testing.live_server import LiveServer
-
     from . import create_app
+    from .live_server import LiveServer
 
     with LiveServer(create_app(engine, settings)) as srv:
         yield srv.url

@@ -1,4 +1,4 @@
-"""`python -m vlmspec.recipes COMMAND`: the recipes' own command line (`--help` lists the commands)."""
+"""`python -m recipes COMMAND`: the recipes' own command line (`--help` lists the commands)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import sys
 from typing import Sequence
 
 from vlmspec.errors import VlmspecError
-from vlmspec.recipes.bench import cli as bench_cli
-from vlmspec.recipes.train import cli as train_cli
+from recipes.bench import cli as bench_cli
+from recipes.train import cli as train_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m vlmspec.recipes",
+    parser = argparse.ArgumentParser(prog="python -m recipes",
                                      description="How the bundled models' trained parts were made, and the research suites",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     given = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(given)
-    args.command_line = " ".join(["python -m vlmspec.recipes", *given])
+    args.command_line = " ".join(["python -m recipes", *given])
     try:
         return int(args.func(args) or 0)
     except VlmspecError as exc:

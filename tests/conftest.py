@@ -41,7 +41,7 @@ def _cost_cache_in_a_temp_dir(tmp_path_factory):
 def tiny_target(arch: str, seed: int = 0):
     """A Target over a tiny random HF VLM of `arch` (built once per test session)."""
     from vlmspec.target import Target, set_attention
-    from vlmspec.testing.tiny import build_tiny
+    from testing.tiny import build_tiny
 
     model, processor = build_tiny(arch, seed=seed)
     # VLMSPEC_TEST_DEVICE=cuda runs the tiny-model tests on a GPU (scripts/gpu-check.sh does, for the batch tests)
@@ -60,7 +60,7 @@ def arch(request):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A tiny LLaVA saved as a model folder (what the CLI and the trainers load from disk)."""
-    from vlmspec.testing.tiny import build_tiny
+    from testing.tiny import build_tiny
 
     d = tmp_path_factory.mktemp("tiny_llava")
     model, processor = build_tiny("llava")

@@ -1,4 +1,4 @@
-"""The default target's alignment recipe (`python -m vlmspec.recipes train-align`,
+"""The default target's alignment recipe (`python -m recipes train-align`,
 vlmspec/recipes/train/align.py) on a tiny in-process `fast_vlm`: exact resume, warm starts,
 autocast, the batches, the probes; and the recipes' command line (train-align, eval-target)."""
 import json
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from test_assemble import tiny_fast_vlm
-from vlmspec.recipes.__main__ import main as recipes_main
-from vlmspec.recipes.train.align import AlignConfig
+from recipes.__main__ import main as recipes_main
+from recipes.train.align import AlignConfig
 from vlmspec.target import assemble
 
 
@@ -37,7 +37,7 @@ def _tiny_base(folder):
 def test_train_align_resumes_exactly_and_its_parts_build(tmp_path, variant):
     from safetensors.torch import load_file
 
-    from vlmspec.recipes.train.align import AlignConfig, train_align
+    from recipes.train.align import AlignConfig, train_align
 
     from dataclasses import asdict
 
@@ -80,7 +80,7 @@ def test_warm_start_begins_from_the_source_runs_parts_and_refuses_another_shape(
 
     from safetensors.torch import load_file
 
-    from vlmspec.recipes.train.align import AlignConfig, WarmStartError, train_align
+    from recipes.train.align import AlignConfig, WarmStartError, train_align
     from vlmspec.train.magpie import MagpieConfig
 
     base = _tiny_base(tmp_path / "base")
@@ -110,8 +110,8 @@ def test_autocast_runs_the_forward_in_bf16_and_keeps_the_loss_close(tmp_path):
     the gradients land on the fp32 weights."""
     from transformers import AutoProcessor, FastVlmForConditionalGeneration
 
-    from vlmspec.recipes.train.align import AlignConfig, align_batches, amp
-    from vlmspec.recipes.train.target_sft import answer_loss
+    from recipes.train.align import AlignConfig, align_batches, amp
+    from recipes.train.target_sft import answer_loss
 
     base = _tiny_base(tmp_path / "base")
     model = FastVlmForConditionalGeneration.from_pretrained(base)
@@ -130,7 +130,7 @@ def test_autocast_runs_the_forward_in_bf16_and_keeps_the_loss_close(tmp_path):
 def test_align_batches_carry_the_text_pairs_in_turn(tmp_path):
     from transformers import AutoProcessor
 
-    from vlmspec.recipes.train.align import AlignConfig, align_batches
+    from recipes.train.align import AlignConfig, align_batches
 
     processor = AutoProcessor.from_pretrained(_tiny_base(tmp_path / "base"))
     pairs = [("name three red fruits", "apples and cherries", True), ("say hello to me", "hello there", True)]
@@ -146,7 +146,7 @@ def test_align_batches_carry_the_text_pairs_in_turn(tmp_path):
 
 
 def test_cell_pooling_averages_each_cells_tokens():
-    from vlmspec.recipes.train.align import pool_cells
+    from recipes.train.align import pool_cells
 
     g, h = 6, 5  # a 6 x 6 token map -> 3 x 3 cells of 2 x 2 tokens
     tokens = torch.randn(2, g * g, h)
@@ -162,9 +162,9 @@ def test_cell_pooling_averages_each_cells_tokens():
 
 
 def test_projector_rescale_moves_the_image_tokens_and_keeps_the_probes_logits():
-    from vlmspec.recipes.train.align import Probes, ProjectorTap, cell_tokens, image_token_rms, pool_cells, projected_tokens, rescale_projector, text_rms
+    from recipes.train.align import Probes, ProjectorTap, cell_tokens, image_token_rms, pool_cells, projected_tokens, rescale_projector, text_rms
 
-    from vlmspec.recipes.train.vision_pretrain import SIGN_GROUP, WORD_GROUPS, pretrain_scenes, scene_labels
+    from recipes.train.vision_pretrain import SIGN_GROUP, WORD_GROUPS, pretrain_scenes, scene_labels
 
     model = tiny_fast_vlm()
     hidden = model.config.text_config.hidden_size
@@ -199,7 +199,7 @@ def test_projector_rescale_moves_the_image_tokens_and_keeps_the_probes_logits():
 
 def test_word_probe_reads_place_object_and_sign_words_and_keeps_its_logits_when_rescaled():
     from vlmspec.data import toyworld
-    from vlmspec.recipes.train.vision_pretrain import SIGN_GROUP, WORD_GROUPS, WordProbe, scene_labels, token_cells
+    from recipes.train.vision_pretrain import SIGN_GROUP, WORD_GROUPS, WordProbe, scene_labels, token_cells
 
     # orthogonal "word embeddings": one axis per word of every group, two spare axes (empty cell, no sign)
     groups = WORD_GROUPS + (SIGN_GROUP,)

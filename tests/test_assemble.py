@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 
 from vlmspec.errors import TargetLoadError
 from vlmspec.target import assemble
-from vlmspec.recipes.train.align import AlignConfig, export, prepare, trained_tensors
+from recipes.train.align import AlignConfig, export, prepare, trained_tensors
 
 
 # ------------------------------------------------------------------------------------ name mapping

@@ -183,7 +183,7 @@ def test_a_bf16_batched_tree_forward_packs_and_keeps_the_grouped_logits(monkeypa
     runs where this machine's check found it exact (negative control: with packing off it does not)
     and the logits are the grouped call's, bit for bit."""
     from vlmspec.target import Target
-    from vlmspec.testing.tiny import build_tiny
+    from testing.tiny import build_tiny
 
     model, processor = build_tiny("llava", seed=0)
     model = model.to(torch.bfloat16)

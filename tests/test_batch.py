@@ -17,7 +17,7 @@ from vlmspec.inputs import encode_prompt
 from vlmspec.sampling import SamplingParams
 from vlmspec.target import Target
 from vlmspec.target.attention import GQA_SDPA, RaggedRows
-from vlmspec.testing.tiny import tiny_image
+from testing.tiny import tiny_image
 from vlmspec.tree import DraftTree
 
 TREE = TreeConfig(depth=4, top_k=3, total_tokens=10)
@@ -200,7 +200,7 @@ def test_a_bounded_batch_refuses_what_would_not_fit_and_reports_its_memory():
 
 def test_a_model_that_cannot_batch_exactly_says_so():
     from vlmspec.errors import ConfigError
-    from vlmspec.testing.families import build_family
+    from testing.families import build_family
 
     target = Target(build_family("lfm2_vl"), None, name="lfm2-tiny")
     with pytest.raises(ConfigError, match="one request at a time"):
@@ -415,7 +415,7 @@ def test_fp32_pads_unequal_trees_and_a_forced_layout_is_the_padded_forward_up_to
 
 def _bf16_target():
     from vlmspec.target import set_attention
-    from vlmspec.testing.tiny import build_tiny
+    from testing.tiny import build_tiny
 
     model, processor = build_tiny("llava", seed=0)
     model = model.to(torch.bfloat16)

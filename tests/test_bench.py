@@ -10,7 +10,7 @@ KEYS = ("tokens_per_s", "speedup_vs_hf_generate", "speedup_vs_vlmspec_none", "me
 
 
 def test_bench_end_to_end_tiny(tmp_path, capsys):
-    from vlmspec.testing.tiny import build_tiny
+    from testing.tiny import build_tiny
 
     model_dir = tmp_path / "model"
     model, processor = build_tiny("llava")

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from vlmspec.cli import main
-from vlmspec.testing.tiny import tiny_image
+from testing.tiny import tiny_image
 from vlmspec.target import load_target
 from vlmspec.inputs import encode_prompt
 
@@ -147,7 +147,7 @@ def test_bench_help_lists_the_sub_benchmarks(capsys):
     assert "--max-new-tokens" in _help(capsys, "bench", "run")
     assert "--sizes" in _help(capsys, "bench", "verify-cost")
     assert "--no-flush" in _help(capsys, "bench", "kernel")
-    assert "python -m vlmspec.recipes" in out  # where the research suites went
+    assert "python -m recipes" in out  # where the research suites went
 
 
 def test_serve_help_lists_its_options(capsys):

@@ -14,7 +14,7 @@ from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.cost import measure_cost
 from vlmspec.inputs import encode_prompt
 from vlmspec.sampling import SamplingParams
-from vlmspec.testing.tiny import tiny_image
+from testing.tiny import tiny_image
 
 # drafting a level costs a tenth of a target step, plus a fixed tenth
 CHEAP = CostModel(step_s=1.0, draft_s=0.1, per_level_s=0.1)

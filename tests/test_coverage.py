@@ -1,7 +1,7 @@
 """Every image-text-to-text family: lossless or refused with vlmspec's own message, never silently wrong.
 
 Tier 1: the windowed tree masks against transformers' own mask functions; the cache's layer kinds.
-Tier 2: the coverage matrix over tiny random builds of every family (vlmspec.testing.coverage), its
+Tier 2: the coverage matrix over tiny random builds of every family (testing.coverage), its
 negative control (one full-causal mask for every layer: the sliding-window families are caught), the
 refusals, and the generated docs in step with the matrix.
 """
@@ -19,8 +19,8 @@ from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.errors import ConfigError, InputError, TargetLoadError
 from vlmspec.inputs import model_inputs, render_chat
 from vlmspec.target import Target
-from vlmspec.testing import coverage
-from vlmspec.testing.families import build_family, tiny_config
+from testing import coverage
+from testing.families import build_family, tiny_config
 from vlmspec.transfer import to_device
 from vlmspec.tree import DraftTree, ancestor_mask, tree_attention_mask, windowed_tree_mask
 
@@ -59,8 +59,8 @@ def test_windowed_tree_mask_uses_depth_not_index():
 # ------------------------------------------------------------------ tier 2: the matrix
 @functools.lru_cache(maxsize=None)
 def _matrix() -> tuple:
-    from vlmspec.testing.tiny import tiny_image
-    from vlmspec.testing.tiny_processors import build_processor
+    from testing.tiny import tiny_image
+    from testing.tiny_processors import build_processor
 
     return tuple(coverage.run_matrix(None, build_processor, tiny_image(0), workers=2))
 
@@ -102,7 +102,7 @@ def test_docs_are_generated_from_the_matrix():
     rows = list(_matrix())
     page = (ROOT / "docs" / "families.md").read_text()
     readme = (ROOT / "README.md").read_text()
-    fix = "python -m vlmspec.testing.coverage --write"
+    fix = "python -m testing.coverage --write"
     assert coverage.replace_block(page, coverage.table(rows)) == page, f"docs/families.md is stale: run {fix}"
     assert coverage.replace_block(readme, coverage.summary(rows)) == readme, f"the README's family list is stale: run {fix}"
 
@@ -202,7 +202,7 @@ def _paligemma2():
     itself, and takes neither a dict of masks nor one mask for both (the real PaliGemma 2)."""
     from transformers import CONFIG_MAPPING, PaliGemmaForConditionalGeneration
 
-    from vlmspec.testing.families import remap_special_ids, shrink
+    from testing.families import remap_special_ids, shrink
 
     config = tiny_config("paligemma")
     config.text_config = shrink(CONFIG_MAPPING["gemma2"](), "gemma2")

@@ -25,7 +25,7 @@ from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.inputs import encode_messages, load_image_file, user_turn
 from vlmspec.sampling import SamplingParams
 from vlmspec.target import Target
-from vlmspec.testing.tiny import tiny_image
+from testing.tiny import tiny_image
 from vlmspec.text import decode
 from vlmspec.train.data import DataError, encode_conversations, load_jsonl, messages
 from vlmspec.train.data_engine import generate_corpus

@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 
 from conftest import tiny_target
 from vlmspec.draft.eagle import EagleDrafter
-from vlmspec.testing.tiny import tiny_image
+from testing.tiny import tiny_image
 from vlmspec.train.data import DataError, load_jsonl
 from vlmspec.train.distill import DistillConfig, train_drafter
 from vlmspec.inputs import encode_prompt
@@ -207,7 +207,7 @@ def test_a_bf16_target_trains_a_float32_head_under_autocast_and_ships_it_in_bf16
     import copy
 
     from vlmspec.target import Target
-    from vlmspec.testing.tiny import build_tiny
+    from testing.tiny import build_tiny
 
     model, processor = build_tiny("llava", seed=0)
     target = Target(copy.deepcopy(model).to(torch.bfloat16), processor, name="tiny-llava-bf16")

@@ -18,7 +18,7 @@ from vlmspec.draft.ngram import NgramConfig, NgramDrafter
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.inputs import encode_prompt
 from vlmspec.kv_cache import KVCache
-from vlmspec.testing.tiny import tiny_image
+from testing.tiny import tiny_image
 from vlmspec.tree import DraftTree, tree_attention_mask
 from vlmspec.vision_compress import VisualConfig
 

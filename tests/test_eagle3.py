@@ -14,7 +14,7 @@ from vlmspec.draft.eagle.speculators_format import to_speculators
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.inputs import encode_prompt
 from vlmspec.target.model import layer_features
-from vlmspec.testing.tiny import tiny_image
+from testing.tiny import tiny_image
 from vlmspec.train.distill import DistillConfig, train_drafter
 
 TREE = TreeConfig(depth=4, top_k=3, total_tokens=10)
@@ -49,7 +49,7 @@ def _peaky_target():
     """A tiny LLaVA whose LM head is scaled up: a random tiny model's next-token distribution is
     near uniform, so a head trained on it only on tokens would have nothing to learn."""
     from vlmspec.target import Target
-    from vlmspec.testing.tiny import build_tiny
+    from testing.tiny import build_tiny
 
     model, processor = build_tiny("llava", seed=7)
     with torch.no_grad():

@@ -22,7 +22,7 @@ from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.inputs import encode_prompt
 from vlmspec.sampling import SamplingParams, logits_to_probs
 from vlmspec.target import Target
-from vlmspec.testing.tiny import build_tiny, tiny_image
+from testing.tiny import build_tiny, tiny_image
 from vlmspec.train.distill import DistillConfig, train_drafter
 from vlmspec.tree import DraftTree
 from vlmspec.verify import acceptance

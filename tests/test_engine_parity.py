@@ -10,7 +10,7 @@ from vlmspec.draft.ngram import NgramDrafter
 from vlmspec.draft.self_spec import SelfSpecDrafter
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.sampling import SamplingParams
-from vlmspec.testing.tiny import tiny_image
+from testing.tiny import tiny_image
 from vlmspec.inputs import encode_prompt
 from vlmspec.text import decode, generate_text, stream_text
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import tiny_target
-from vlmspec.testing.tiny import tiny_image
+from testing.tiny import tiny_image
 from vlmspec.train.data import DataError, encode_conversations, load_jsonl
 from vlmspec.train.distill import DistillConfig, train_drafter
 from vlmspec.train.distill_losses import teacher

@@ -27,7 +27,7 @@ from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.inputs import encode_prompt
 from vlmspec.sampling import SamplingParams
 from vlmspec.target import Target
-from vlmspec.testing.tiny import build_tiny, tiny_image
+from testing.tiny import build_tiny, tiny_image
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -10,7 +10,7 @@ import pytest
 SCRIPT = textwrap.dedent(
     """
     import json, sys, torch
-    from vlmspec.testing.tiny import build_tiny, tiny_image
+    from testing.tiny import build_tiny, tiny_image
     from vlmspec.target import Target, set_attention
     from vlmspec.inputs import encode_prompt
     from vlmspec.engine import SpecEngine, GenerationConfig
@@ -71,7 +71,7 @@ def test_engine_greedy_parity_through_kernel_cuda():
 BATCH_SCRIPT = textwrap.dedent(
     """
     import json, sys, torch
-    from vlmspec.testing.tiny import build_tiny, tiny_image
+    from testing.tiny import build_tiny, tiny_image
     from vlmspec.target import Target, set_attention
     from vlmspec.inputs import encode_prompt
     from vlmspec.engine import SpecEngine, GenerationConfig

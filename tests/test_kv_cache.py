@@ -9,7 +9,7 @@ from transformers import DynamicCache
 
 from vlmspec.kv_cache import cache_kwarg, rollback_blockers
 from vlmspec.slot_cache import SlotCache
-from vlmspec.testing.families import tiny_config
+from testing.families import tiny_config
 
 
 def _filled_cache(n_layers=2, length=10):
@@ -114,7 +114,7 @@ def _cache_warnings(call):
 def test_target_forwards_pass_the_cache_without_the_deprecated_keyword(arch):
     from conftest import tiny_target
     from vlmspec.inputs import encode_prompt
-    from vlmspec.testing.tiny import tiny_image
+    from testing.tiny import tiny_image
     from vlmspec.tree import DraftTree
 
     target = tiny_target(arch)

@@ -1,9 +1,10 @@
 """The layer rule, checked on the import graph (imports inside functions included):
 
-    recipes -> cli -> app -> train / bench -> llm -> factory -> text -> engine -> draft -> target / verify -> core (inputs, sampling, ...)
+    lab (recipes, testing) -> cli -> app -> train / bench -> llm -> factory -> text -> engine -> draft -> target / verify -> core (inputs, sampling, ...)
 
 A module may import its own layer and the layers below it, never one above; and no two modules
-import each other, directly or through others (no cycle). `app/` and `recipes/` are installed as `vlmspec.app` and `vlmspec.recipes`.
+import each other, directly or through others (no cycle). `app/` is installed as `vlmspec.app`; the lab's
+folders (`recipes/`, `testing/`) are not installed (they run from a checkout).
 """
 import ast
 from pathlib import Path
@@ -21,15 +22,15 @@ LAYERS = [
     ("factory", ("vlmspec.factory",)),
     ("api", ("vlmspec.llm",)),  # `from vlmspec import LLM`: the facade over the composition root
     ("tools", ("vlmspec.train", "vlmspec.bench")),
-    ("app", ("vlmspec.app", "vlmspec.testing")),
+    ("app", ("vlmspec.app",)),
     ("cli", ("vlmspec.cli",)),
-    ("recipes", ("vlmspec.recipes",)),  # the lab: may use the product, never used by it
+    ("lab", ("recipes", "testing")),  # how the bundled models were made, tiny models: may use the product, never used by it
 ]
 
 
 def modules(root: Path = ROOT) -> dict[str, Path]:
     found = {}
-    for top, prefix in (("vlmspec", ("vlmspec",)), ("app", ("vlmspec", "app")), ("recipes", ("vlmspec", "recipes"))):
+    for top, prefix in (("vlmspec", ("vlmspec",)), ("app", ("vlmspec", "app")), ("recipes", ("recipes",)), ("testing", ("testing",))):
         for f in (root / top).rglob("*.py"):
             parts = f.relative_to(root / top).with_suffix("").parts
             parts = parts[:-1] if parts[-1] == "__init__" else parts
@@ -147,15 +148,33 @@ def test_the_checks_catch_a_planted_cycle_and_upward_import(tmp_path):
     assert sorted(map(tuple, cycles(graph))) == [("vlmspec.app.routes", "vlmspec.app.worker"), ("vlmspec.engine", "vlmspec.factory")]
 
 
-def test_every_package_is_installed_and_app_is_not_top_level():
-    """pyproject lists the packages (app/ and recipes/ install under vlmspec): a new subpackage must be listed."""
+def test_every_product_package_is_installed_and_the_lab_is_not():
+    """pyproject lists the packages (app/ installs under vlmspec): a new subpackage must be listed;
+    the lab's folders (recipes/, testing/) stay out of the wheel."""
     import tomllib
 
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    on_disk = {m for m, f in modules().items() if f.name == "__init__.py"}
+    on_disk = {m for m, f in modules().items() if f.name == "__init__.py" and m.startswith("vlmspec")}
     assert set(cfg["packages"]) == on_disk, f"pyproject lists {sorted(set(cfg['packages']) ^ on_disk)} wrongly"
-    assert cfg["package-dir"] == {"vlmspec.app": "app", "vlmspec.recipes": "recipes"}
-    assert "app" not in cfg["packages"] and "recipes" not in cfg["packages"]
+    assert cfg["package-dir"] == {"vlmspec.app": "app"}
+    assert not [p for p in cfg["packages"] if p.split(".")[0] in ("app", "recipes", "testing")]
+
+
+def test_the_wheel_holds_the_product_not_the_lab(tmp_path):
+    """The built wheel: every product package, none of the lab's folders (recipes/, testing/: the
+    recipes, the tiny-model builders, the family matrix)."""
+    import subprocess
+    import sys
+    import zipfile
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(ROOT)],
+                   check=True, capture_output=True)
+    (wheel,) = tmp_path.glob("vlmspec-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names}
+    assert {"vlmspec"} <= tops and not tops & {"app", "recipes", "testing", "tests"}, tops
+    assert "vlmspec/app/serve.py" in names and "vlmspec/engine/batch.py" in names
+    assert not [n for n in names if "/tiny" in n or "recipes" in n or "coverage.py" in n]
 
 
 # the two files allowed to be long: the Triton kernel (one kernel function) and ToyWorld's scene generator
@@ -164,9 +183,9 @@ LONG_FUNCTIONS = {("vlmspec/kernels/tree_attention.py", "_tree_attn_fwd")}
 
 
 def sizes(root: Path = ROOT) -> tuple[list[str], list[str]]:
-    """(modules over 500 lines, functions over 80 lines) under vlmspec/, app/ and recipes/, exemptions left out."""
+    """(modules over 500 lines, functions over 80 lines) under vlmspec/, app/, recipes/ and testing/, exemptions left out."""
     long_files, long_functions = [], []
-    for top in ("vlmspec", "app", "recipes"):
+    for top in ("vlmspec", "app", "recipes", "testing"):
         for f in sorted((root / top).rglob("*.py")):
             rel, src = f.relative_to(root).as_posix(), f.read_text()
             if src.count("\n") > 500 and rel not in LONG_FILES:

@@ -20,7 +20,7 @@ from vlmspec.draft.ngram import NgramDrafter
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.errors import ConfigError, InputError
 from vlmspec.inputs import encode_prompt
-from vlmspec.testing.tiny import tiny_image
+from testing.tiny import tiny_image
 from vlmspec.text import generate_text
 
 NEW = 24

@@ -55,7 +55,7 @@ def test_other_dtypes_and_mismatched_inputs_go_to_f_linear():
 
 def _tiny_pair(dtype):
     """Two copies of one tiny LLaVA in `dtype`: one to pack, one as it is."""
-    from vlmspec.testing.tiny import build_tiny
+    from testing.tiny import build_tiny
 
     return [build_tiny("llava", seed=3)[0].to(dtype).eval() for _ in range(2)]
 

@@ -298,7 +298,7 @@ def single_process_answers():
     """The oracle: each request alone through the single-process service (no Ray) over the toy."""
     from vlmspec import factory
     from vlmspec.app import create_app
-    from vlmspec.testing.live_server import LiveServer
+    from vlmspec.app.live_server import LiveServer
 
     bodies = _bodies(6)
     with LiveServer(create_app(factory.build_engine(_spec()), _settings())) as srv, httpx.Client(timeout=TIMEOUT_S) as c:
@@ -380,7 +380,7 @@ def test_bench_load_sends_its_sweep_to_a_running_single_process_service(tmp_path
     from vlmspec import factory
     from vlmspec.app import create_app
     from vlmspec.bench.load import REPLICA_HEADER
-    from vlmspec.testing.live_server import LiveServer
+    from vlmspec.app.live_server import LiveServer
 
     if HAVE_RAY:
         from vlmspec.app.ray_serve import REPLICA_HEADER as served

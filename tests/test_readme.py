@@ -1,5 +1,5 @@
 """The README is a first page whose commands run, and the docs say what is so: every `vlmspec` and
-`python -m vlmspec.recipes` command in README.md and docs/*.md (shell blocks and inline code) names a
+`python -m recipes` command in README.md and docs/*.md (shell blocks and inline code) names a
 real subcommand and only options that subcommand takes, every other `python -m vlmspec...` module
 and script they run exists and has the options given, every repository path they name exists, a
 lab folder (runs/...) is read only after a command on the same page writes it, every make target
@@ -124,7 +124,7 @@ def _program(argv: list[str]) -> tuple[str, list[str]] | None:
             rest = argv[argv.index("-m") + 2:]
             if module == "vlmspec.cli":
                 return "vlmspec", rest
-            if module == "vlmspec.recipes":
+            if module == "recipes":
                 return "recipes", rest
             return (module, rest) if module.startswith("vlmspec") else None
         script = next((a for a in argv[1:] if a.endswith(".py")), None)
@@ -150,16 +150,16 @@ def _options_problem(program: str, args: list[str]) -> str | None:
     """Why a command's subcommand or options are not what the program takes, else None."""
     opts = [a.split("=")[0] for a in args if a.startswith("--")]
     if program in ("vlmspec", "recipes"):
-        if not args or args[0] in ("...", "--help") or args[0].isupper():  # a placeholder (python -m vlmspec.recipes SUITE)
+        if not args or args[0] in ("...", "--help") or args[0].isupper():  # a placeholder (python -m recipes SUITE)
             return None
         if program == "vlmspec":
             parser = build_parser()
         else:
-            from vlmspec.recipes.__main__ import build_parser as recipes_parser
+            from recipes.__main__ import build_parser as recipes_parser
 
             parser = recipes_parser()
         subs = _subparsers(parser)
-        name = "vlmspec" if program == "vlmspec" else "python -m vlmspec.recipes"
+        name = "vlmspec" if program == "vlmspec" else "python -m recipes"
         if args[0] not in subs:
             return f"`{name}` has no subcommand {args[0]!r} (it has {', '.join(subs)})"
         sub = subs[args[0]]
@@ -245,13 +245,13 @@ def test_the_page_checks_catch_what_they_are_for(tmp_path):
     page = tmp_path / "bad.md"
     page.write_text("\n".join([
         "```bash", "vlmspec train-align --out runs/a", "vlmspec generate --image cat.png --prompt hi --no-such-option",
-        "python -m vlmspec.recipes eval-target --model runs/aligned5 --n 3", "vlmspec export runs/a/drafter --out runs/b", "```",
-        "Run `python -m vlmspec.recipes train-align --nope` or `scripts/no_such.py`; see `vlmspec/no_such.py` and [x](missing.md).",
+        "python -m recipes eval-target --model runs/aligned5 --n 3", "vlmspec export runs/a/drafter --out runs/b", "```",
+        "Run `python -m recipes train-align --nope` or `scripts/no_such.py`; see `vlmspec/no_such.py` and [x](missing.md).",
         "```python", "from vlmspec.engine import NoSuchThing", "print(other_inputs, Image.open('cat.png'))", "```",
     ]))
     problems = "\n".join(page_problems(page))
     for says in ("has no subcommand 'train-align'", "has no option --no-such-option", "reads runs/aligned5, which no command",
-                 "`python -m vlmspec.recipes train-align` has no option --nope", "scripts/no_such.py: no such module or script",
+                 "`python -m recipes train-align` has no option --nope", "scripts/no_such.py: no such module or script",
                  "names vlmspec/no_such.py", "links to missing.md", "names the image cat.png", "vlmspec.engine has no NoSuchThing",
                  "other_inputs is used but never defined", "Image is used but never defined"):
         assert says in problems, (says, problems)

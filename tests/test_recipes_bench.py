@@ -1,10 +1,10 @@
-"""The research suites of recipes/bench (`python -m vlmspec.recipes ablate|adaptive|stop-head|trees`):
+"""The research suites of recipes/bench (`python -m recipes ablate|adaptive|stop-head|trees`):
 each runs end to end on a tiny model, its figures and refusals as when they were `vlmspec bench` commands."""
 import json
 
 import pytest
 
-from vlmspec.recipes.__main__ import main
+from recipes.__main__ import main
 
 
 def _help(capsys, *argv):
@@ -25,10 +25,10 @@ def test_recipes_help_lists_the_research_suites(capsys):
 
 @pytest.mark.slow  # a research suite end to end (recipes, apart from the product): 50 s of CI
 def test_ablation_runs_end_to_end_tiny(tmp_path, capsys, monkeypatch):
-    """`python -m vlmspec.recipes ablate` trains each chosen variant, measures it, writes md / json / png."""
-    from vlmspec.recipes.bench import ablation
-    from vlmspec.recipes.bench.ablation import PARTIAL, suite
-    from vlmspec.testing.tiny import build_tiny
+    """`python -m recipes ablate` trains each chosen variant, measures it, writes md / json / png."""
+    from recipes.bench import ablation
+    from recipes.bench.ablation import PARTIAL, suite
+    from testing.tiny import build_tiny
 
     assert len(suite("loss")) == 6 and len(suite("vision")) == 15
     model_dir = tmp_path / "model"
@@ -77,7 +77,7 @@ def test_ablation_runs_end_to_end_tiny(tmp_path, capsys, monkeypatch):
 
 
 def test_bootstrap_interval_and_vision_goals_on_constructed_rows():
-    from vlmspec.recipes.bench.ablation import bootstrap_tau, vision_goals
+    from recipes.bench.ablation import bootstrap_tau, vision_goals
 
     same = {"emitted": [50, 40, 60, 55], "forwards": [10, 10, 10, 10]}
     lo, hi = bootstrap_tau([same])
@@ -125,7 +125,7 @@ def test_bootstrap_interval_and_vision_goals_on_constructed_rows():
 def test_reuse_needs_the_same_steps_config_and_target(tmp_path):
     from dataclasses import asdict
 
-    from vlmspec.recipes.bench.ablation import TEACHER, finished_run
+    from recipes.bench.ablation import TEACHER, finished_run
     from vlmspec.train.distill import DistillConfig
 
     cfg = DistillConfig(steps=7)
@@ -153,7 +153,7 @@ def test_reuse_needs_the_same_steps_config_and_target(tmp_path):
 
 def test_bench_adaptive_times_the_three_ways_per_category(tmp_path):
     from conftest import tiny_target
-    from vlmspec.recipes.bench.adaptive import WAYS, categories, format_table, measure
+    from recipes.bench.adaptive import WAYS, categories, format_table, measure
     from vlmspec.draft.base import TreeConfig
     from vlmspec.draft.ngram import NgramDrafter
     from vlmspec.engine import SpecEngine
@@ -180,7 +180,7 @@ def test_bench_stop_head_times_the_five_ways_and_counts_what_the_rule_saves():
     import torch
 
     from conftest import tiny_target
-    from vlmspec.recipes.bench.stop_head import WAYS, format_table, measure
+    from recipes.bench.stop_head import WAYS, format_table, measure
     from vlmspec.data.heldout import heldout
     from vlmspec.draft.base import TreeConfig
     from vlmspec.draft.eagle import EagleConfig, EagleDrafter, EagleHead
@@ -211,7 +211,7 @@ def test_bench_trees_times_each_shape_against_plain_on_the_same_answers():
     import torch
 
     from conftest import tiny_target
-    from vlmspec.recipes.bench.trees import format_table, measure, parse_shape
+    from recipes.bench.trees import format_table, measure, parse_shape
     from vlmspec.data.heldout import heldout
     from vlmspec.draft.base import TreeConfig
     from vlmspec.draft.eagle import EagleDrafter
@@ -235,7 +235,7 @@ def test_bench_trees_times_each_shape_against_plain_on_the_same_answers():
 def test_bench_trees_refuses_a_malformed_shape():
     import pytest
 
-    from vlmspec.recipes.bench.trees import parse_shape
+    from recipes.bench.trees import parse_shape
 
     for bad in ("5,4", "a,b,c", "5,0,16"):
         with pytest.raises(ValueError):
@@ -245,7 +245,7 @@ def test_bench_trees_refuses_a_malformed_shape():
 def test_ablation_variants_train_in_the_targets_answer_style_and_draft_vocabulary(tmp_path, monkeypatch, capsys):
     """`ablate --answer-style / --draft-vocab` reach every variant's training config (what the
     shipped drafter of the default model was trained with), and a K past the vocabulary is refused."""
-    from vlmspec.recipes.bench import ablation
+    from recipes.bench import ablation
 
     seen = {}
 
@@ -297,7 +297,7 @@ def test_ablate_rejects_an_unknown_variant(capsys, tmp_path):
 
 def test_the_kernel_timings_live_in_the_recipes_not_in_the_product(capsys):
     """The CPU kernels' timing scripts (#74: no `__main__` timing code in product modules) run as
-    `python -m vlmspec.recipes kernels WHICH`; a missing --model is one line."""
+    `python -m recipes kernels WHICH`; a missing --model is one line."""
     import vlmspec.kernels.packed_linear
     import vlmspec.onednn
     import vlmspec.target.attention

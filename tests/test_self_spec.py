@@ -10,7 +10,7 @@ from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.errors import DrafterLoadError
 from vlmspec.inputs import encode_prompt
 from vlmspec.target.early_exit import ExitView
-from vlmspec.testing.tiny import tiny_image
+from testing.tiny import tiny_image
 from vlmspec.tree import DraftTree
 
 

@@ -29,10 +29,10 @@ from PIL import Image
 
 from vlmspec.app import ServerSettings, create_app
 from vlmspec.app.metrics import METRICS
-from vlmspec.testing.live_server import LiveServer
+from vlmspec.app.live_server import LiveServer
 from vlmspec.draft import NgramDrafter, TreeConfig
 from vlmspec.engine import SpecEngine
-from vlmspec.testing.tiny import tiny_image
+from testing.tiny import tiny_image
 
 API_KEY = "sk-test-123"
 MODEL = "tiny-llava"

@@ -27,8 +27,8 @@ from conftest import metric, tiny_target, wait_for
 from vlmspec.app import ServerSettings, create_app
 from vlmspec.draft import NgramDrafter, TreeConfig
 from vlmspec.engine import Batch, SpecEngine
-from vlmspec.testing.live_server import LiveServer
-from vlmspec.testing.tiny import tiny_image
+from vlmspec.app.live_server import LiveServer
+from testing.tiny import tiny_image
 
 MODEL = "tiny-llava"
 MAX_BATCH = 4

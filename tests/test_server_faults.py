@@ -31,7 +31,7 @@ from vlmspec.draft import NgramDrafter, TreeConfig
 from vlmspec.draft.ngram import _NgramSession
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.inputs import encode_prompt
-from vlmspec.testing.live_server import LiveServer
+from vlmspec.app.live_server import LiveServer
 from vlmspec.text import TextStream
 
 MODEL = "tiny-llava"

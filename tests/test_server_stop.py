@@ -32,7 +32,7 @@ from vlmspec import assets
 from vlmspec.app import ServerSettings, create_app
 from vlmspec.draft import NgramDrafter, TreeConfig
 from vlmspec.engine import SpecEngine
-from vlmspec.testing.live_server import LiveServer
+from vlmspec.app.live_server import LiveServer
 
 MODEL = "tiny-llava"
 

@@ -25,7 +25,7 @@ from vlmspec.app.site import DOCS_OPENAPI_URL, openapi_30
 from vlmspec.draft import NgramDrafter, TreeConfig
 from vlmspec.engine import SpecEngine
 from vlmspec.inputs import IMAGE_FORMATS
-from vlmspec.testing.live_server import LiveServer
+from vlmspec.app.live_server import LiveServer
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-llava"

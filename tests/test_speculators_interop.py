@@ -22,7 +22,7 @@ from vlmspec.draft.eagle.speculators_format import to_speculators
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.inputs import encode_prompt
 from vlmspec.target import load_target
-from vlmspec.testing.tiny import tiny_image
+from testing.tiny import tiny_image
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = Path(os.environ.get("VLMSPEC_SPECULATORS_PYTHON", ROOT / ".venv-speculators" / "bin" / "python"))

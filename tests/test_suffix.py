@@ -19,7 +19,7 @@ from vlmspec.draft.suffix_index import DraftLimits, IndexConfig, Match, SuffixIn
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.inputs import encode_prompt
 from vlmspec.sampling import SamplingParams
-from vlmspec.testing.tiny import tiny_image
+from testing.tiny import tiny_image
 from vlmspec.tree import DraftTree
 
 NEW = 48

@@ -7,7 +7,7 @@ import pytest
 
 from vlmspec.engine import GenerationResult, StepEvent
 from vlmspec.stats import SpecStats
-from vlmspec.testing.tiny import build_tokenizer
+from testing.tiny import build_tokenizer
 from vlmspec.text import IncrementalDetokenizer, StopStringFilter, decode, generate_text, stream_text
 
 

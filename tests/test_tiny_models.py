@@ -1,4 +1,4 @@
-"""Tests for the offline tiny VLM builders in ``vlmspec.testing.tiny`` (CPU, a few seconds total)."""
+"""Tests for the offline tiny VLM builders in ``testing.tiny`` (CPU, a few seconds total)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ try:
 except ImportError:  # plain `pytest` from a checkout without the package installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vlmspec.testing.tiny import ARCHS, build_tiny, tiny_image  # noqa: E402
+from testing.tiny import ARCHS, build_tiny, tiny_image  # noqa: E402
 
 MAX_NEW = 8
 

@@ -1,10 +1,10 @@
-"""python -m vlmspec.recipes train-target: a smoke run on a tiny config, export loadable by the HF auto classes, exact resume."""
+"""python -m recipes train-target: a smoke run on a tiny config, export loadable by the HF auto classes, exact resume."""
 import json
 
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from vlmspec.recipes.train.target_sft import SFTConfig, TargetArch, train
+from recipes.train.target_sft import SFTConfig, TargetArch, train
 
 TINY = TargetArch(vision_hidden=32, vision_layers=1, vision_heads=2, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, tokenizer_corpus=300, tokenizer_vocab=600)
 
@@ -18,7 +18,7 @@ def test_scene_labels_name_each_cell_sign_row_and_bar():
     import random
 
     from vlmspec.data import toyworld
-    from vlmspec.recipes.train.vision_pretrain import N_CELLS, scene_labels
+    from recipes.train.vision_pretrain import N_CELLS, scene_labels
 
     rng = random.Random(3)
     scene = toyworld._sample_objects_scene(rng, with_sign=True)
@@ -63,7 +63,7 @@ def test_smoke_train_export_and_resume(tmp_path):
 def test_task_mix_parses_and_steers_the_training_samples():
     import pytest
 
-    from vlmspec.recipes.train.target_sft import parse_task_mix, sample_for
+    from recipes.train.target_sft import parse_task_mix, sample_for
 
     mix = parse_task_mix(" count=0.3, attribute=0.7 ")
     assert mix == {"count": 0.3, "attribute": 0.7}
@@ -81,7 +81,7 @@ def test_task_mix_parses_and_steers_the_training_samples():
 def test_init_from_starts_from_every_weight_of_an_export(tmp_path):
     import pytest
 
-    from vlmspec.recipes.train.target_sft import TargetArch
+    from recipes.train.target_sft import TargetArch
 
     first = train(tmp_path / "a", _cfg(2), progress=False)
     # steps=0: nothing trains, so the new export must be the starting weights exactly
@@ -98,7 +98,7 @@ def test_init_from_starts_from_every_weight_of_an_export(tmp_path):
 
 
 def test_cli_init_from_errors(tmp_path, capsys):
-    from vlmspec.recipes.__main__ import main
+    from recipes.__main__ import main
 
     for args, msg in ((["--init-from", str(tmp_path)], "not an exported model folder"),
                       (["--init-from", str(tmp_path), "--resume"], "--resume: no checkpoint"),

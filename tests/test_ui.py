@@ -29,7 +29,7 @@ from vlmspec.control import SpeculationOptions, depth_summary
 
 from vlmspec.app import ServerSettings, create_app
 from vlmspec.app.ui_runner import ServiceRunner
-from vlmspec.testing.live_server import LiveServer
+from vlmspec.app.live_server import LiveServer
 from vlmspec.assets import SAMPLE_IMAGES
 from vlmspec.draft import NgramDrafter, TreeConfig
 from vlmspec.engine import SpecEngine

@@ -8,7 +8,7 @@ from conftest import tiny_target
 from vlmspec.draft.base import NoDrafter, TreeConfig
 from vlmspec.draft.eagle import EagleConfig, EagleDrafter, EagleHead
 from vlmspec.engine import GenerationConfig, SpecEngine
-from vlmspec.testing.tiny import tiny_image
+from testing.tiny import tiny_image
 from vlmspec.train.distill import DistillConfig, train_drafter
 from vlmspec.vision_compress import FIXED, VisualAdaptor, VisualConfig, build, image_spans
 from vlmspec.vision_compress.compressors import Gate, cross_attention, kept_tokens, token_grid
@@ -243,7 +243,7 @@ def test_every_variant_drafts_in_bfloat16():
     import copy
 
     from vlmspec.target import Target
-    from vlmspec.testing.tiny import build_tiny
+    from testing.tiny import build_tiny
 
     model, processor = build_tiny("llava", seed=0)
     target = Target(copy.deepcopy(model).to(torch.bfloat16), processor, name="tiny-llava-bf16")
@@ -294,7 +294,7 @@ def test_a_resampler_with_too_few_queries_for_the_targets_images_is_refused_at_l
 
 
 def test_prefill_at_llava_scale_is_timed_round_robin_and_none_past_a_resamplers_capacity():
-    from vlmspec.recipes.bench.ablation import prefill_at_scale
+    from recipes.bench.ablation import prefill_at_scale
 
     target = tiny_target("llava")
     variants = {"plain": VisualConfig(), "resampler@4x": VisualConfig("resampler", 4), "resampler@16x": VisualConfig("resampler", 16),
@@ -313,7 +313,7 @@ def test_prefill_at_llava_scale_is_timed_round_robin_and_none_past_a_resamplers_
 def test_read_flops_of_the_plain_head_match_its_matrix_products_and_attention():
     """The FLOP count the ablation reports, checked against the head's shapes: fc, q/k/v/o, the
     MLP's three projections and attention (QK^T and PV over every key) for each of the n rows."""
-    from vlmspec.recipes.bench.ablation import read_flops, scale_prompt
+    from recipes.bench.ablation import read_flops, scale_prompt
 
     target = tiny_target("llava")
     drafter = _variant(target, VisualConfig())

@@ -1,4 +1,4 @@
-"""This process's memory, as the soak and `python -m vlmspec.recipes kernels onednn` read it: resident (Linux /proc)
+"""This process's memory, as the soak and `python -m recipes kernels onednn` read it: resident (Linux /proc)
 and glibc's heap (mallinfo2), which tells live allocations apart from free memory the allocator keeps;
 and `release_free_memory`, which the service's worker calls to hand freed heap memory back."""
 

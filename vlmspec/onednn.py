@@ -6,7 +6,7 @@ keeps it in two caches of 1,024 entries by default: oneDNN's own (`ONEDNN_PRIMIT
 and that of ideep, torch's wrapper around it (`LRU_CACHE_CAPACITY`). A row count is part of a shape,
 and a service meets new ones with every prompt length and batch composition, so its memory grew by
 hundreds of MB until both were full, while the shapes it uses over and over are far fewer
-(docs/serving.md has the soak that found it, and `python -m vlmspec.recipes kernels onednn`).
+(docs/serving.md has the soak that found it, and `python -m recipes kernels onednn`).
 
 `bound_shape_caches` sets both capacities before oneDNN's first primitive (they are read once, then),
 unless the environment already sets them: the composition root calls it before it builds an engine.

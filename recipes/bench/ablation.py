@@ -1,4 +1,4 @@
-"""`python -m vlmspec.recipes ablate`: train drafter variants at equal steps on the same target, measure them
+"""`python -m recipes ablate`: train drafter variants at equal steps on the same target, measure them
 on the same held-out prompts, write a Markdown table, a JSON record and a plot.
 
 Suites:
@@ -15,7 +15,7 @@ over plain decoding (vlmspec `none`) on the same prompts.
 T=0) and compared on the test prompts: picked and compared on the same prompts, the winner of
 many noisy estimates would carry its own luck into the comparison (winner's curse).
 
-    python -m vlmspec.recipes ablate --suite vision --steps 200 --n 8 --n-select 4 --out docs/ablation-vision
+    python -m recipes ablate --suite vision --steps 200 --n 8 --n-select 4 --out docs/ablation-vision
 
 `--reuse` loads a variant whose run folder already holds a finished run with the same config on
 the same target weights (re-measuring, or finishing an interrupted ablation); the committed report
@@ -49,8 +49,8 @@ from vlmspec.sampling import SamplingParams
 from vlmspec.stats import SpecStats
 from vlmspec.target import Target
 from vlmspec.train.distill import DistillConfig, train_drafter
-from vlmspec.recipes.bench.ablation_prefill import drafter_prefill_ms, prefill_at_scale, read_flops, scale_prompt
-from vlmspec.recipes.bench.ablation_report import bootstrap_tau, vision_goals, write_report
+from recipes.bench.ablation_prefill import drafter_prefill_ms, prefill_at_scale, read_flops, scale_prompt
+from recipes.bench.ablation_report import bootstrap_tau, vision_goals, write_report
 from vlmspec.vision_compress import FIXED, VisualConfig
 
 # read_flops, scale_prompt and vision_goals are this suite's too (imported from here by tests and notes)
@@ -240,7 +240,7 @@ def _slug(name: str) -> str:
 
 @dataclass(frozen=True)
 class AblateOptions:
-    """What `python -m vlmspec.recipes ablate` runs (the target is loaded by the caller, through vlmspec.factory)."""
+    """What `python -m recipes ablate` runs (the target is loaded by the caller, through vlmspec.factory)."""
 
     suite: str  # loss | vision
     steps: int = 300

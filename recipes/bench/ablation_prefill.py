@@ -1,6 +1,6 @@
 """The ablation's timing of a drafter's read of the prompt: on the test prompts, and at a real
 VLM's scale (576 image tokens, LLaVA-1.5's) round-robin over every variant, with its FLOPs counted
-(`python -m vlmspec.recipes ablate`; see `ablation`)."""
+(`python -m recipes ablate`; see `ablation`)."""
 
 from __future__ import annotations
 

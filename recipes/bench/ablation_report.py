@@ -1,5 +1,5 @@
 """The ablation's report: tau's bootstrap intervals, issue #5's goals checked on the rows, and
-ablation.md / ablation.json / ablation.png (`python -m vlmspec.recipes ablate`; see `ablation`)."""
+ablation.md / ablation.json / ablation.png (`python -m recipes ablate`; see `ablation`)."""
 
 from __future__ import annotations
 

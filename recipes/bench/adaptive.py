@@ -1,4 +1,4 @@
-"""`python -m vlmspec.recipes adaptive`: adaptive speculation against plain decoding and the fixed tree (#21).
+"""`python -m recipes adaptive`: adaptive speculation against plain decoding and the fixed tree (#21).
 
 A research suite (it answered issue #21's question once). Three ways through the same engine code
 and target, on each prompt, in a rotating order (`vlmspec.bench.runner.run_ways`):

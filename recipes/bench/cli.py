@@ -1,11 +1,11 @@
-"""The `python -m vlmspec.recipes` commands of this folder: the research suites' options; the work
-is `vlmspec.recipes.bench.*` (the product's benches are `vlmspec bench`, vlmspec/cli/bench.py).
+"""The `python -m recipes` commands of this folder: the research suites' options; the work
+is `recipes.bench.*` (the product's benches are `vlmspec bench`, vlmspec/cli/bench.py).
 
-    python -m vlmspec.recipes ablate --suite loss|vision ...   drafter variants trained at equal steps (issues #4, #5)
-    python -m vlmspec.recipes adaptive ...                     goodput vs plain and the fixed tree (#21)
-    python -m vlmspec.recipes stop-head ...                    SpecDec++'s stop rule with and without (#21)
-    python -m vlmspec.recipes trees ...                        which draft-tree shape pays (#20)
-    python -m vlmspec.recipes kernels WHICH                    the CPU kernels the product chose between, timed here
+    python -m recipes ablate --suite loss|vision ...   drafter variants trained at equal steps (issues #4, #5)
+    python -m recipes adaptive ...                     goodput vs plain and the fixed tree (#21)
+    python -m recipes stop-head ...                    SpecDec++'s stop rule with and without (#21)
+    python -m recipes trees ...                        which draft-tree shape pays (#20)
+    python -m recipes kernels WHICH                    the CPU kernels the product chose between, timed here
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def _register_kernels(sub: argparse._SubParsersAction) -> None:
 
 
 def run_kernels(args: argparse.Namespace) -> int:
-    from vlmspec.recipes.bench import kernels
+    from recipes.bench import kernels
 
     if args.which == "packing":
         if not args.model:
@@ -122,7 +122,7 @@ def _add_ways_args(p: argparse.ArgumentParser, n: int, n_help: str, temperatures
 
 def run_adaptive_bench(args: argparse.Namespace) -> int:
     from vlmspec import factory
-    from vlmspec.recipes.bench.adaptive import categories, format_table, measure
+    from recipes.bench.adaptive import categories, format_table, measure
 
     engine = factory.build_engine(engine_spec(args))
     if engine.drafter.tree is None:
@@ -139,7 +139,7 @@ def run_adaptive_bench(args: argparse.Namespace) -> int:
 
 def run_stop_head_bench(args: argparse.Namespace) -> int:
     from vlmspec import factory
-    from vlmspec.recipes.bench.stop_head import format_table, measure
+    from recipes.bench.stop_head import format_table, measure
     from vlmspec.data.heldout import heldout
     from vlmspec.draft.eagle import EagleDrafter
 
@@ -153,7 +153,7 @@ def run_stop_head_bench(args: argparse.Namespace) -> int:
 
 
 def tree_shape(text: str):
-    from vlmspec.recipes.bench.trees import parse_shape
+    from recipes.bench.trees import parse_shape
 
     try:
         return parse_shape(text)
@@ -164,7 +164,7 @@ def tree_shape(text: str):
 def run_trees_bench(args: argparse.Namespace) -> int:
     from vlmspec import factory
     from vlmspec.bench.harness import load_prompts
-    from vlmspec.recipes.bench.trees import SHAPES, format_table, measure
+    from recipes.bench.trees import SHAPES, format_table, measure
 
     engine = factory.build_engine(engine_spec(args))
     if engine.drafter.tree is None:
@@ -176,7 +176,7 @@ def run_trees_bench(args: argparse.Namespace) -> int:
 
 def run_ablate(args: argparse.Namespace) -> int:
     from vlmspec import factory
-    from vlmspec.recipes.bench.ablation import AblateOptions, ablate, suite
+    from recipes.bench.ablation import AblateOptions, ablate, suite
 
     names = [v.name for v in suite(args.suite)]
     unknown = [o for o in args.only if o not in names]

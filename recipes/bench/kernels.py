@@ -1,5 +1,5 @@
 """Timings of the CPU kernels the product chose between, to see for oneself on any machine:
-`python -m vlmspec.recipes kernels onednn | attention | packing --model DIR | packed-linear`
+`python -m recipes kernels onednn | attention | packing --model DIR | packed-linear`
 (docs/batching.md and docs/serving.md quote their output). They are the lab's, apart from the
 product modules whose choices they time (vlmspec/onednn.py, vlmspec/target/attention.py,
 vlmspec/target/packing.py, vlmspec/kernels/packed_linear.py)."""
@@ -25,7 +25,7 @@ from vlmspec.target.packing import pack_exact_linears
 def time_onednn() -> None:
     """Prints the growth over 400 new row counts with the settings in effect (run it with and
     without the environment variables set: `ONEDNN_PRIMITIVE_CACHE_CAPACITY=1024
-    LRU_CACHE_CAPACITY=1024 python -m vlmspec.recipes kernels onednn` is oneDNN's default)."""
+    LRU_CACHE_CAPACITY=1024 python -m recipes kernels onednn` is oneDNN's default)."""
     settings = bound_shape_caches()
     start = time.perf_counter()
     grown = new_shapes_growth(range(5, 405))

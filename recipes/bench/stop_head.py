@@ -1,4 +1,4 @@
-"""`python -m vlmspec.recipes stop-head`: SpecDec++'s stop rule against the same drafter without it (#21).
+"""`python -m recipes stop-head`: SpecDec++'s stop rule against the same drafter without it (#21).
 
 A research suite (it answered one question of issue #21 once). One trained EAGLE drafter with an acceptance head (`vlmspec train --acceptance-head`), so "with"
 and "without" share every weight (equal training steps by construction). Five ways through the

@@ -1,4 +1,4 @@
-"""`python -m vlmspec.recipes trees`: which draft-tree shape pays on this device, dtype and drafter (#20).
+"""`python -m recipes trees`: which draft-tree shape pays on this device, dtype and drafter (#20).
 
 A research suite: it chose the drafters' measured tree defaults (their configs' `tree_defaults`). The tree default is a trade between acceptance (deeper, wider trees accept more) and the verify
 forward's cost (a tree of N nodes costs `bench verify-cost`'s ratio of a one-token step) plus the

@@ -1,4 +1,4 @@
-"""`python -m vlmspec.recipes train-align`: how the default target's trained parts were made. The
+"""`python -m recipes train-align`: how the default target's trained parts were made. The
 assembled real target (EfficientNet-Lite0 + SmolLM2-135M in `fast_vlm`, `vlmspec build-target
 --no-trained`) is aligned on ToyWorld, LLaVA stage-1 style plus low-rank adapters on the language model.
 
@@ -38,9 +38,9 @@ from safetensors.torch import load_file, save_file
 
 from vlmspec.data import toyworld
 from vlmspec.data.heldout import Conversation
-from vlmspec.recipes.train.lora import LoraAdapters, add_lora
-from vlmspec.recipes.train.target_sft import answer_loss, batch_seeds, eval_loss, plot_curve, sample_for
-from vlmspec.recipes.train.vision_pretrain import SIGN_GROUP, WORD_GROUPS, SceneLabels, SceneProbe, WordProbe, pool_cells, pretrain_batch, scene_labels, word_vectors
+from recipes.train.lora import LoraAdapters, add_lora
+from recipes.train.target_sft import answer_loss, batch_seeds, eval_loss, plot_curve, sample_for
+from recipes.train.vision_pretrain import SIGN_GROUP, WORD_GROUPS, SceneLabels, SceneProbe, WordProbe, pool_cells, pretrain_batch, scene_labels, word_vectors
 from vlmspec.target.assemble import TRAINED_FORMAT
 from vlmspec.train.common import clipped_step, save_checkpoint_dir
 from vlmspec.train.data import encode_conversations

@@ -1,9 +1,9 @@
-"""The `python -m vlmspec.recipes` commands of this folder: the trainers of the bundled targets' parts
+"""The `python -m recipes` commands of this folder: the trainers of the bundled targets' parts
 and the target evaluation their model cards quote.
 
-    python -m vlmspec.recipes train-align --base models/smolvlm-base --out runs/align ...   (align.py)
-    python -m vlmspec.recipes train-target --out runs/target ...                           (target_sft.py)
-    python -m vlmspec.recipes eval-target --model models/smolvlm-toyworld --json           (target_eval.py)
+    python -m recipes train-align --base models/smolvlm-base --out runs/align ...   (align.py)
+    python -m recipes train-target --out runs/target ...                           (target_sft.py)
+    python -m recipes eval-target --model models/smolvlm-toyworld --json           (target_eval.py)
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from vlmspec.cli import HelpFormatter
-from vlmspec.recipes.train.align import ALIGN_STYLES
+from recipes.train.align import ALIGN_STYLES
 from vlmspec.cli.options import (
     UsageError,
     add_device_args,
@@ -45,7 +45,7 @@ def register_train_align(sub: argparse._SubParsersAction) -> None:
                         "scan: a count of a colour or shape names every object first, then picks the asked ones out; "
                         "tally: every object named, each counted one followed by its running ordinal (the shipped parts')")
     a.add_argument("--task-mix", help="the image questions' mix, e.g. 'count=0.36,attribute=0.18,read_text=0.12,describe=0.2,spatial=0.08,read_chart=0.06' "
-                                      "(default: vlmspec.recipes.train.align.ALIGN_MIX)")
+                                      "(default: recipes.train.align.ALIGN_MIX)")
     a.add_argument("--minutes", type=float_in("--minutes", 0.0, 1e6, low_open=True), default=None, help="wall-clock budget of this run")
     a.add_argument("--seed", type=int, default=0, help="seed of the adapters' initialisation and of the training scenes")
     a.add_argument("--autocast", action="store_true", help="forwards in bf16 autocast (fp32 weights and optimizer): faster on CPUs with "
@@ -96,8 +96,8 @@ def register_eval_target(sub: argparse._SubParsersAction) -> None:
 
 
 def run_train_align(args: argparse.Namespace) -> int:
-    from vlmspec.recipes.train.align import ALIGN_MIX, AlignConfig, WarmStartError, train_align
-    from vlmspec.recipes.train.target_sft import parse_task_mix
+    from recipes.train.align import ALIGN_MIX, AlignConfig, WarmStartError, train_align
+    from recipes.train.target_sft import parse_task_mix
 
     if not (Path(args.base) / "config.json").is_file():
         raise UsageError(f"--base: {args.base} is not a built model folder (vlmspec build-target --no-trained --out {args.base})")
@@ -120,7 +120,7 @@ def run_train_align(args: argparse.Namespace) -> int:
 
 
 def run_train_target(args: argparse.Namespace) -> int:
-    from vlmspec.recipes.train.target_sft import SFTConfig, TargetArch, parse_task_mix, saved_sizes, train
+    from recipes.train.target_sft import SFTConfig, TargetArch, parse_task_mix, saved_sizes, train
 
     if args.resume and not (Path(args.out) / "checkpoint").is_dir():
         raise UsageError(f"--resume: no checkpoint in {args.out}/checkpoint")
@@ -151,7 +151,7 @@ def run_train_target(args: argparse.Namespace) -> int:
 
 def run_eval_target(args: argparse.Namespace) -> int:
     from vlmspec import factory
-    from vlmspec.recipes.train.target_eval import evaluate, format_table, text_agreement
+    from recipes.train.target_eval import evaluate, format_table, text_agreement
 
     spec = engine_spec(args)
     target = factory.load(spec)

@@ -1,7 +1,7 @@
-"""`python -m vlmspec.recipes eval-target`: does the target read the image? Held-out ToyWorld scores, and the same
+"""`python -m recipes eval-target`: does the target read the image? Held-out ToyWorld scores, and the same
 scores with every image replaced by noise (a model that reads the image must fall far below).
 
-    python -m vlmspec.recipes eval-target [--model DIR] [--n 600] [--seed 0] [--json]
+    python -m recipes eval-target [--model DIR] [--n 600] [--seed 0] [--json]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`python -m vlmspec.recipes train-target`: how the toy target (assets/toyworld-vlm) was made: the
+"""`python -m recipes train-target`: how the toy target (assets/toyworld-vlm) was made: the
 LLaVA-architecture target trained from scratch on ToyWorld.
 
 Stage 0 pre-trains the vision tower and projector on scene labels (`vision_pretrain`); then
@@ -29,7 +29,7 @@ from vlmspec.data.processor import build_processor, corpus_for_tokenizer, llava_
 from vlmspec.train.common import clipped_step, save_checkpoint_dir
 from vlmspec.train.loop import CKPT, Hooks, Stage, TrainConfig, new_state, train_loop, write_summary
 from vlmspec.train.data import encode_conversations
-from vlmspec.recipes.train.vision_pretrain import SceneLabels, SceneProbe, image_tokens, pretrain_batch, scene_labels
+from recipes.train.vision_pretrain import SceneLabels, SceneProbe, image_tokens, pretrain_batch, scene_labels
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Stage 0 of `python -m vlmspec.recipes train-target` (and the probes of `train-align`): supervised pre-training of the vision tower + projector.
+"""Stage 0 of `python -m recipes train-target` (and the probes of `train-align`): supervised pre-training of the vision tower + projector.
 
 Real VLMs start from a pre-trained image encoder (CLIP, SigLIP); trained from scratch together
 with the decoder, our small tower never became informative within the CPU budget (measured in

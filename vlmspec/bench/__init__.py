@@ -4,4 +4,4 @@
 arguments and return reports; their command-line options live in `vlmspec/cli/bench.py`. Every
 bench that times ways against each other on the same prompts does it through `runner.run_ways`
 (interleaved, order rotated per prompt, ratios paired). The research suites (ablations, adaptive
-speculation, the stop head, tree shapes) are the lab's: `recipes/bench/`, `python -m vlmspec.recipes`."""
+speculation, the stop head, tree shapes) are the lab's: `recipes/bench/`, `python -m recipes`."""

@@ -1,7 +1,7 @@
 """`vlmspec bench [run|batch|verify-cost|kernel|server|load|soak]`: the product's benchmarks' options; the work is `vlmspec.bench.*`.
 
 `vlmspec bench` with no sub-benchmark (or with options only) runs `bench run`. The research suites
-(ablate, adaptive, stop-head, trees) are the lab's: `python -m vlmspec.recipes`, recipes/bench/cli.py.
+(ablate, adaptive, stop-head, trees) are the lab's: `python -m recipes`, recipes/bench/cli.py.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "bench",
         help="speed of every method side by side (default: run), or batch, verify-cost, kernel, server, load, soak",
         description="Benchmarks. `vlmspec bench WHICH --help` for the options of each; without WHICH, `run`. "
-                    "The research suites (ablate, adaptive, stop-head, trees): `python -m vlmspec.recipes --help`.",
+                    "The research suites (ablate, adaptive, stop-head, trees): `python -m recipes --help`.",
     )
     which = b.add_subparsers(dest="bench", metavar="{" + ",".join(BENCHES) + "}", required=True)
 

@@ -1,5 +1,5 @@
 """`vlmspec build-target`: the real target, built from pip-shipped weights (`vlmspec.target.assemble`)
-with the trained parts that `python -m vlmspec.recipes train-align` made."""
+with the trained parts that `python -m recipes train-align` made."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--image-size", type=positive_int("--image-size"), default=384,
                    help="image side in px, a multiple of 32: (size/32)^2 image tokens (384 -> 144, 768 -> 576)")
     b.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="dtype the weights are stored in")
-    b.add_argument("--trained", default=str(assets.DEFAULT_TARGET_PARTS), help="trained parts to apply (python -m vlmspec.recipes train-align)")
+    b.add_argument("--trained", default=str(assets.DEFAULT_TARGET_PARTS), help="trained parts to apply (python -m recipes train-align)")
     b.add_argument("--no-trained", action="store_true", help="the untrained assembly (the base train-align starts from)")
     b.set_defaults(func=run_build_target)
 

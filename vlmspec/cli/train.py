@@ -2,7 +2,7 @@
 
 Targets and drafters load through `vlmspec.factory`; held-out prompts come from
 `vlmspec.data.heldout`; the work is `vlmspec.train.*`. (The recipes that trained the bundled
-targets are `python -m vlmspec.recipes train-target | train-align | eval-target`.)
+targets are `python -m recipes train-target | train-align | eval-target`.)
 """
 
 from __future__ import annotations

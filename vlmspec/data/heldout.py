@@ -8,7 +8,7 @@ with.
     heldout("bench", 12)                         # `vlmspec bench`: mixed tasks, test split
     heldout("drafter-eval", 8, per_task=True)    # `eval-drafter`, the ablate recipe (test; split="val": selection)
     heldout("distill-eval", 16, seed=0)          # the trainer's periodic evaluation (val split)
-    heldout("target-eval", 600, per_task=True, tasks=SCORED)   # `python -m vlmspec.recipes eval-target` (test split)
+    heldout("target-eval", 600, per_task=True, tasks=SCORED)   # `python -m recipes eval-target` (test split)
     adversarial("photo_unknown", 5)              # the adaptive recipe: prompts no drafter is ready for
 """
 
@@ -72,7 +72,7 @@ def heldout(name: str, n: int, *, split: str | None = None, per_task: bool = Fal
 
 
 # Held-out text-only instructions (no image): how far an aligned target's text behaviour moved from
-# its language model's (`python -m vlmspec.recipes eval-target --text-reference`). Written for this purpose, general
+# its language model's (`python -m recipes eval-target --text-reference`). Written for this purpose, general
 # chat requests of the kind an instruct model is tuned on; none appears in any training data here.
 TEXT_PROMPTS = (
     "What is the capital of France?",
@@ -94,7 +94,7 @@ TEXT_PROMPTS = (
 )
 
 
-# The adversarial sets of `python -m vlmspec.recipes adaptive` (issue #21): prompts where a drafter has little
+# The adversarial sets of `python -m recipes adaptive` (issue #21): prompts where a drafter has little
 # to go on. Questions about the sample photographs that nothing in them answers; strings of random
 # vocabulary tokens; general text instructions (TEXT_PROMPTS: no drafter here was trained on them).
 PHOTO_QUESTIONS = (

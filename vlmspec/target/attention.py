@@ -9,7 +9,7 @@ head are laid along the query axis ([B, Hkv, G * Lq, D], blocks of up to `PACKED
 runs ungrouped, exact only where the CPU's kernel gives each query of a block its numbers alone: a
 one-time check per head width and group size (`packing_is_exact`) decides, else the grouped call
 runs. One query, fewer than `PACKED_MIN_ROWS` rows and fp32 keep the grouped call. Timings:
-docs/batching.md (`python -m vlmspec.recipes kernels attention`).
+docs/batching.md (`python -m recipes kernels attention`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ ATTENTION_MODES = ("auto", "triton", "sdpa", "eager")
 GQA_SDPA = "vlmspec_sdpa_gqa"  # the registered name of `gqa_sdpa_forward`
 _UNSUPPORTED = ("position_bias", "softcap", "s_aux", "sinks")  # extras only transformers' own functions apply
 PACKED_QUERIES = 32  # bf16: pack a group's query heads along the query axis up to this many queries per key / value head
-PACKED_MIN_ROWS = 4  # ... from this many rows on (`python -m vlmspec.recipes kernels attention` times both)
+PACKED_MIN_ROWS = 4  # ... from this many rows on (`python -m recipes kernels attention` times both)
 
 
 def set_attention(model: torch.nn.Module, mode: str = "auto") -> str:

@@ -9,7 +9,7 @@ count up to a bound, and a layer multiplies by its packed copy only for inputs o
 rows as the probe found equal to the bit (`ExactPackedLinear`); everything else runs F.linear as
 before. In float32 F.linear goes to MKL, which no packed product equals: nothing is packed.
 `load_target` calls it on a CPU (`--no-packed-weights` to skip); the price is a packed copy of
-every linear weight kept beside the weight. `python -m vlmspec.recipes kernels packing --model DIR` times a
+every linear weight kept beside the weight. `python -m recipes kernels packing --model DIR` times a
 target's decode steps both ways and compares their logits.
 """
 

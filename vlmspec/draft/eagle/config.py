@@ -128,7 +128,7 @@ class EagleConfig(PretrainedConfig):
     acceptance_head: bool = False  # SpecDec++: an acceptance-prediction head in the weights (`accept.*`)
     stop_threshold: float = 0.0  # stop deepening when no path's predicted acceptance reaches it (0: never; chosen on validation)
     extra: dict[str, Any] = field(default_factory=dict)  # variant settings: {"visual": VisualConfig dict}
-    # measured best tree per device type, {"cpu": [depth, top_k, total_tokens]} (`python -m vlmspec.recipes trees`;
+    # measured best tree per device type, {"cpu": [depth, top_k, total_tokens]} (`python -m recipes trees`;
     # the card says how); a device without an entry gets `TreeConfig.for_device`
     tree_defaults: dict[str, list[int]] = field(default_factory=dict)
     # "eagle1": fc over [embedding, the target's last hidden state], the target's LM head (`EagleHead`);

@@ -1,4 +1,4 @@
-"""The tiny processors' tokenizer (`vlmspec.testing.tiny_processors`): a byte-level BPE trained in
+"""The tiny processors' tokenizer (`testing.tiny_processors`): a byte-level BPE trained in
 process plus the special tokens a family's processor needs, discovered from the processor class
 (its `__init__` defaults, `tokenizer.<x>_token` reads, string literals in its module) or, for tokens
 it only reads from the tokenizer, taken from a small table of their real checkpoint strings; and the
@@ -13,8 +13,8 @@ import re
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
-from vlmspec.testing.families import NotBuildable
-from vlmspec.testing.tiny import trained_bpe
+from testing.families import NotBuildable
+from testing.tiny import trained_bpe
 
 
 BPE_VOCAB = 640  # byte alphabet (256) + merges; special tokens go on top

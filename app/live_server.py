@@ -1,4 +1,4 @@
-"""uvicorn in a background thread on 127.0.0.1 and a free port, for tests against a live server.
+"""uvicorn in a background thread on 127.0.0.1 and a free port: `serving()` (the benches) and the tests.
 The server of a vlmspec app drains as `vlmspec serve` does on SIGTERM: `srv.server.drain()`."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 ``build_processor(family, config)`` returns the family's own ``ProcessorMixin`` subclass (e.g.
 ``Gemma3Processor``, ``Qwen2VLProcessor``) wired to
 
-* a small byte-level BPE tokenizer trained in process (`vlmspec.testing.tiny.trained_bpe`)
+* a small byte-level BPE tokenizer trained in process (`testing.tiny.trained_bpe`)
   (:data:`BPE_VOCAB` entries) plus every special token the processor needs, appended on top;
 * the family's own image processor (and video processor where the processor requires one), built
   from its class defaults and shrunk so that a small image (e.g. 48x48 or 64x64 RGB) becomes a
@@ -52,9 +52,9 @@ from PIL import Image
 from transformers import ProcessorMixin
 from transformers.models.auto import image_processing_auto, processing_auto
 
-from vlmspec.testing.families import NotBuildable
-from vlmspec.testing.tiny_geometry import _EXTRA_VOCAB, _GEOMETRY, _default_geometry, _size_items, _vision
-from vlmspec.testing.tiny_tokens import _TURN_TOKENS, BPE_VOCAB, _chat_template, _processor_tokens, build_tokenizer
+from testing.families import NotBuildable
+from testing.tiny_geometry import _EXTRA_VOCAB, _GEOMETRY, _default_geometry, _size_items, _vision
+from testing.tiny_tokens import _TURN_TOKENS, BPE_VOCAB, _chat_template, _processor_tokens, build_tokenizer
 
 try:  # not every transformers build ships video processors
     from transformers.models.auto import video_processing_auto

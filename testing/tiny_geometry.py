@@ -1,4 +1,4 @@
-"""Per-family image geometry for the tiny processors (`vlmspec.testing.tiny_processors`).
+"""Per-family image geometry for the tiny processors (`testing.tiny_processors`).
 
 Each hook shrinks a family's vision config and image processor together, so that a small image
 becomes a handful of vision patches and the number of image placeholder tokens the processor emits
