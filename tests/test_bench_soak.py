@@ -95,11 +95,15 @@ def test_a_short_soak_on_the_toy_passes_every_check(tmp_path, monkeypatch):
     assert memory._MALLOC_TRIM is not None  # glibc (Linux): the worker hands freed heap memory back
     trims = []
     monkeypatch.setattr(worker, "release_free_memory", lambda: trims.append(memory._MALLOC_TRIM(0)))
-    engine = factory.build_engine(factory.EngineSpec(model="toy", policy="fixed", max_batch=4))
+    # the hybrid drafter (the toy's EAGLE head + suffix) with a small store: answers evicted over the soak
+    engine = factory.build_engine(factory.EngineSpec(model="toy", drafter="hybrid", suffix_memory=300, policy="fixed", max_batch=4))
     opts = SoakOptions(minutes=0.25, clients=3, prompts=2, max_tokens=8, shares=(0.2, 0.2, 0.2), long_tokens=700, sample_s=0.5)
     settings = ServerSettings(model="bench", max_batch=4, max_queue=8, request_timeout_s=1.5, max_tokens_cap=1024, ui=False)
     with serving(engine, settings) as url:
-        report = soak(url, "bench", opts, settings.request_timeout_s, progress=False)
+        report = soak(url, "bench", opts, settings.request_timeout_s, progress=False, store=engine.drafter.store)
+    store = report["suffix_store"]
+    assert report["checks"]["the suffix store stayed within 300 tokens"] and 0 < store["peak_tokens"] <= 300
+    assert store["evicted_tokens"] > 0 and len(store["samples"]) >= 10  # the budget was reached and held
     # every check but memory, which a 15-second run cannot judge (the slot cache still grows to the longest request)
     assert all(ok for name, ok in report["checks"].items() if not name.startswith("memory")), (report["checks"], report["wrong"])
     assert report["rss"]["after_warmup_mib"] > 0 and report["rss"]["end_mib"] > 0

@@ -19,14 +19,17 @@ import random
 import statistics
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vlmspec.bench.batch import mixed_conversations
 from vlmspec.bench.server import chat_body, delta_text, sse_events
 from vlmspec.memory import heap_bytes, rss_bytes
 from vlmspec.stats import percentile
+
+if TYPE_CHECKING:
+    from vlmspec.draft.suffix_index import SuffixStore
 
 KINDS = ("complete", "cancel", "client-timeout", "server-timeout")
 
@@ -155,8 +158,10 @@ def health(client: Any, url: str) -> dict[str, Any]:
     return client.get(f"{url}/healthz", timeout=30).json()
 
 
-def soak(url: str, model: str, opts: SoakOptions, server_timeout_s: float, progress: bool = True) -> dict[str, Any]:
-    """References alone, then the soak. Returns the report (`passed` says whether every check held)."""
+def soak(url: str, model: str, opts: SoakOptions, server_timeout_s: float, progress: bool = True,
+         store: "SuffixStore | None" = None) -> dict[str, Any]:
+    """References alone, then the soak. Returns the report (`passed` says whether every check held).
+    `store`: the service's suffix store (a `suffix` / `hybrid` drafter's), its size sampled beside memory."""
     import httpx
 
     reqs = bodies(model, opts)
@@ -170,7 +175,7 @@ def soak(url: str, model: str, opts: SoakOptions, server_timeout_s: float, progr
     if progress:
         print(f"  {len(refs)} references answered alone; soaking {opts.clients} clients for {opts.minutes:g} min", flush=True)
     exact = {v.name: v.exact for v in VARIANTS}
-    lock, results, samples, heap = threading.Lock(), [], [], []
+    lock, results, samples, heap, stored = threading.Lock(), [], [], [], []
     t0 = time.perf_counter()
     end = t0 + 60 * opts.minutes
     stop_sampling = threading.Event()
@@ -181,6 +186,8 @@ def soak(url: str, model: str, opts: SoakOptions, server_timeout_s: float, progr
             samples.append((t, rss_bytes()))
             if h is not None:
                 heap.append((t, *h))
+            if store is not None:
+                stored.append((t, store.tokens))
             stop_sampling.wait(opts.sample_s)
 
     def client_loop(k: int) -> None:
@@ -227,7 +234,13 @@ def soak(url: str, model: str, opts: SoakOptions, server_timeout_s: float, progr
             if state["active"] == 0 and state["waiting"] == 0:
                 break
             time.sleep(0.2)
-    return summarise(results, samples, state, hung, wall, opts, server_timeout_s, heap)
+    report = summarise(results, samples, state, hung, wall, opts, server_timeout_s, heap)
+    if store is not None:
+        report["suffix_store"] = {"max_tokens": store.max_tokens, "samples": stored, "peak_tokens": max((n for _, n in stored), default=0),
+                                  **asdict(store.stats)}
+        report["checks"][f"the suffix store stayed within {store.max_tokens:,} tokens"] = report["suffix_store"]["peak_tokens"] <= store.max_tokens
+        report["passed"] = all(report["checks"].values())
+    return report
 
 
 def summarise(results: list[dict[str, Any]], samples: list[tuple[float, int]], state: dict[str, Any], hung: list[str],
@@ -281,6 +294,8 @@ def markdown(report: dict[str, Any]) -> str:
               *([f"- glibc's heap in use after warm-up {h['in_use_after_warmup_mib']:.0f} MiB, at the end {h['in_use_end_mib']:.0f} MiB; "
                  f"free inside its arenas {h['free_after_warmup_mib']:.0f} MiB, then {h['free_end_mib']:.0f} MiB"]
                 if (h := report.get("heap")) else []),
+              *([f"- the suffix store: at most {st['peak_tokens']:,} of its {st['max_tokens']:,} tokens held; {st['added_tokens']:,} "
+                 f"taken in, {st['evicted_tokens']:,} evicted ({st['evicted_docs']:,} answers)"] if (st := report.get("suffix_store")) else []),
               f"- `/healthz` at the end: active {report['health_at_end']['active']}, waiting {report['health_at_end']['waiting']}, "
               f"free slots {report['health_at_end']['free_slots']} of {report['health_at_end']['max_batch']}", ""]
     lines += [f"- {'pass' if ok else 'FAIL'}: {name}" for name, ok in report["checks"].items()]

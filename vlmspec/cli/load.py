@@ -182,7 +182,7 @@ def run_soak(args: argparse.Namespace) -> int:
     settings = ServerSettings(model="bench", max_batch=args.max_batch, max_queue=max(args.clients, 16), request_timeout_s=args.request_timeout,
                               max_tokens_cap=max(1024, opts.long_tokens), ui=False, prefill_chunk=args.prefill_chunk or None)
     with serving(engine, settings) as url:
-        report = soak(url, "bench", opts, args.request_timeout)
+        report = soak(url, "bench", opts, args.request_timeout, store=getattr(engine.drafter, "store", None))
     report["env"] = _env(engine, args, args.max_batch)
     table = markdown(report)
     if args.out:

@@ -105,9 +105,9 @@ class _SuffixSession:
     """One request: its own index over prompt + answer, its tenant, the last proposal's size.
 
     Its pool context is [fingerprint] + the prompt's tail + the answer so far: what its answer is
-    stored after (`written`, extended at each commit; its own draft never reads it), so the same request's earlier answer matches back over the whole
-    context, and another request's (another image, the same question) falls short of it by the
-    fingerprint at least. `sure` says the last proposal's pool match covered the whole context
+    stored after (`written`, extended at each commit; its own drafts never read it), so the same
+    request's earlier answer matches back over the whole context, and another request's (another
+    image, the same question) falls short of it by the fingerprint at least. `sure` says the last proposal's pool match covered the whole context
     (at most the index's `max_match` tokens): the same prompt, answered the same way so far."""
 
     def __init__(self, drafter: SuffixDrafter, tree: TreeConfig, prompt: PromptContext) -> None:
