@@ -31,7 +31,10 @@ def test_each_kind_is_judged_against_the_answer_alone():
     # the long answer is cut by the server's timeout: its text and the short answer alone share a prefix
     assert judge("server-timeout", _got(ref + " It purrs", error="timeout"), ref, exact=True) is None
     assert judge("server-timeout", _got("The", error="timeout"), ref, exact=True) is None
-    assert "timeout event" in judge("server-timeout", _got(ref), ref, exact=True)  # it finished: the timeout did not fire
+    # it finished before the deadline (a repeated answer drafted whole): right while it extends its reference
+    assert judge("server-timeout", _got(ref + " It purrs."), ref, exact=True) is None
+    assert "off its reference" in judge("server-timeout", _got("A dog sat."), ref, exact=True)  # negative control
+    assert "timeout event" in judge("server-timeout", _got("", status=500, error="internal"), ref, exact=True)
     assert "prefix" in judge("server-timeout", _got("A dog", error="timeout"), ref, exact=True)
     # a complete request the server cut at its deadline (a machine loaded beyond it): not wrong while a prefix, counted apart
     assert judge("complete", _got("The cat", error="timeout"), ref, exact=True) is None
@@ -39,8 +42,9 @@ def test_each_kind_is_judged_against_the_answer_alone():
     assert "prefix" in judge("complete", _got("The dog", error="timeout"), ref, exact=True)
 
 
-def _run(wrong=None, rss=(100, 100, 101, 100, 101, 100), active=0):
-    results = [{"kind": k, "variant": "plain", "start_s": 1.0, "wrong": None, **_got("x")} for k in KINDS]
+def _run(wrong=None, rss=(100, 100, 101, 100, 101, 100), active=0, cut=True):
+    results = [{"kind": k, "variant": "plain", "start_s": 1.0, "wrong": None,
+                **_got("x", error="timeout" if k == "server-timeout" and cut else None)} for k in KINDS]
     if wrong:
         results[0]["wrong"] = wrong
     samples = [(60.0 * i, m * 2**20) for i, m in enumerate(rss)]
@@ -79,6 +83,8 @@ def test_the_checks_over_a_run_and_their_negative_controls():
     assert not grown["passed"] and grown["rss"]["growth"] == pytest.approx(0.10)
     assert ok["heap"] is None and "heap" not in markdown(ok)  # no heap samples given: no heap line
     assert not grown["checks"]["memory after warm-up grew under 5%"]
+    uncut = _run(cut=False)  # every long request finished in time: the server's timeout went unchecked
+    assert not uncut["passed"] and not uncut["checks"]["the server's timeout cut a long request"]
     leaked = _run(active=1)
     assert not leaked["passed"] and not leaked["checks"]["all slots free at the end"]
     assert "FAIL: all slots free at the end" in markdown(leaked) and "pass: nothing hung" in markdown(leaked)
@@ -109,7 +115,7 @@ def test_a_short_soak_on_the_toy_passes_every_check(tmp_path, monkeypatch):
     assert report["rss"]["after_warmup_mib"] > 0 and report["rss"]["end_mib"] > 0
     assert all(report["counts"][k]["sent"] > 0 for k in KINDS)
     timeouts = [r for r in report["timeline"] if r["kind"] == "server-timeout"]
-    assert all(r["error"] == "timeout" and r["seconds"] < 1.5 + 5 for r in timeouts)  # the server cut them, none hung
+    assert all(r["seconds"] < 1.5 + 5 for r in timeouts) and any(r["error"] == "timeout" for r in timeouts)  # the server cut them, none hung
     assert report["health_at_end"]["free_slots"] == 4 and len(report["rss"]["samples"]) >= 10
     json.dumps(report)  # the report is written as JSON
     # the worker handed freed memory back every TRIM_EVERY requests that left (the references count too)
