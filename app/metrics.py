@@ -129,7 +129,7 @@ class Metrics:
                                buckets=_DEPTH_BUCKETS, registry=r)
         self.draft_waits = Counter("vlmspec_batch_draft_waits", "engine steps whose goodput rows would have drafted but did not: at "
                                    "that batch size the batch's drafted steps had emitted fewer tokens per second than plain steps "
-                                   "(vlmspec.batch_control.BatchTiming)", registry=r)
+                                   "(vlmspec.policy.batch_control.BatchTiming)", registry=r)
         self.engine_seconds = Counter("vlmspec_engine_seconds", "seconds the worker spent in the engine, by phase: prefill (a joining "
                                       "request's prompt, alone), draft, verify (the target's forward and the acceptance), commit, "
                                       "other; the rest of the wall time it waited or served HTTP", ["phase"], registry=r)

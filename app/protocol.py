@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from vlmspec.control import SpeculationOptions
+from vlmspec.policy.control import SpeculationOptions
 from vlmspec.engine import GenerationConfig
 from vlmspec.errors import InputError
 from vlmspec.inputs import chat_messages, load_image_url

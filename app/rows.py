@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from vlmspec.control import SpeculationOptions
+from vlmspec.policy.control import SpeculationOptions
 from vlmspec.engine import Batch, GenerationConfig, SpecEngine, StepEvent, Ticket
 from vlmspec.errors import ContextLengthError
 from vlmspec.inputs import encode_messages

@@ -25,7 +25,7 @@ from typing import Any
 import gradio as gr
 
 from vlmspec.assets import SAMPLE_IMAGES
-from vlmspec.control import POLICIES, SpeculationOptions, depth_summary
+from vlmspec.policy.control import POLICIES, SpeculationOptions, depth_summary
 
 from .ui_runner import Comparison, ImageSource, RunError, RunState, ServiceRunner
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from PIL import Image
 
 from vlmspec import assets
-from vlmspec.control import SpeculationOptions
+from vlmspec.policy.control import SpeculationOptions
 from vlmspec.engine import GenerationConfig, GenerationResult
 from vlmspec.errors import InputError
 from vlmspec.inputs import checked_rgb, decode_data_url, load_image_file, user_turn

@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator
 
 from vlmspec.engine import Batch, GenerationConfig, SpecEngine
 from vlmspec.errors import ConfigError
-from vlmspec.memory import release_free_memory
-from vlmspec.openmp import release_thread_pool
+from vlmspec.runtime.memory import release_free_memory
+from vlmspec.runtime.openmp import release_thread_pool
 
 from .job import Inbox, Job
 from .metrics import Metrics
@@ -29,14 +29,14 @@ from .settings import DEFAULT_MAX_MODEL_LEN, ServerSettings
 
 logger = logging.getLogger("vlmspec.server")
 
-TRIM_EVERY = 32  # requests between returns of freed heap memory to the system (`vlmspec.memory.release_free_memory`)
+TRIM_EVERY = 32  # requests between returns of freed heap memory to the system (`vlmspec.runtime.memory.release_free_memory`)
 
 
 class Worker:
     """The worker thread's state and loop: the engine, its batch, the rows (jobs) in it."""
 
     def __init__(self, inbox: Inbox, settings: ServerSettings, metrics: Metrics, engine: SpecEngine | Callable[[], SpecEngine]) -> None:
-        if isinstance(engine, SpecEngine):  # built on this thread, run on the worker's: this thread's OpenMP pool goes (vlmspec.openmp)
+        if isinstance(engine, SpecEngine):  # built on this thread, run on the worker's: this thread's OpenMP pool goes (vlmspec.runtime.openmp)
             release_thread_pool()
         self.inbox, self.settings, self.metrics, self._source = inbox, settings, metrics, engine
         self.spec: SpecEngine | None = None
@@ -102,7 +102,7 @@ class Worker:
                     self._cancelled(job)
                 if self.rows or inbox.queue or inbox.closing:
                     break
-                release_thread_pool()  # idle: another service's worker in this process gets the cores (vlmspec.openmp)
+                release_thread_pool()  # idle: another service's worker in this process gets the cores (vlmspec.runtime.openmp)
                 inbox.cond.wait()
             if inbox.closing and not self.rows and not inbox.queue:
                 return False

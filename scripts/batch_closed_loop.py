@@ -15,7 +15,7 @@ given, the yardstick of the goodput controller's choice. `--kind-chains 3/0/0,..
 their kind (ToyWorld scenes / photographs / text): depths per row, chosen in hindsight per kind. Tokens/s are also given over the decode
 steps alone (the round's time less its prefills), and each way's ratio to plain decoding. Run it
 with PYTHONPATH set to two checkouts in turn to compare them. It measured the change of
-`vlmspec.batch_control.BatchTiming` from decayed means to medians: with the means, a step carrying
+`vlmspec.policy.batch_control.BatchTiming` from decayed means to medians: with the means, a step carrying
 the rows' first prompt reads held drafting back for most of a run at 8 slots.
 """
 import argparse
@@ -24,9 +24,9 @@ import re
 import statistics
 import time
 
-import vlmspec.batch_control
+import vlmspec.policy.batch_control
 from vlmspec.bench.batch import prompts
-from vlmspec.control import SpeculationOptions
+from vlmspec.policy.control import SpeculationOptions
 from vlmspec.draft.base import TreeConfig
 from vlmspec.engine import GenerationConfig
 from vlmspec.factory import EngineSpec, build_engine
@@ -47,8 +47,8 @@ for plan in (p for p in args.kind_chains.split(",") if p):
     if not re.fullmatch(r"\d+/\d+/\d+", plan):
         parser.error(f"--kind-chains: a plan is t/p/x, three depths (ToyWorld/photographs/text), e.g. 3/0/0; got {plan!r}")
 if args.no_check:
-    vlmspec.batch_control.BatchTiming.allows_draft = lambda self, rows: True
-_observe = vlmspec.batch_control.BatchTiming.observe
+    vlmspec.policy.batch_control.BatchTiming.allows_draft = lambda self, rows: True
+_observe = vlmspec.policy.batch_control.BatchTiming.observe
 drafted_ms: list[float] = []
 
 
@@ -58,7 +58,7 @@ def observe(self, cost, rows, depth, seconds, emitted=None, modelled=None):  # t
     return _observe(self, cost, rows, depth, seconds, emitted, modelled)
 
 
-vlmspec.batch_control.BatchTiming.observe = observe
+vlmspec.policy.batch_control.BatchTiming.observe = observe
 engine = build_engine(EngineSpec(dtype=args.dtype, device="cpu", max_batch=max(16, args.slots)))
 mix = prompts(engine.target, 12)
 Way = tuple[SpeculationOptions, TreeConfig | None]

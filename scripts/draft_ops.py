@@ -15,7 +15,7 @@ import statistics
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vlmspec.control import FixedPolicy
+from vlmspec.policy.control import FixedPolicy
 from vlmspec.data.heldout import heldout
 from vlmspec.engine import GenerationConfig
 from vlmspec.factory import EngineSpec, build_engine

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from vlmspec.bench.batch import prompts
-from vlmspec.control import SpeculationOptions
+from vlmspec.policy.control import SpeculationOptions
 from vlmspec.engine import GenerationConfig
 from vlmspec.factory import EngineSpec, build_engine
 

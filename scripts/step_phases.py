@@ -15,7 +15,7 @@ import statistics
 import time
 
 from vlmspec.bench.batch import prompts
-from vlmspec.control import SpeculationOptions
+from vlmspec.policy.control import SpeculationOptions
 from vlmspec.draft.base import TreeConfig
 from vlmspec.engine import GenerationConfig
 from vlmspec.factory import EngineSpec, build_engine

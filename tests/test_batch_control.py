@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from conftest import tiny_target
-from vlmspec.batch_control import BatchTiming, batch_chains, choose_depths
-from vlmspec.control import AcceptanceTracker, BatchCost, CostModel, FixedPolicy, GoodputPolicy, Speculation
-from vlmspec.cost import measured_costs
+from vlmspec.policy.batch_control import BatchTiming, batch_chains, choose_depths
+from vlmspec.policy.control import AcceptanceTracker, BatchCost, CostModel, FixedPolicy, GoodputPolicy, Speculation
+from vlmspec.policy.cost import measured_costs
 from vlmspec.draft.base import TreeConfig
 from vlmspec.draft.eagle import EagleDrafter
 from vlmspec.engine import GenerationConfig, SpecEngine
@@ -259,7 +259,7 @@ def test_the_batch_cost_files_each_step_under_the_depth_it_really_drafted(stop_t
     """A stop rule that ends every chain after its first level: the batch cost's table stops at
     depth 1 though depths up to 3 were asked for (and a line extends it); without the rule
     (negative control) the chains reach depth 3 and so does the table."""
-    from vlmspec.cost import measure_batch_cost
+    from vlmspec.policy.cost import measure_batch_cost
     from vlmspec.draft.eagle import EagleConfig, build_head
 
     target = tiny_target("llava")
@@ -279,7 +279,7 @@ def test_the_batch_cost_takes_its_depths_in_turn_step_by_step(monkeypatch):
     leaves every depth's lower-quartile seconds where they were; the negative control is the same
     slow-down on one depth's steps only, which moves that depth (and the deeper ones: a table
     never falls with depth)."""
-    from vlmspec import cost as cost_module
+    from vlmspec.policy import cost as cost_module
     from vlmspec.engine import Batch
 
     target = tiny_target("llava")
@@ -309,7 +309,7 @@ def test_the_batch_cost_takes_its_depths_in_turn_step_by_step(monkeypatch):
 
 
 def test_the_cost_model_is_measured_once_and_measured_again_when_the_model_drafter_dtype_or_attention_changes(tmp_path, monkeypatch):
-    from vlmspec import cost as cost_module
+    from vlmspec.policy import cost as cost_module
 
     calls, logs = [], []
     real = cost_module.measure_cost
@@ -363,7 +363,7 @@ def _table(ms: dict[int, list[float]]) -> BatchCost:
 
 
 def test_a_table_measured_while_the_machine_was_busy_is_implausible():
-    from vlmspec.cost import implausible
+    from vlmspec.policy.cost import implausible
 
     assert implausible(_table(QUIET)) == [] and implausible(None) == []
     found = implausible(_table(BUSY))
@@ -372,7 +372,7 @@ def test_a_table_measured_while_the_machine_was_busy_is_implausible():
 
 
 def test_an_implausible_table_is_measured_again_and_kept_only_once_plausible(tmp_path, monkeypatch):
-    from vlmspec import cost as cost_module
+    from vlmspec.policy import cost as cost_module
 
     tables, logs = [], []
     monkeypatch.setattr(cost_module, "measure_cost", lambda engine, inputs, *a, **k: B1)

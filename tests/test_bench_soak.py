@@ -93,7 +93,8 @@ def test_the_checks_over_a_run_and_their_negative_controls():
 @pytest.mark.skipif(assets.bundled_target() is None, reason="needs the committed toy model (assets/toyworld-vlm)")
 def test_a_short_soak_on_the_toy_passes_every_check(tmp_path, monkeypatch):
     import vlmspec.app.worker as worker
-    from vlmspec import factory, memory
+    from vlmspec import factory
+    from vlmspec.runtime import memory
     from vlmspec.app import ServerSettings
     from vlmspec.app.serve import serving
     from vlmspec.bench.soak import soak

@@ -1,17 +1,17 @@
-"""Adaptive speculation (vlmspec.control): the goodput choice on constructed acceptance histories
+"""Adaptive speculation (vlmspec.policy.control): the goodput choice on constructed acceptance histories
 and cost models, and the engine under policies that change the tree every step (greedy parity)."""
 import pytest
 import torch
 
 from conftest import tiny_target
 from drafters import OracleDrafter
-from vlmspec.control import AcceptanceTracker, CostModel, FixedPolicy, GoodputPolicy, Speculation, SpeculationOptions, depth_summary
+from vlmspec.policy.control import AcceptanceTracker, CostModel, FixedPolicy, GoodputPolicy, Speculation, SpeculationOptions, depth_summary
 from vlmspec.draft.base import NoDrafter, TreeConfig
 from vlmspec.draft.eagle import EagleDrafter
 from vlmspec.draft.ngram import NgramDrafter
 from vlmspec.draft.self_spec import SelfSpecDrafter
 from vlmspec.engine import GenerationConfig, SpecEngine
-from vlmspec.cost import measure_cost
+from vlmspec.policy.cost import measure_cost
 from vlmspec.inputs import encode_prompt
 from vlmspec.sampling import SamplingParams
 from testing.tiny import tiny_image
@@ -378,7 +378,7 @@ def test_with_policy_measures_a_cost_model_only_for_a_drafter_that_drafts():
 def test_measured_cost_charges_verifying_full_trees_even_when_the_drafter_found_nothing(monkeypatch):
     """n-gram on a prompt without repeats proposes one-node trees while the cost is measured; the
     model still charges each drafted level what verifying a full tree of that depth costs."""
-    from vlmspec import cost as cost_module
+    from vlmspec.policy import cost as cost_module
 
     calls = []
 
@@ -405,7 +405,7 @@ def test_measured_cost_times_the_nodes_an_eagle_tree_actually_verifies(monkeypat
     """EAGLE-2 fills its node budget from depth 2 on (depth 2 of a top-2 tree: 2 + 2 x 2 = 6 nodes,
     more than the 4 of `tree_nodes`): the engine's own steps time the trees it verified, and nothing
     is added (the verify-only timing is for drafters that proposed less than `tree_nodes`)."""
-    from vlmspec import cost as cost_module
+    from vlmspec.policy import cost as cost_module
 
     calls = []
     monkeypatch.setattr(cost_module, "time_tree_extras", lambda target, prefix, sizes, rounds, warmup: calls.extend(sizes) or {n: 2.0 * (n - 1) for n in sizes})

@@ -21,7 +21,7 @@ from vlmspec.inputs import model_inputs, render_chat
 from vlmspec.target import Target
 from testing import coverage
 from testing.families import build_family, tiny_config
-from vlmspec.transfer import to_device
+from vlmspec.runtime.transfer import to_device
 from vlmspec.tree import DraftTree, ancestor_mask, tree_attention_mask, windowed_tree_mask
 
 ROOT = Path(__file__).resolve().parents[1]

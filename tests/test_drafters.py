@@ -17,7 +17,7 @@ from vlmspec.draft.eagle import DrafterLoadError, EagleConfig, EagleDrafter, Eag
 from vlmspec.draft.ngram import NgramConfig, NgramDrafter
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.inputs import encode_prompt
-from vlmspec.kv_cache import KVCache
+from vlmspec.cache.kv_cache import KVCache
 from testing.tiny import tiny_image
 from vlmspec.tree import DraftTree, tree_attention_mask
 from vlmspec.vision_compress import VisualConfig

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from test_eagle3 import TREE
-from vlmspec.control import FixedPolicy
+from vlmspec.policy.control import FixedPolicy
 from vlmspec.draft.eagle import EagleDrafter
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.inputs import encode_prompt

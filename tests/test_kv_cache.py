@@ -7,8 +7,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
-from vlmspec.kv_cache import cache_kwarg, rollback_blockers
-from vlmspec.slot_cache import SlotCache
+from vlmspec.cache.kv_cache import cache_kwarg, rollback_blockers
+from vlmspec.cache.slot_cache import SlotCache
 from testing.families import tiny_config
 
 

@@ -13,11 +13,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # lowest first; a module's layer is that of its longest matching prefix
 LAYERS = [
-    ("core", ("vlmspec.errors", "vlmspec.sampling", "vlmspec.tree", "vlmspec.stats", "vlmspec.kv_cache", "vlmspec.slot_cache", "vlmspec.assets",
-              "vlmspec.inputs", "vlmspec.transfer", "vlmspec.openmp", "vlmspec.onednn", "vlmspec.memory", "vlmspec.kernels", "vlmspec.vision_compress", "vlmspec.data")),
+    ("core", ("vlmspec.errors", "vlmspec.sampling", "vlmspec.tree", "vlmspec.stats", "vlmspec.cache", "vlmspec.assets",
+              "vlmspec.inputs", "vlmspec.runtime", "vlmspec.kernels", "vlmspec.vision_compress", "vlmspec.data")),
     ("target", ("vlmspec.target", "vlmspec.verify")),
     ("draft", ("vlmspec.draft",)),
-    ("engine", ("vlmspec.engine", "vlmspec.control", "vlmspec.batch_control", "vlmspec.cost")),
+    ("engine", ("vlmspec.engine", "vlmspec.policy")),
     ("text", ("vlmspec.text",)),
     ("factory", ("vlmspec.factory",)),
     ("api", ("vlmspec.llm",)),  # `from vlmspec import LLM`: the facade over the composition root

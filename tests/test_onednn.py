@@ -1,4 +1,4 @@
-"""oneDNN's per-shape caches are bounded where the composition root builds an engine (vlmspec.onednn):
+"""oneDNN's per-shape caches are bounded where the composition root builds an engine (vlmspec.runtime.onednn):
 products at many new row counts keep far less memory than with oneDNN's default capacities."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from vlmspec.onednn import SHAPE_CACHES, bound_shape_caches
+from vlmspec.runtime.onednn import SHAPE_CACHES, bound_shape_caches
 
-GROWTH = "from vlmspec.onednn import bound_shape_caches, new_shapes_growth; bound_shape_caches(); print(new_shapes_growth(range(5, 405)))"
+GROWTH = "from vlmspec.runtime.onednn import bound_shape_caches, new_shapes_growth; bound_shape_caches(); print(new_shapes_growth(range(5, 405)))"
 
 
 def test_bound_shape_caches_sets_what_the_environment_leaves_unset(monkeypatch):

@@ -1,4 +1,4 @@
-"""A thread gives its OpenMP workers back (vlmspec.openmp), and the service does so where it hands
+"""A thread gives its OpenMP workers back (vlmspec.runtime.openmp), and the service does so where it hands
 the engine over: the caller after building it, the worker when its batch is empty."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlmspec.openmp import release_thread_pool
+from vlmspec.runtime.openmp import release_thread_pool
 
-# torch's Linux wheels ship libgomp beside libtorch; a build on another OpenMP runtime is left alone (vlmspec.openmp)
+# torch's Linux wheels ship libgomp beside libtorch; a build on another OpenMP runtime is left alone (vlmspec.runtime.openmp)
 LIBGOMP = any(p.name.startswith("libgomp") for p in (Path(torch.__file__).parent / "lib").glob("*.so*"))
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or (os.cpu_count() or 1) < 2 or not LIBGOMP,
                                 reason="counts the process's threads in /proc (Linux, torch on libgomp, 2+ cores)")

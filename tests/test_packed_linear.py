@@ -5,7 +5,7 @@ from torch.nn import functional as F
 from transformers import DynamicCache
 
 from vlmspec.kernels.packed_linear import PackedLinear, packable, packs_on_this_cpu
-from vlmspec.kv_cache import cache_kwarg
+from vlmspec.cache.kv_cache import cache_kwarg
 
 BF16 = packs_on_this_cpu(torch.bfloat16)  # oneDNN's bf16 path: AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT
 FP32 = packs_on_this_cpu(torch.float32)
@@ -149,7 +149,7 @@ class _Refuse:
 
 
 def test_load_target_packs_bf16_on_cpu_unless_asked_not_to(model_dir):
-    from vlmspec.cost import cost_key
+    from vlmspec.policy.cost import cost_key
     from vlmspec.engine import SpecEngine
     from vlmspec.draft import NoDrafter
     from vlmspec.factory import EngineSpec, load

@@ -299,11 +299,11 @@ def test_the_kernel_timings_live_in_the_recipes_not_in_the_product(capsys):
     """The CPU kernels' timing scripts (#74: no `__main__` timing code in product modules) run as
     `python -m recipes kernels WHICH`; a missing --model is one line."""
     import vlmspec.kernels.packed_linear
-    import vlmspec.onednn
+    import vlmspec.runtime.onednn
     import vlmspec.target.attention
     import vlmspec.target.packing
 
-    for module in (vlmspec.onednn, vlmspec.target.attention, vlmspec.target.packing, vlmspec.kernels.packed_linear):
+    for module in (vlmspec.runtime.onednn, vlmspec.target.attention, vlmspec.target.packing, vlmspec.kernels.packed_linear):
         assert not hasattr(module, "main") and "__main__" not in open(module.__file__).read(), module.__name__
     assert main(["kernels", "packing"]) == 2
     assert "kernels packing needs --model DIR" in capsys.readouterr().err

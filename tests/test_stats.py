@@ -64,7 +64,7 @@ def test_one_beta_prior_acceptance_estimate_for_the_controller_and_self_speculat
     rate once the counts outweigh the prior; the goodput controller and self-speculation read it."""
     from types import SimpleNamespace
 
-    from vlmspec.control import CostModel, GoodputPolicy
+    from vlmspec.policy.control import CostModel, GoodputPolicy
     from vlmspec.draft.self_spec import SelfSpecConfig, _ExitStats, _SelfSession
     from vlmspec.stats import posterior_acceptance
 

@@ -389,8 +389,8 @@ def test_bench_load_sends_the_repeating_mix_in_order():
 
 
 def test_under_the_goodput_policy_a_repeat_still_drafts_deep_and_parity_holds():
-    from vlmspec.control import CostModel, Speculation
-    from vlmspec.cost import cost_depths
+    from vlmspec.policy.control import CostModel, Speculation
+    from vlmspec.policy.cost import cost_depths
 
     assert cost_depths(24) == (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 18, 24) and cost_depths(5) == (0, 1, 2, 3, 4, 5)
     target = tiny_target("llava")

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from vlmspec.kernels import tree_attention as ta
-from vlmspec.kv_cache import cache_kwarg
+from vlmspec.cache.kv_cache import cache_kwarg
 from vlmspec.tree import ancestor_mask, tree_attention_mask
 
 # ---------------------------------------------------------------------------------------------

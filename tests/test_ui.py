@@ -25,7 +25,7 @@ pytest.importorskip("prometheus_client")
 from conftest import browser_page, needs_browser, tiny_target
 from PIL import Image
 
-from vlmspec.control import SpeculationOptions, depth_summary
+from vlmspec.policy.control import SpeculationOptions, depth_summary
 
 from vlmspec.app import ServerSettings, create_app
 from vlmspec.app.ui_runner import ServiceRunner

@@ -10,8 +10,8 @@ Resolution: no model -> the target a drafter folder records (`trained_for`), els
 target when built (`vlmspec build-target`), else the committed toy ("toy"); drafter "auto" -> the
 EAGLE drafter shipped for that model ("eagle" names it), else n-gram; device None -> CUDA if there;
 dtype "auto" -> bfloat16 on CUDA, float32 on CPU; policy "goodput" -> the cost model measured at
-build (`vlmspec.cost.measured_costs`, cached per model, drafter, device, dtype) unless nothing drafts.
-oneDNN's caches are bounded first (`vlmspec.onednn`); a bad choice raises `ConfigError` saying what to pass.
+build (`vlmspec.policy.cost.measured_costs`, cached per model, drafter, device, dtype) unless nothing drafts.
+oneDNN's caches are bounded first (`vlmspec.runtime.onednn`); a bad choice raises `ConfigError` saying what to pass.
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ from pathlib import Path
 import torch
 
 from vlmspec import assets
-from vlmspec.control import POLICIES, CostModel, Speculation
-from vlmspec.cost import measured_costs
+from vlmspec.policy.control import POLICIES, CostModel, Speculation
+from vlmspec.policy.cost import measured_costs
 from vlmspec.draft import HYBRID_SUFFIX, NoDrafter, SuffixStore, TreeConfig, check_drafter_name, default_tree, load_drafter, recorded_target
 from vlmspec.draft.base import Drafter
 from vlmspec.engine import SpecEngine
 from vlmspec.errors import ConfigError
-from vlmspec.onednn import bound_shape_caches
+from vlmspec.runtime.onednn import bound_shape_caches
 from vlmspec.target import Target, load_target
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

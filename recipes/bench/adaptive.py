@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlmspec.bench.runner import WaysRun, run_ways
-from vlmspec.control import FixedPolicy, GoodputPolicy
-from vlmspec.cost import COST_PROMPT, measure_cost
+from vlmspec.policy.control import FixedPolicy, GoodputPolicy
+from vlmspec.policy.cost import COST_PROMPT, measure_cost
 from vlmspec.data.heldout import ADVERSARIAL, Conversation, adversarial, heldout
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.factory import plain_engine

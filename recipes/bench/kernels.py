@@ -1,7 +1,7 @@
 """Timings of the CPU kernels the product chose between, to see for oneself on any machine:
 `python -m recipes kernels onednn | attention | packing --model DIR | packed-linear`
 (docs/batching.md and docs/serving.md quote their output). They are the lab's, apart from the
-product modules whose choices they time (vlmspec/onednn.py, vlmspec/target/attention.py,
+product modules whose choices they time (vlmspec/runtime/onednn.py, vlmspec/target/attention.py,
 vlmspec/target/packing.py, vlmspec/kernels/packed_linear.py)."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from transformers import AutoModelForImageTextToText, DynamicCache
 from transformers.integrations import sdpa_attention
 
 from vlmspec.kernels.packed_linear import PACKED_DTYPES, PackedLinear
-from vlmspec.kv_cache import cache_kwarg
-from vlmspec.memory import rss_bytes
-from vlmspec.onednn import bound_shape_caches, new_shapes_growth
+from vlmspec.cache.kv_cache import cache_kwarg
+from vlmspec.runtime.memory import rss_bytes
+from vlmspec.runtime.onednn import bound_shape_caches, new_shapes_growth
 from vlmspec.stats import median_ms
 from vlmspec.target.attention import gqa_sdpa_forward, packs
 from vlmspec.target.packing import pack_exact_linears

@@ -20,8 +20,8 @@ from __future__ import annotations
 from typing import Any
 
 from vlmspec.bench.runner import WaysRun, run_ways
-from vlmspec.control import FixedPolicy, GoodputPolicy
-from vlmspec.cost import COST_PROMPT, measure_cost
+from vlmspec.policy.control import FixedPolicy, GoodputPolicy
+from vlmspec.policy.cost import COST_PROMPT, measure_cost
 from vlmspec.data.heldout import Conversation
 from vlmspec.draft.eagle import EagleDrafter
 from vlmspec.engine import GenerationConfig, SpecEngine

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from vlmspec.bench.runner import WaysRun, run_ways
-from vlmspec.control import FixedPolicy
+from vlmspec.policy.control import FixedPolicy
 from vlmspec.data.heldout import Conversation
 from vlmspec.draft.base import TreeConfig
 from vlmspec.engine import GenerationConfig, SpecEngine

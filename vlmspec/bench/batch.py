@@ -21,7 +21,7 @@ import torch
 
 from vlmspec.stats import rotated
 from vlmspec.bench.harness import divergence
-from vlmspec.control import SpeculationOptions
+from vlmspec.policy.control import SpeculationOptions
 from vlmspec.data.heldout import Conversation, adversarial, heldout
 from vlmspec.draft.base import Drafter, NoDrafter
 from vlmspec.engine import TIMING_KEYS, GenerationConfig, SpecEngine

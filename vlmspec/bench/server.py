@@ -24,7 +24,7 @@ from vlmspec.bench.runner import run_ways
 from vlmspec.data.heldout import Conversation
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.inputs import encode_prompt
-from vlmspec.openmp import release_thread_pool
+from vlmspec.runtime.openmp import release_thread_pool
 from vlmspec.text import generate_text
 
 
@@ -42,7 +42,7 @@ def chat_body(conv: Conversation, model: str, max_tokens: int, stream: bool) -> 
 def _direct(engine: SpecEngine, conv: Conversation, max_tokens: int) -> str:
     inputs = encode_prompt(engine.target, conv.prompt, conv.images)
     text = generate_text(engine, inputs, GenerationConfig(max_new_tokens=max_tokens)).text
-    release_thread_pool()  # the served run next gets the cores to the worker's threads alone (vlmspec.openmp)
+    release_thread_pool()  # the served run next gets the cores to the worker's threads alone (vlmspec.runtime.openmp)
     return text
 
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from vlmspec.bench.batch import mixed_conversations
 from vlmspec.bench.server import chat_body, delta_text, sse_events
-from vlmspec.memory import heap_bytes, rss_bytes
+from vlmspec.runtime.memory import heap_bytes, rss_bytes
 from vlmspec.stats import percentile
 
 if TYPE_CHECKING:
@@ -237,11 +237,15 @@ def soak(url: str, model: str, opts: SoakOptions, server_timeout_s: float, progr
                 break
             time.sleep(0.2)
     report = summarise(results, samples, state, hung, wall, opts, server_timeout_s, heap)
-    if store is not None:
-        report["suffix_store"] = {"max_tokens": store.max_tokens, "samples": stored, "peak_tokens": max((n for _, n in stored), default=0),
-                                  **asdict(store.stats)}
-        report["checks"][f"the suffix store stayed within {store.max_tokens:,} tokens"] = report["suffix_store"]["peak_tokens"] <= store.max_tokens
-        report["passed"] = all(report["checks"].values())
+    return report if store is None else with_store(report, store, stored)
+
+
+def with_store(report: dict[str, Any], store: "SuffixStore", stored: list[tuple[float, int]]) -> dict[str, Any]:
+    """The report with the suffix store's samples (seconds, tokens held), counters and its check."""
+    peak = max((n for _, n in stored), default=0)
+    report["suffix_store"] = {"max_tokens": store.max_tokens, "samples": stored, "peak_tokens": peak, **asdict(store.stats)}
+    report["checks"][f"the suffix store stayed within {store.max_tokens:,} tokens"] = peak <= store.max_tokens
+    report["passed"] = all(report["checks"].values())
     return report
 
 

@@ -46,7 +46,7 @@ def load_image(path: str):
 
 def run(args: argparse.Namespace) -> int:
     from vlmspec import factory
-    from vlmspec.control import depth_summary
+    from vlmspec.policy.control import depth_summary
     from vlmspec.engine import GenerationConfig
     from vlmspec.inputs import encode_prompt
     from vlmspec.sampling import SamplingParams

@@ -95,7 +95,7 @@ def _env(engine, args: argparse.Namespace, max_batch) -> dict:
     import torch
 
     from vlmspec.bench.batch import model_label
-    from vlmspec.onednn import shape_cache_settings
+    from vlmspec.runtime.onednn import shape_cache_settings
 
     target = engine.target
     return {"model": model_label(target), "drafter": engine.drafter.name, "dtype": str(target.dtype).replace("torch.", ""),

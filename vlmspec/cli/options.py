@@ -22,7 +22,7 @@ ATTENTION_CHOICES = ("auto", "triton", "sdpa", "eager")
 # toyworld.ANSWER_STYLES' names, spelled here so that parsing needs no data import (a test keeps them equal)
 ANSWER_STYLE_CHOICES = ("short", "listed", "scan", "tally")
 TEXT_STYLE_CHOICES = ("plain", "varied")  # train.distill.TEXT_STYLES (same reason, same test)
-POLICY_CHOICES = ("goodput", "fixed")  # vlmspec.control.POLICIES (kept here so --help needs no torch)
+POLICY_CHOICES = ("goodput", "fixed")  # vlmspec.policy.control.POLICIES (kept here so --help needs no torch)
 
 
 class UsageError(VlmspecError):

@@ -3,7 +3,7 @@
     ticket = batch.submit(inputs, config)                   # queued; admitted by a step
     batch.step():  prefill: pieces of long prompts, then free slots admit waiting tickets under the
                    step's budget (vlmspec.engine.prefill; first token: the root); then decode:
-        depth_b  = control_b.choose(max_depth_b)            # how deep each row drafts (vlmspec.control)
+        depth_b  = control_b.choose(max_depth_b)            # how deep each row drafts (vlmspec.policy.control)
         trees    = propose_all(drafter, sessions, roots, depths, chains)   # per-row trees (EAGLE: rows together)
         out      = target.forward_batch(states, trees)      # ONE target forward over every row's nodes
         verdicts = verify_rows(trees, out.logits, ...)      # each row: accepted path + recovered/bonus token

@@ -12,15 +12,15 @@ from typing import Any, Iterator
 
 import torch
 
-from vlmspec.batch_control import BatchTiming, batch_chains, choose_depths
-from vlmspec.control import Controller
+from vlmspec.policy.batch_control import BatchTiming, batch_chains, choose_depths
+from vlmspec.policy.control import Controller
 from vlmspec.draft.base import TreeConfig, feature_layers, propose_all
 from vlmspec.engine.prefill import PromptPieces, run_pieces
 from vlmspec.engine.types import TIMING_KEYS, Clock, GenerationConfig, GenerationResult, StepEvent
 from vlmspec.errors import ContextLengthError
 from vlmspec.stats import SpecStats
 from vlmspec.target import TargetState, decoding_sdpa
-from vlmspec.transfer import to_device
+from vlmspec.runtime.transfer import to_device
 from vlmspec.verify.acceptance import verify_rows
 
 
@@ -91,7 +91,7 @@ class Ticket:
 
 
 class Batch:
-    """Requests decoded together, each in a slot of one KV cache (`vlmspec.slot_cache`): the one
+    """Requests decoded together, each in a slot of one KV cache (`vlmspec.cache.slot_cache`): the one
     place requests are admitted.
 
     `submit` queues a request; `step` prefills (`prefill`: the next piece of each long prompt, then

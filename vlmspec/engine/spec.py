@@ -9,13 +9,13 @@ from typing import Iterator
 
 import torch
 
-from vlmspec.control import Speculation
+from vlmspec.policy.control import Speculation
 from vlmspec.draft.base import Drafter, NoDrafter, PromptContext, TreeConfig, feature_layers
 from vlmspec.engine.batch import Batch, _Request
 from vlmspec.engine.prefill import PromptPieces
 from vlmspec.engine.types import Clock, GenerationConfig, GenerationResult, StepEvent
 from vlmspec.sampling import next_token
-from vlmspec.slot_cache import SlotCache
+from vlmspec.cache.slot_cache import SlotCache
 from vlmspec.target import Target
 from vlmspec.target.pieces import first_piece, prompt_head
 

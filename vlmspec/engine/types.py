@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from vlmspec.control import Policy, SpeculationOptions
+from vlmspec.policy.control import Policy, SpeculationOptions
 from vlmspec.draft.base import TreeConfig
 from vlmspec.sampling import SamplingParams
 from vlmspec.stats import SpecStats

@@ -8,7 +8,7 @@ happens changes. float32 `F.linear` goes to MKL; oneDNN's packed product is fast
 another order (about 1e-6 relative): fine for a drafter, whose tokens the target verifies, not for
 the target. Timings: docs/default-model.md. CUDA has no reorder to save: other devices and dtypes
 stay on `F.linear`. oneDNN caches a primitive per row count; the composition root bounds those
-caches (`vlmspec.onednn`). The target's own layers take packed weights only where the numbers stay
+caches (`vlmspec.runtime.onednn`). The target's own layers take packed weights only where the numbers stay
 F.linear's to the bit: `ExactPackedLinear`, up to the row count `exact_rows` finds equal
 (`vlmspec.target.packing` packs a target's layers).
 """

@@ -22,7 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from vlmspec.errors import ConfigError
-from vlmspec.kv_cache import cache_kwarg
+from vlmspec.cache.kv_cache import cache_kwarg
 from vlmspec.target.model import Target
 
 _PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")

@@ -25,11 +25,11 @@ import torch
 from vlmspec.errors import ConfigError, ContextLengthError, InputError
 from vlmspec.kernels import tree_attention
 from vlmspec.kernels.packed_linear import ExactPackedLinear
-from vlmspec.kv_cache import ATTENTION_KINDS, blocker_message, cache_kwarg, layer_kinds, rollback_blockers
-from vlmspec.slot_cache import SlotCache, single_slot_reason
+from vlmspec.cache.kv_cache import ATTENTION_KINDS, blocker_message, cache_kwarg, layer_kinds, rollback_blockers
+from vlmspec.cache.slot_cache import SlotCache, single_slot_reason
 from vlmspec.target.attention import GQA_SDPA, RAGGED_KWARG, RaggedRows
 from vlmspec.target.pieces import probe_prompt_pieces
-from vlmspec.transfer import to_device
+from vlmspec.runtime.transfer import to_device
 from vlmspec.tree import DraftTree, additive_mask, windowed_tree_mask
 from vlmspec.vision_compress.capture import capture, image_token_id, last_layer_attention
 
@@ -271,7 +271,7 @@ class Target:
         return pos, int(delta.reshape(-1)[0])
 
     def new_cache(self, slots: int = 1, capacity: int = 256) -> SlotCache:
-        """A KV cache for `slots` requests at once (`vlmspec.slot_cache`); `capacity` entries per slot
+        """A KV cache for `slots` requests at once (`vlmspec.cache.slot_cache`); `capacity` entries per slot
         are allocated at the first write (more when a request needs them)."""
         return SlotCache(self.model.config, slots=slots, capacity=capacity)
 

@@ -1,5 +1,5 @@
 """Timing the target's own forwards: the verify cost that sizes trees (`vlmspec bench verify-cost`)
-and the cost model of the goodput policy (`vlmspec.cost.measure_cost`) read the same measurement; the
+and the cost model of the goodput policy (`vlmspec.policy.cost.measure_cost`) read the same measurement; the
 LM head's cost by draft vocabulary size is what sizes a trimmed drafter's vocabulary."""
 
 from __future__ import annotations

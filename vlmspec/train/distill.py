@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from vlmspec.cost import COST_PROMPT, measure_cost
+from vlmspec.policy.cost import COST_PROMPT, measure_cost
 from vlmspec.data.heldout import heldout
 from vlmspec.draft.base import TreeConfig
 from vlmspec.draft.eagle import EagleConfig, EagleDrafter, EagleHead, build_head, draft_vocabulary

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from vlmspec.control import CostModel, FixedPolicy
+from vlmspec.policy.control import CostModel, FixedPolicy
 from vlmspec.data.heldout import Conversation
 from vlmspec.draft.eagle import EagleDrafter, EagleHead, build_head
 from vlmspec.engine import GenerationConfig, SpecEngine

@@ -17,7 +17,7 @@ import time
 import torch
 
 from vlmspec import factory
-from vlmspec.control import FixedPolicy
+from vlmspec.policy.control import FixedPolicy
 from vlmspec.data.heldout import TEXT_PROMPTS, Conversation, heldout
 from vlmspec.draft import load_drafter
 from vlmspec.engine import GenerationConfig, SpecEngine

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 
 from vlmspec.draft.eagle.head import EagleHead, draft_entropy
-from vlmspec.transfer import to_device
+from vlmspec.runtime.transfer import to_device
 from vlmspec.tree import additive_mask, tree_attention_mask
 
 

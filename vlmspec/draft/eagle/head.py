@@ -13,7 +13,7 @@ from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding, rotate_half
 
 from vlmspec.kernels.packed_linear import PackedLinear
-from vlmspec.kv_cache import cache_kwarg
+from vlmspec.cache.kv_cache import cache_kwarg
 from vlmspec.vision_compress import VisualAdaptor
 from vlmspec.draft.eagle.config import EagleConfig
 from vlmspec.draft.eagle.vocab import check_draft_vocab

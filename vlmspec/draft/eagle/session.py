@@ -15,9 +15,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from vlmspec.errors import DrafterLoadError
-from vlmspec.transfer import to_device
+from vlmspec.runtime.transfer import to_device
 from vlmspec.draft.base import DraftSession, PromptContext, TreeConfig
-from vlmspec.kv_cache import KVCache
+from vlmspec.cache.kv_cache import KVCache
 from vlmspec.target import Target
 from vlmspec.tree import DraftTree
 from vlmspec.draft.eagle.config import CONFIG_NAME, WEIGHTS_NAME, EagleConfig, _checkpoint_folder, _read_config

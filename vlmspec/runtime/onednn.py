@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from vlmspec.memory import rss_bytes
+from vlmspec.runtime.memory import rss_bytes
 
 # entries per cache: above the shapes the default model uses over and over in fp32 (see above), far below
 # oneDNN's 1,024. In bf16 the target's own products add theirs, and some are rebuilt: about 1% of a soak's

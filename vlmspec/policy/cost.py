@@ -1,5 +1,5 @@
 """The goodput policy's cost model, measured through the engine: seconds per step at each drafted
-depth (`measure_cost`), next to the controller that reads it (`vlmspec.control`) and the target's
+depth (`measure_cost`), next to the controller that reads it (`vlmspec.policy.control`) and the target's
 own tree timing it falls back on (`vlmspec.target.timing`).
 
     cost = measure_cost(engine, encode_prompt(engine.target, COST_PROMPT))   # CostModel
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from vlmspec.control import BatchCost, CostModel, FixedPolicy
+from vlmspec.policy.control import BatchCost, CostModel, FixedPolicy
 from vlmspec.draft.base import TreeConfig
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.inputs import encode_prompt

@@ -11,7 +11,7 @@ a_d comes from decayed counts under a Beta prior; T[D] from a `CostModel` measur
 corrected by the request's own step times. While nothing is drafted the estimates drift back to the
 prior (`idle_decay`), so drafting is retried, with a backoff that doubles after each losing retry
 (up to 2 ** `max_backoff`); a probe (a first draft, a retry) drafts at most `probe_depth` levels.
-Over a batch the rows' depths are chosen together: `vlmspec.batch_control`, over a `BatchCost`.
+Over a batch the rows' depths are chosen together: `vlmspec.policy.batch_control`, over a `BatchCost`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ a contiguous run is gathered within its row (`commit`); nothing is re-padded or 
 HF `Cache` the unmodified models accept: `update` returns the rows' keys and values up to the
 furthest end, `get_seq_length` / `get_mask_sizes` are the furthest row's (one row: a
 `DynamicLayer`'s); shorter rows are cut by the caller's 4D mask; a ragged step's entries come laid
-end to end (`begin(..., counts)`). Layer kinds follow `vlmspec.kv_cache`: full, sliding and chunked
+end to end (`begin(..., counts)`). Layer kinds follow `vlmspec.cache.kv_cache`: full, sliding and chunked
 attention keep every entry (windows are masks), `dummy` holds nothing; any other kind keeps
 transformers' own layer, which cannot be rolled back: such a cache has one slot, plain decoding only.
 """
@@ -23,7 +23,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, CacheLayerMixin, DummyLayer, DynamicLayer
 
 from vlmspec.errors import ConfigError
-from vlmspec.kv_cache import ATTENTION_KINDS, NO_KV_KINDS, blocker_message, layer_kinds, rollback_blockers
+from vlmspec.cache.kv_cache import ATTENTION_KINDS, NO_KV_KINDS, blocker_message, layer_kinds, rollback_blockers
 
 
 def cross_attention_layers(config: Any) -> set[int]:

@@ -20,7 +20,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-from vlmspec.control import AcceptanceTracker, BatchCost, Controller, GoodputPolicy
+from vlmspec.policy.control import AcceptanceTracker, BatchCost, Controller, GoodputPolicy
 
 
 def _median(values: deque[float], least: int = 1) -> float:
@@ -178,7 +178,7 @@ def batch_chains(controls: list[Controller], cost: BatchCost | None) -> list[boo
     the tree: the goodput rows of a batch of more than one row with a batch cost. One forward
     verifies every row padded to the largest tree, so there a node costs a row-sized slice of a
     batched forward, not the near-free extra query it is alone: a chain of D tokens is the
-    narrowest D-level draft and what the batch cost is measured on (`vlmspec.cost`)."""
+    narrowest D-level draft and what the batch cost is measured on (`vlmspec.policy.cost`)."""
     batched = len(controls) > 1 and cost is not None
     return [batched and isinstance(c, AcceptanceTracker) for c in controls]
 

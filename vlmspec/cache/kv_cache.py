@@ -1,7 +1,7 @@
 """KV caches over Hugging Face's cache layers: the decoder's layer kinds (`layer_kinds`), which of
 them a rejected draft cannot be rolled back out of (`rollback_blockers`), the forward's cache keyword
 (`cache_kwarg`), and `KVCache`, a `DynamicCache` with its length and a crop (the EAGLE head's own
-cache; the target's batch lives in `vlmspec.slot_cache.SlotCache`, which commits accepted paths).
+cache; the target's batch lives in `vlmspec.cache.slot_cache.SlotCache`, which commits accepted paths).
 
 Full, sliding and chunked attention keep every entry (windows are applied by the mask, so a
 rejected branch can be rolled back); layers without KV are skipped; every other kind (convolution,
