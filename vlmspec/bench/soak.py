@@ -7,9 +7,11 @@ request's text alone, in fp32, while sampled rows that draft need only finish; o
 server's request timeout is counted apart as "cut", judged as a prefix), cancel (the client closes
 after a few chunks: a prefix, the slot freed), client-timeout (a read timeout far under a step: as a
 cancel) and server-timeout (`ignore_eos`, far past the server's timeout: a 504 `timeout` event, a
-prefix). Every body is first answered alone (the reference); resident memory is sampled during the
-soak (the server runs in this process). Pass: no answer changed, no cut answer off its prefix, no
-unexpected status, nothing hung, memory after warm-up within `rss_growth_limit`, and `/healthz`
+prefix; or, when a repeated answer is drafted whole, all of it in time, extending its reference).
+Every body is first answered alone (the reference); resident memory (and a suffix store's size) is
+sampled during the soak (the server runs in this process). Pass: no answer changed, no cut answer
+off its prefix, no unexpected status, nothing hung, memory after warm-up within `rss_growth_limit`,
+the server's timeout cut at least one request, a suffix store within its budget, and `/healthz`
 then showing every slot free and nothing waiting. The runs and what they found: docs/serving.md.
 """
 
