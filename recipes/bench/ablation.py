@@ -38,7 +38,7 @@ import torch
 
 from vlmspec import factory
 from vlmspec.bench.harness import write_json
-from vlmspec.data import toyworld
+import toyworld
 from vlmspec.data.heldout import Conversation, heldout
 from vlmspec.draft import NoDrafter, TreeConfig
 from vlmspec.draft.base import Drafter

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from vlmspec.data import toyworld
+import toyworld
 from vlmspec.data.heldout import Conversation
 from recipes.train.lora import LoraAdapters, add_lora
 from recipes.train.target_sft import answer_loss, batch_seeds, eval_loss, plot_curve, sample_for

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from vlmspec.data import toyworld
+import toyworld
 from vlmspec.data.heldout import heldout
 from vlmspec.draft import NgramDrafter
 from vlmspec.engine import GenerationConfig, SpecEngine

@@ -22,10 +22,10 @@ from typing import Any, Iterator
 import torch
 from safetensors.torch import load_file
 
-from vlmspec.data import toyworld
+import toyworld
 from vlmspec.data.heldout import heldout
 from vlmspec.data.heldout import Conversation
-from vlmspec.data.processor import build_processor, corpus_for_tokenizer, llava_config_kwargs, train_tokenizer
+from recipes.train.toy_processor import build_processor, corpus_for_tokenizer, llava_config_kwargs, train_tokenizer
 from vlmspec.train.common import clipped_step, save_checkpoint_dir
 from vlmspec.train.loop import CKPT, Hooks, Stage, TrainConfig, new_state, train_loop, write_summary
 from vlmspec.train.data import encode_conversations

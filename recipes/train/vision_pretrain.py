@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vlmspec.data import toyworld
+import toyworld
 
 N_CELLS = toyworld.GRID * toyworld.GRID
 N_OBJ = 1 + len(toyworld.SHAPES) * len(toyworld.COLOR_NAMES)  # 0 = empty cell

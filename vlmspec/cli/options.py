@@ -14,13 +14,12 @@ import os
 import sys
 from typing import Callable
 
+from vlmspec.data import ANSWER_STYLES as ANSWER_STYLE_CHOICES  # the generator's answer styles
 from vlmspec.errors import VlmspecError
 
 EXIT_USAGE = 2
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_CHOICES = ("auto", "triton", "sdpa", "eager")
-# toyworld.ANSWER_STYLES' names, spelled here so that parsing needs no data import (a test keeps them equal)
-ANSWER_STYLE_CHOICES = ("short", "listed", "scan", "tally")
 TEXT_STYLE_CHOICES = ("plain", "varied")  # train.distill.TEXT_STYLES (same reason, same test)
 POLICY_CHOICES = ("goodput", "fixed")  # vlmspec.policy.control.POLICIES (kept here so --help needs no torch)
 

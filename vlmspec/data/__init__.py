@@ -1,43 +1,29 @@
-"""Synthetic data for training / evaluating tiny VLMs (see :mod:`vlmspec.data.toyworld`)."""
+"""The data the drafters are trained and measured on: held-out sets, prompts, photographs, the corpus.
 
-from .toyworld import (
-    CELL_NAMES,
-    CHART_LABELS,
-    COLOR_NAMES,
-    COLORS,
-    IMAGE_SIZE,
-    SHAPES,
-    SIZES,
-    SPLITS,
-    TASK_MIX,
-    TASKS,
-    WORDS,
-    Sample,
-    description_coverage,
-    export_split,
-    extract_mentions,
-    font_source,
-    iter_split,
-    load_jsonl,
-    make_sample,
-    render_scene,
-    score,
-    to_record,
-)
-from .processor import (
-    CHAT_TEMPLATE,
-    PATCH_SIZE,
-    SPECIAL_TOKENS,
-    build_processor,
-    corpus_for_tokenizer,
-    llava_config_kwargs,
-    train_tokenizer,
-)
+ToyWorld scenes come from the ToyWorld generator, its own distribution (folder toyworld/ of the
+source tree, `pip install -e ./toyworld`; `make setup` installs it), not part of the vlmspec wheel:
+:func:`toyworld` imports it or says how to install it.
+"""
 
-__all__ = [
-    "CELL_NAMES", "CHART_LABELS", "COLOR_NAMES", "COLORS", "IMAGE_SIZE", "SHAPES", "SIZES", "SPLITS",
-    "TASK_MIX", "TASKS", "WORDS", "Sample", "description_coverage", "export_split", "extract_mentions",
-    "font_source", "iter_split", "load_jsonl", "make_sample", "render_scene", "score", "to_record",
-    "CHAT_TEMPLATE", "PATCH_SIZE", "SPECIAL_TOKENS", "build_processor", "corpus_for_tokenizer",
-    "llava_config_kwargs", "train_tokenizer",
-]
+from __future__ import annotations
+
+from types import ModuleType
+
+from vlmspec.errors import ConfigError
+
+# the generator's answer styles (toyworld.ANSWER_STYLES' keys; a test keeps them equal), named here so
+# that options and configs are checked without the generator
+ANSWER_STYLES = ("short", "listed", "scan", "tally")
+
+
+def toyworld() -> ModuleType:
+    """The ToyWorld generator module, or a ConfigError that says how to install it."""
+    try:
+        import toyworld as generator
+    except ModuleNotFoundError as e:
+        if e.name != "toyworld":
+            raise
+        raise ConfigError("ToyWorld scenes need the ToyWorld generator, which the vlmspec wheel does not hold: from a "
+                          "source checkout run `pip install -e ./toyworld` (make setup does), or leave ToyWorld out "
+                          "(benches: --prompts text or a JSONL; train: --data a corpus folder; data: --toyworld 0)") from None
+    return generator

@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from PIL import Image
 
 from vlmspec.assets import SAMPLE_IMAGES
 from vlmspec.data import toyworld
 from vlmspec.inputs import load_image_file
+
+if TYPE_CHECKING:
+    from toyworld import AnswerStyle, Sample
 
 
 @dataclass
@@ -32,19 +36,21 @@ class Conversation:
     answer: str
     images: list[Image.Image] = field(default_factory=list)
     task: str = ""
-    sample: toyworld.Sample | None = None  # the ToyWorld item it came from (for scoring)
+    sample: Sample | None = None  # the ToyWorld item it came from (for scoring)
     # later (prompt, answer) turns of the same dialogue, text only (the images stay in context)
     followups: list[tuple[str, str]] = field(default_factory=list)
     # the last answer was cut short (a length limit): training supervises no end of turn after it
     open_end: bool = False
 
     @classmethod
-    def from_sample(cls, s: toyworld.Sample) -> "Conversation":
+    def from_sample(cls, s: Sample) -> "Conversation":
         return cls(s.prompt, s.answer, [s.image] if s.image is not None else [], s.task, s)
 
 
-def toyworld_conversation(seed: int, task: str | None = None, style: toyworld.AnswerStyle = toyworld.SHORT) -> Conversation:
-    return Conversation.from_sample(toyworld.make_sample(seed, task, style))
+def toyworld_conversation(seed: int, task: str | None = None, style: AnswerStyle | None = None) -> Conversation:
+    """ToyWorld item `seed` (its `task`, answered in `style`: the generator's SHORT by default)."""
+    generator = toyworld()
+    return Conversation.from_sample(generator.make_sample(seed, task, style or generator.SHORT))
 
 
 # name -> (default split, first seed's offset into the split, seed stride per `seed` argument)
@@ -59,13 +65,15 @@ SETS: dict[str, tuple[str, int, int]] = {
 
 
 def heldout(name: str, n: int, *, split: str | None = None, per_task: bool = False,
-            tasks: tuple[str, ...] = toyworld.TASKS, seed: int = 0) -> list[Conversation]:
+            tasks: tuple[str, ...] | None = None, seed: int = 0) -> list[Conversation]:
     """`n` prompts of the named set (mixed tasks), or with per_task=True `n` prompts of each task
-    in `tasks` (interleaved: task order within each round)."""
+    in `tasks` (every ToyWorld task by default; interleaved: task order within each round)."""
     if name not in SETS:
         raise ValueError(f"unknown held-out set {name!r}: expected one of {sorted(SETS)}")
     default_split, offset, stride = SETS[name]
-    lo = toyworld.SPLITS[split or default_split][0] + offset + seed * stride
+    generator = toyworld()
+    tasks = generator.TASKS if tasks is None else tasks
+    lo = generator.SPLITS[split or default_split][0] + offset + seed * stride
     if not per_task:
         return [toyworld_conversation(lo + i) for i in range(n)]
     return [toyworld_conversation(lo + i * len(tasks) + j, t) for i in range(n) for j, t in enumerate(tasks)]

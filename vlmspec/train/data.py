@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
-from vlmspec.data import corpus, toyworld
+from vlmspec.data import corpus
 from vlmspec.data.heldout import Conversation, toyworld_conversation
 from vlmspec.errors import VlmspecError
 from vlmspec.inputs import load_image_file, user_turn
+
+if TYPE_CHECKING:
+    from toyworld import AnswerStyle
 
 
 class DataError(VlmspecError, ValueError):
@@ -100,7 +103,7 @@ def encode_conversations(processor: Any, convs: list[Conversation]) -> dict[str,
 
 
 def toyworld_stream(
-    first_seed: int, multimodal_share: Callable[[int], float] = lambda i: 1.0, style: toyworld.AnswerStyle = toyworld.SHORT
+    first_seed: int, multimodal_share: Callable[[int], float] = lambda i: 1.0, style: AnswerStyle | None = None
 ) -> Iterator[Conversation]:
     """Train-split conversations from `first_seed` on, answers phrased in `style`; sample i is
     text-only with probability 1 - multimodal_share(i) (the text-first curriculum), decided by the

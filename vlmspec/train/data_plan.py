@@ -213,8 +213,9 @@ def _photo(cfg: DataConfig, spec: SampleSpec, rng: random.Random, n: int, res: R
 
 
 def _toyworld(cfg: DataConfig, spec: SampleSpec, rng: random.Random, n: int, res: Resources) -> None:
-    seed = toyworld.SPLITS["train"][0] + TOYWORLD_OFFSET + cfg.seed * 10**7 + n
-    sample = toyworld.make_sample(seed)
+    generator = toyworld()
+    seed = generator.SPLITS["train"][0] + TOYWORLD_OFFSET + cfg.seed * 10**7 + n
+    sample = generator.make_sample(seed)
     spec.turns = [sample.prompt]
     _set_images(spec, [sample.image] if sample.image is not None else [], "png")
     spec.info = {"toyworld_seed": seed, "task": sample.task}

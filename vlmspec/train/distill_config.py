@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vlmspec.data import toyworld
+from vlmspec.data import ANSWER_STYLES
 from vlmspec.train.loop import TrainConfig
 
 TEXT_STYLES = ("plain", "varied")  # DistillConfig.text_style
@@ -51,7 +51,7 @@ class DistillConfig(TrainConfig):
     text_answer_tokens: int = 96
     text_style: str = "plain"  # plain: Magpie's open user turn; varied: turns started with magpie.INSTRUCTION_OPENERS
     # ToyWorld's answers phrased as the target was aligned (train-align --answer-style), so the
-    # contexts the drafter learns on are the ones the target writes (toyworld.ANSWER_STYLES)
+    # contexts the drafter learns on are the ones the target writes (vlmspec.data.ANSWER_STYLES)
     answer_style: str = "short"
     # continued training: start from this drafter folder's weights (same head shape, trimmed
     # vocabulary size, visual variant and acceptance head); the draft vocabulary is recounted on
@@ -76,8 +76,8 @@ class DistillConfig(TrainConfig):
             raise ValueError(f"text_style must be one of {TEXT_STYLES}, got {self.text_style!r}")
         if self.acceptance_head and self.eval_n < 1:
             raise ValueError("the acceptance head's stop threshold is chosen on the held-out prompts: eval_n must be >= 1")
-        if self.answer_style not in toyworld.ANSWER_STYLES:
-            raise ValueError(f"answer_style must be one of {sorted(toyworld.ANSWER_STYLES)}, got {self.answer_style!r}")
+        if self.answer_style not in ANSWER_STYLES:
+            raise ValueError(f"answer_style must be one of {sorted(ANSWER_STYLES)}, got {self.answer_style!r}")
 
     @property
     def text_per_batch(self) -> int:

@@ -63,13 +63,14 @@ def conversations(data: str, cfg: DistillConfig, rank: int, start_step: int, tex
 def _data_batches(data: str, cfg: DistillConfig, start_step: int) -> Iterator[list[Conversation]]:
     """The whole batches of `cfg.batch_size` from `start_step` on."""
     if data == "toyworld":
-        first = toyworld.SPLITS["train"][0] + 5 * 10**8 + cfg.seed * 10**7 + start_step * cfg.batch_size
+        generator = toyworld()
+        first = generator.SPLITS["train"][0] + 5 * 10**8 + cfg.seed * 10**7 + start_step * cfg.batch_size
         ramp = cfg.curriculum_steps * cfg.batch_size
 
         def share(i: int) -> float:
             return 1.0 if ramp == 0 else min(1.0, (start_step * cfg.batch_size + i) / ramp)
 
-        stream = toyworld_stream(first, share, toyworld.ANSWER_STYLES[cfg.answer_style])
+        stream = toyworld_stream(first, share, generator.ANSWER_STYLES[cfg.answer_style])
         while True:
             yield [next(stream) for _ in range(cfg.batch_size)]
     convs, problems = load_jsonl(data)

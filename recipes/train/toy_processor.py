@@ -21,7 +21,7 @@ from typing import Iterable, Iterator
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import CLIPImageProcessor, LlavaProcessor, PreTrainedTokenizerFast
 
-from .toyworld import IMAGE_SIZE, iter_split
+from toyworld import IMAGE_SIZE, iter_split
 
 PATCH_SIZE = 12
 # Order fixes the ids: <pad>=0, <s>=1, </s>=2, <image>=3, <|system|>=4, <|user|>=5, <|assistant|>=6.
