@@ -2,10 +2,9 @@
 
 - The real target (SmolLM2-135M-Instruct + EfficientNet-Lite0 in `fast_vlm`) is *built* on this
   machine by `vlmspec build-target` (`make setup` runs it) into $VLMSPEC_MODELS (default: the
-  repository's models/ folder) from two pip packages: `smolvlm-base`, the untrained assembly (what
-  `python -m recipes train-align` starts from, and the parity tests run on), and
-  `smolvlm-toyworld`, the same with the trained parts in assets/smolvlm-toyworld/ applied: the
-  default model (#19); where it is not built, the default falls back to the toy.
+  repository's models/ folder) from two pip packages: `smolvlm-base`, the untrained assembly (the
+  parity tests run on it), and `smolvlm-toyworld`, with assets/smolvlm-toyworld/'s trained parts: the
+  default model (where it is not built, the default falls back to the toy).
 - The toy (`toyworld-vlm`, 4 M parameters, `--model toy`) and its EAGLE drafter are committed in
   assets/ (or $VLMSPEC_ASSETS); tests use them as a fast model.
 - Each shipped EAGLE drafter sits next to its model (`shipped_drafter`): assets/toyworld-vlm-drafter,

@@ -8,7 +8,6 @@ options here and calls the library (engines through `vlmspec.factory`); nothing 
     vlmspec data (a corpus the target answers; --verify)  vlmspec/cli/data.py
     vlmspec export DRAFTER --format speculators           vlmspec/cli/export.py
     vlmspec build-target                                  vlmspec/cli/build.py
-    (how the bundled targets were trained, and the research suites: python -m recipes)
     number validators, engine options                  vlmspec/cli/options.py
 
 Bad input: one line on stderr, exit code 2 (argparse's usage error, or "vlmspec COMMAND: error: ..." for a VlmspecError).

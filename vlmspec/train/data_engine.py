@@ -8,10 +8,9 @@ batched engine (plain rows, `cfg.slots` at once), resumable shard by shard.
           (a follow-up turn is asked after a cut answer too, as a user would; `meta.ended` says which were cut)
         images saved under images/k/, the shard written atomically, the manifest rewritten (vlmspec.data.corpus)
 
-Each row carries its own sampling parameters and seed (`GenerationConfig.seed`), and a row's tokens
-do not depend on the rest of its batch, so a shard is the same whether it ran alone, resumed, or
-with another number of slots. A shard already listed in the manifest with its sha256 intact is
-kept; one that fails the check is reported with its path and written again.
+Each row carries its own sampling parameters and seed (`GenerationConfig.seed`) and its tokens do not
+depend on the rest of its batch: a shard is the same alone, resumed, or with other slots. A shard listed
+in the manifest with its sha256 intact is kept; one that fails the check is reported and written again.
 """
 
 from __future__ import annotations

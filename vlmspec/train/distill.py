@@ -5,9 +5,8 @@ head reads pairs (F_t, x_{t+1}) at answer positions (labels != -100) and is trai
 
     loss = w_ce * CE(lm_head(h_t), softmax(teacher_logits_{t+1}))  +  w_feat * SmoothL1(h_t, F_{t+1})
 
-(SpecVLM's, defaults 0.1 / 1.0; an EAGLE-3 head, `--arch eagle3`, on the CE alone), unrolled
-`ttt_steps` times, step j reading its own predicted features of step j-1 (training-time test,
-approximated: within a step the head attends causally over that step's predictions). With
+(SpecVLM's, defaults 0.1 / 1.0; EAGLE-3, `--arch eagle3`: the CE alone), unrolled `ttt_steps` times,
+step j reading its own predicted features of step j-1 (training-time test, approximated). With
 `acceptance_head` (SpecDec++) a small head learns whether each top-k child is the teacher's next
 token (weighted BCE), its stop threshold chosen on validation prompts (`choose_stop_threshold`).
 Under torchrun (DistributedDataParallel) process r trains the r-th share of each step's batch and

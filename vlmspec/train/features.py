@@ -10,8 +10,7 @@ Per conversation (token t of its T tokens):
 
 A shard is one safetensors file of `shard_size` conversations end to end (`offsets`, `teach_offsets`
 [n+1]), read memory-mapped. `manifest.json` names the corpus, the target (folder digest), the layers,
-k and each shard's sha256: a resumed build keeps the shards it lists, and training checks each shard
-before reading it (a corrupt one is reported with its path, never trained on). Never committed.
+k and each shard's sha256: a resumed build keeps those shards; training checks each before reading it.
 """
 
 from __future__ import annotations

@@ -2,10 +2,9 @@
 offline instruction dataset.
 
 Given only its template's opening of a user turn (``<|im_start|>user\\n`` after the default system
-prompt) an aligned chat model writes a plausible instruction: sampled (temperature 1, nucleus
-0.95) they are the prompts, the same model's greedy answers the targets (self-distillation).
-With `openers` each sampled turn starts with one of them (`INSTRUCTION_OPENERS`, cycled over the
-batch slots); left alone a small model asks much the same thing again and again. The data engine
+prompt) an aligned chat model writes a plausible instruction: sampled (T=1, nucleus 0.95) they are
+the prompts, its greedy answers the targets. With `openers` each sampled turn starts with one of
+them (`INSTRUCTION_OPENERS`, cycled over the slots; alone a small model repeats itself). The data engine
 uses `ENGINE_OPENERS`, `TOPIC_LEADS` (`magpie_start`) and `usable_instruction` (docs/data.md). Kept:
 an instruction ended within `prompt_tokens`, of at least 3 words, not held out
 (`heldout.TEXT_PROMPTS`), not a repeat, with its answer's first `answer_tokens` tokens and whether
