@@ -9,9 +9,8 @@ and are `vlmspec.stats.SpecStats`'s counters added up over the speculative reque
     acceptance at position p (given the tree reached it) = rate(num_accepted_tokens_per_pos{position=p})
                                                          / rate(num_drafts_reaching_pos{position=p})
 
-A "draft token" here is a node of the drafted tree sent to verification (root excluded): a tree
-drafts several candidates per depth, so num_accepted_tokens / num_draft_tokens is not vLLM's
-acceptance rate for a chain of k tokens (each drafted token there is one position of one chain).
+A "draft token" is a node of the drafted tree sent to verification (root excluded): a tree drafts several candidates
+per depth, so num_accepted_tokens / num_draft_tokens is not vLLM's acceptance rate for a chain of k tokens.
 """
 
 from __future__ import annotations

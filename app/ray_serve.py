@@ -7,11 +7,10 @@ and runs its own worker and queue: nothing is shared between replicas (docs/scal
     with ray_serving(spec, settings, cfg, port=0) as url: ...      # tests and benches: Ray's proxy URL
     serve_on_ray(spec, settings, cfg, host, port)                  # `vlmspec serve --replicas N` (until SIGTERM / SIGINT)
 
-Added to the one-process app: the header ``x-vlmspec-replica`` on every answer; ``GET
-/metrics/replicas``, every live replica's metrics labelled ``replica="<id>"`` (a Serve broadcast);
-``check_health``, which fails when the replica's worker thread is gone, so Ray replaces it.
-Ray is optional (``pip install 'vlmspec[ray]'``): this module imports it at the top and is imported
-only when the Ray path runs (`vlmspec.app` does not import it).
+Added to the one-process app: the header ``x-vlmspec-replica`` on every answer; ``GET /metrics/replicas``, every
+live replica's metrics labelled ``replica="<id>"`` (a Serve broadcast); ``check_health``, which fails when the
+replica's worker thread is gone, so Ray replaces it. Ray is optional (``pip install 'vlmspec[ray]'``): this
+module imports it at the top and is imported only when the Ray path runs (`vlmspec.app` does not import it).
 """
 
 from __future__ import annotations

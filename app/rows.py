@@ -7,11 +7,10 @@ and decides what a failure of one of them ends: that request alone.
     row.emit(event, batch_size, now, metrics)   # a step's tokens -> its TextStream (detokenization, stop strings) -> the job
     row.finish(metrics)                    # its last text and its Completion, once it left the batch with a result
 
-Everything a request asks for travels in its own `GenerationConfig` (sampling, seed, speculation
-policy, max depth, tree budget) and stop strings, so requests with different options share a batch;
-the shared engine and drafter are never changed. A plain request (``"speculative": false``) is a
-row of the same batch that never drafts (`PLAIN`): its tokens are those of plain decoding, and its
-result says policy "none" with no depths, as plain decoding reports.
+Everything a request asks for travels in its own `GenerationConfig` (sampling, seed, speculation policy, max depth,
+tree budget) and stop strings, so requests with different options share a batch; the shared engine and drafter are
+never changed. A plain request (``"speculative": false``) is a row of the same batch that never drafts (`PLAIN`):
+its tokens are those of plain decoding, and its result says policy "none" with no depths, as plain decoding reports.
 """
 
 from __future__ import annotations

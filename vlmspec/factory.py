@@ -1,17 +1,15 @@
-"""The composition root: what to run (an `EngineSpec`) -> a target, a drafter and an engine.
-
-The CLI, the server and the benchmarks build engines here and nowhere else:
+"""The composition root: what to run (an `EngineSpec`) -> a target, a drafter and an engine, built nowhere else.
 
     spec = EngineSpec(model=None, drafter="auto", device=None, dtype="auto")   # the defaults
     engine = build_engine(spec)                  # SpecEngine(target, drafter)
     target = load(spec)                          # the target alone (training, evaluation)
 
-Resolution: no model -> the target a drafter folder records (`trained_for`), else the aligned real
-target when built (`vlmspec build-target`), else the committed toy ("toy"); drafter "auto" -> the
-EAGLE drafter shipped for that model ("eagle" names it), else n-gram; device None -> CUDA if there;
-dtype "auto" -> bfloat16 on CUDA, float32 on CPU; policy "goodput" -> the cost model measured at
-build (`vlmspec.policy.cost.measured_costs`, cached per model, drafter, device, dtype) unless nothing drafts.
-oneDNN's caches are bounded first (`vlmspec.runtime.onednn`); a bad choice raises `ConfigError` saying what to pass.
+Resolution: no model -> the target a drafter folder records (`trained_for`), else the aligned real target when built
+(`vlmspec build-target`), else the committed toy ("toy"); drafter "auto" -> the EAGLE drafter shipped for that model
+("eagle" names it), else n-gram; device None -> CUDA if there; dtype "auto" -> bfloat16 on CUDA, float32 on CPU;
+policy "goodput" -> the cost model measured at build (`vlmspec.policy.cost.measured_costs`, cached per model, drafter,
+device, dtype) unless nothing drafts. oneDNN's caches are bounded first (`vlmspec.runtime.onednn`); a bad choice
+raises `ConfigError` saying what to pass.
 """
 
 from __future__ import annotations

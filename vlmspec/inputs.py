@@ -1,11 +1,10 @@
 """User inputs -> model inputs: the one image loader and the one prompt encoder.
 
-Images: bytes, files, data URLs and (opt-in) http(s) URLs -> RGB PIL images, with limits; every path
-into the model goes through `decode_image` (the demo's uploads through `checked_rgb`): non-images,
-truncated files, decompression bombs and extreme aspect ratios raise an `InputError` naming the
-field (`param`) with a short `code`. Prompts: chat messages, each keeping its role, its content a
-list of ``{"type": "text", "text": ...}`` / ``{"type": "image"}`` parts in order, through the
-target's own chat template (``add_generation_prompt=True``), then its processor.
+Images: bytes, files, data URLs and (opt-in) http(s) URLs -> RGB PIL images, with limits; every path into the model
+goes through `decode_image` (the demo's uploads through `checked_rgb`): non-images, truncated files, decompression
+bombs and extreme aspect ratios raise an `InputError` naming the field (`param`) with a short `code`. Prompts: chat
+messages, each keeping its role, its content a list of ``{"type": "text", "text": ...}`` / ``{"type": "image"}``
+parts in order, through the target's own chat template (``add_generation_prompt=True``), then its processor.
 
     load_image_file("photo.jpg")                             # -> RGB PIL image, or InputError
     load_image(pil_image | path | b"..." | "data:..." | "https://...", limits)   # whatever the caller holds

@@ -7,11 +7,10 @@
     print(out.text, out.tau)         # the answer; tokens per target forward (drafted, accepted: the counts)
     outs = llm.generate(["Describe a cat.", {"prompt": "What is in it?", "images": [pil_image]}], max_new_tokens=64)
 
-What each layer does here: `vlmspec.factory` builds the engine (`EngineSpec`: model, drafter,
-dtype, ...); `vlmspec.inputs` reads the images (PIL images, paths, bytes, data URLs, http(s) URLs)
-and encodes the prompts (messages in OpenAI's shape or Hugging Face's); one `Batch` of the engine
-decodes the requests together, at most `max_batch` at once; `vlmspec.text.TextStream` detokenizes
-each and cuts it at its stop strings. One request gives one `Output`, a list a list; `llm.engine`: the engine.
+`vlmspec.factory` builds the engine (`EngineSpec`: model, drafter, dtype, ...); `vlmspec.inputs` reads the images
+(PIL images, paths, bytes, data and http(s) URLs) and encodes the prompts (OpenAI- or Hugging Face-shaped messages);
+one `Batch` of the engine decodes the requests together, at most `max_batch` at once; `vlmspec.text.TextStream`
+detokenizes each, cut at its stop strings. One request gives one `Output`, a list a list; `llm.engine`: the engine.
 """
 
 from __future__ import annotations

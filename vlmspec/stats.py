@@ -7,8 +7,7 @@ trainer's evaluation add generations up with `+=` and read the same derived figu
     acceptance_by_position = accepted_per_pos[d] / reached_per_pos[d]
                              P(the drafted token at depth d+1 is accepted | the tree reached depth d+1)
 
-"drafts" counts verify forwards (one proposal each, an empty tree included), so plain decoding
-through the engine has mean accepted length 1.0.
+"drafts" counts verify forwards (empty trees too), so plain decoding through the engine has mean accepted length 1.0.
 
 Also the small statistics every bench and report shares: percentiles, geometric means with a
 bootstrap interval, and the median time of a call (`median_ms`, synchronising CUDA around it).

@@ -6,9 +6,8 @@ drafter is given or bundled). Per method: end-to-end and decode-only tokens/s, s
 and (c), mean accepted length (bonus included), acceptance per draft position, a time breakdown,
 peak memory; at T=0 every method's tokens must equal (a)'s, else the run reports an error.
 
-    vlmspec bench run [--model DIR|HUB_ID] [--drafter DIR] [--prompts test|FILE.jsonl] [-n 12]
-                      [--temperature 0] [--max-new-tokens 96] [--warmup 1] [--repeats 1]
-                      [--json PATH] [--out DIR]
+    vlmspec bench run [--model DIR|HUB_ID] [--drafter DIR] [--prompts test|FILE.jsonl] [-n 12] [--temperature 0]
+                      [--max-new-tokens 96] [--warmup 1] [--repeats 1] [--json PATH] [--out DIR]
 
     report = bench(EngineSpec(model=...), RunOptions(n=12))   # what the command runs
     table = save_report(report, out=Path("docs/bench-t0"))     # results.json / .md / .png

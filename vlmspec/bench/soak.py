@@ -1,18 +1,16 @@
 """`vlmspec bench soak`: the service under a long mixed load, checked answer by answer (#47's soak).
 
-`clients` closed-loop clients send requests for `minutes` through the real HTTP server, each drawn
-(seeded) from a few held-out prompts (`bench.batch.mixed_conversations`) and option sets
-(`VARIANTS`), and of one of four kinds: complete (read to the end; its text must be the same
-request's text alone, in fp32, while sampled rows that draft need only finish; one cut at the
-server's request timeout is counted apart as "cut", judged as a prefix), cancel (the client closes
-after a few chunks: a prefix, the slot freed), client-timeout (a read timeout far under a step: as a
-cancel) and server-timeout (`ignore_eos`, far past the server's timeout: a 504 `timeout` event, a
-prefix; or, when a repeated answer is drafted whole, all of it in time, extending its reference).
-Every body is first answered alone (the reference); resident memory (and a suffix store's size) is
-sampled during the soak (the server runs in this process). Pass: no answer changed, no cut answer
-off its prefix, no unexpected status, nothing hung, memory after warm-up within `rss_growth_limit`,
-the server's timeout cut at least one request, a suffix store within its budget, and `/healthz`
-then showing every slot free and nothing waiting. The runs and what they found: docs/serving.md.
+`clients` closed-loop clients send requests for `minutes` through the real HTTP server, each drawn (seeded) from a
+few held-out prompts (`bench.batch.mixed_conversations`) and option sets (`VARIANTS`), of one of four kinds:
+complete (read to the end; its text must be the same request's text alone, in fp32, while sampled rows that draft
+need only finish; one cut at the server's request timeout is counted apart as "cut", judged as a prefix), cancel
+(the client closes after a few chunks: a prefix, the slot freed), client-timeout (a read timeout far under a step:
+as a cancel) and server-timeout (`ignore_eos`, far past the server's timeout: a 504 `timeout` event, a prefix; or,
+when a repeated answer is drafted whole, all of it in time, extending its reference). Every body is first answered
+alone (the reference); resident memory (and a suffix store's size) is sampled during the soak (the server runs in
+this process). Pass: no answer changed, no cut answer off its prefix, no unexpected status, nothing hung, memory
+after warm-up within `rss_growth_limit`, the server's timeout cut at least one request, a suffix store within its
+budget, and `/healthz` then showing every slot free and nothing waiting. Runs and findings: docs/serving.md.
 """
 
 from __future__ import annotations

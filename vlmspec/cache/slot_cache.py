@@ -2,16 +2,15 @@
 
     keys, values of layer l: [slots, kv_heads, capacity, head_dim]     (allocated at the first write)
 
-A request owns a slot while it runs; its committed length lives with the request
-(`TargetState.seq_len`). A forward writes its rows' (`rows`) new entries at each row's own offset
-(`starts`); a rejected draft is dropped by not advancing the length, an accepted path that is not
-a contiguous run is gathered within its row (`commit`); nothing is re-padded or realigned. It is an
-HF `Cache` the unmodified models accept: `update` returns the rows' keys and values up to the
-furthest end, `get_seq_length` / `get_mask_sizes` are the furthest row's (one row: a
-`DynamicLayer`'s); shorter rows are cut by the caller's 4D mask; a ragged step's entries come laid
-end to end (`begin(..., counts)`). Layer kinds follow `vlmspec.cache.kv_cache`: full, sliding and chunked
-attention keep every entry (windows are masks), `dummy` holds nothing; any other kind keeps
-transformers' own layer, which cannot be rolled back: such a cache has one slot, plain decoding only.
+A request owns a slot while it runs; its committed length lives with the request (`TargetState.seq_len`). A
+forward writes its rows' (`rows`) new entries at each row's own offset (`starts`); a rejected draft is dropped
+by not advancing the length, an accepted path that is not a contiguous run is gathered within its row
+(`commit`); nothing is re-padded or realigned. It is an HF `Cache` the unmodified models accept: `update`
+returns the rows' keys and values up to the furthest end, `get_seq_length` / `get_mask_sizes` are the furthest
+row's (one row: a `DynamicLayer`'s); shorter rows are cut by the caller's 4D mask; a ragged step's entries come
+laid end to end (`begin(..., counts)`). Layer kinds follow `vlmspec.cache.kv_cache`: full, sliding and chunked
+attention keep every entry (windows are masks), `dummy` holds nothing; any other kind keeps transformers' own
+layer, which cannot be rolled back: such a cache has one slot, plain decoding only.
 """
 
 from __future__ import annotations

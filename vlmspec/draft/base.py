@@ -7,11 +7,10 @@ A Drafter is stateless model/config; ``start`` opens a DraftSession holding one 
     tree = session.propose(root, max_depth)  # root = last emitted token, not yet in the target KV
     session.commit(tokens, features)         # tokens [k] now in the target KV (root + accepted), features [k, H]
     session.finish(tokens)                   # optional: once, when the request leaves, every token it emitted
+    trees = propose_all(drafter, sessions, roots, max_depths, chains)  # a batch step: propose_batch, else each propose
 
-With `feature_layers` (target layer ids, EAGLE-3) the features are those layers' hidden states
-concatenated, [k, m x H] (`vlmspec.target.model.layer_features`); else the last hidden state. A batch
-step drafts every row with `propose_all(drafter, sessions, roots, max_depths, chains)`: the drafter's
-`propose_batch` if it has one, else each session's `propose`; rows may ask any depth (0 too) or a chain.
+With `feature_layers` (target layer ids, EAGLE-3) the features are those layers' hidden states concatenated, [k, m x H]
+(`vlmspec.target.model.layer_features`); else the last hidden state. Batch rows may ask any depth (0 too) or a chain.
 """
 
 from __future__ import annotations

@@ -4,14 +4,13 @@ likelier tree per step and per row.
     drafter = HybridDrafter(eagle, suffix)           # both built by the composition root (vlmspec.factory)
     trees = drafter.propose_batch(sessions, roots, max_depths, chains)
 
-Each tree's expected accepted length E (`DraftTree.expected_accepted`: the suffix tree's summed node
-frequencies, the head's summed cumulative draft probabilities) is uncalibrated, so each is scaled by
-the decayed ratio of tokens accepted to tokens expected (`Calibration`), kept apart for the head, for
-`sure` suffix trees (the pool's match covered the whole context) and for other suffix trees. A row's
-suffix tree comes first; where its scaled E reaches `skip_at` of the most the head could give (one
-token per level, scaled alike) the head drafts nothing for that row this step; elsewhere the head
-drafts (one batched forward per level) and the higher scaled E wins (chains for rows asked for a
-chain). Either tree is verified as usual, so the output is the target's (lossless).
+Each tree's expected accepted length E (`DraftTree.expected_accepted`: the suffix tree's summed node frequencies,
+the head's summed cumulative draft probabilities) is uncalibrated, so each is scaled by the decayed ratio of tokens
+accepted to tokens expected (`Calibration`), kept apart for the head, for `sure` suffix trees (the pool's match
+covered the whole context) and for other suffix trees. A row's suffix tree comes first; where its scaled E reaches
+`skip_at` of the most the head could give (one token per level, scaled alike) the head drafts nothing for that row
+this step; elsewhere the head drafts (one batched forward per level) and the higher scaled E wins (chains for rows
+asked for a chain). Either tree is verified as usual, so the output is the target's (lossless).
 """
 
 from __future__ import annotations

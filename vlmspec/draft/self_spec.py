@@ -1,13 +1,12 @@
 """Self-speculation (Kangaroo, DEL): the target's own first E decoder layers draft; no separate drafter.
 
-Each step copies the target's committed KV entries of layers < E into a shallow cache (nothing is
-recomputed) and runs the root, then each drafted token, through layers < E, the final norm and the
-LM head (`vlmspec.target.early_exit.ExitView`). The tree: a chain of top-1 tokens with each level's
-next `top_k - 1` candidates as leaf siblings, at most `total_tokens` nodes, verified as
-deterministic choices (outputs stay the target's). Exit layer: fixed (`exit_layer=E`, Kangaroo
-without its adapter) or per request and step among `exits` (DEL): each keeps a decayed count of
-drafted and accepted levels (Beta prior `prior_accept`) and its seconds per level t_E, and the
-session drafts with the E of the most expected tokens per second at the controller's `depth`:
+Each step copies the target's committed KV entries of layers < E into a shallow cache (nothing is recomputed) and
+runs the root, then each drafted token, through layers < E, the final norm and the LM head
+(`vlmspec.target.early_exit.ExitView`). The tree: a chain of top-1 tokens with each level's next `top_k - 1`
+candidates as leaf siblings, at most `total_tokens` nodes, verified as deterministic choices (outputs stay the
+target's). Exit layer: fixed (`exit_layer=E`, Kangaroo without its adapter) or per request and step among `exits`
+(DEL): each keeps a decayed count of drafted and accepted levels (Beta prior `prior_accept`) and its seconds per
+level t_E, and the session drafts with the E of the most expected tokens per second at the controller's `depth`:
 
     tokens(E) = 1 + sum_{k=1..depth} a_E^k       seconds(E) = step + depth * t_E
 

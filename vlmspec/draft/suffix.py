@@ -2,17 +2,15 @@
 
     store = SuffixStore(max_tokens=200_000)          # the composition root's: one per model (vlmspec.factory)
     drafter = SuffixDrafter(tree, SuffixConfig(), store)     # store None: no cross-request memory
-    session = drafter.start(prompt)                  # prompt.tenant: whose pool it reads and joins
+    session = drafter.start(prompt)                  # prompt.tenant: the one pool it reads and joins (None: shared)
     tree = session.propose(root, max_depth)          # a frequency tree, verified as any draft tree
     session.finish(emitted)                          # the engine, when the request leaves: the answer's last tokens
 
-Each step matches the longest suffix of the context (prompt + answer so far + root) in the request's
-own index and its tenant's pool (`vlmspec.draft.suffix_index`); a match's tree keeps the best
-`total_tokens` nodes within `depth` by empirical probability (the product of the path's child
-frequencies), at most `spec_factor` x the match length, and the tree of higher expected accepted
-length (its nodes' probabilities summed) is proposed. A tenant never reads another's pool (None: the
-shared one). An answer joins its pool as it is written (after its prompt's `prompt_tail`), so a
-repeat sent while its original still decodes drafts from it; the oldest answers are evicted first.
+Each step matches the longest suffix of the context (prompt + answer so far + root) in the request's own index and its
+tenant's pool (`vlmspec.draft.suffix_index`); a match's tree keeps the best `total_tokens` nodes within `depth` by
+empirical probability (the product of the path's child frequencies), at most `spec_factor` x the match length, and the
+tree of higher expected accepted length (its nodes' probabilities summed) is proposed. An answer joins its pool as it
+is written (after its prompt's `prompt_tail`), so a repeat sent while its original decodes drafts from it.
 """
 
 from __future__ import annotations

@@ -1,18 +1,16 @@
-"""The suffix drafter's indexes (SuffixDecoding, Oliaro et al. 2025): where the longest suffix of a
-context occurred before, and the tree of what followed it, branching by observed frequency.
+"""The suffix drafter's indexes: where a context's longest suffix occurred before, and the tree of what followed it.
 
     index = SuffixIndex()                      # token sequences ("documents"), n-grams -> where they end
     doc = index.add([5, 6, 7, 8])              # a document; `extend(doc, tokens)` grows one, at any age
     match = index.match(context)               # Match: longest suffix of `context` found, its occurrences
     tree = frequency_tree(root, match.continuations(index, depth), budget, min_prob)   # DraftTree
 
-In place of a suffix tree: a dict from every n-gram (n = 1..`max_ngram`) to the positions it ends
-at (oldest first), each candidate's match extended backwards up to `max_match` tokens. A
-continuation's empirical probability is (occurrences passing through it) / (occurrences of the
-match); memory is `max_ngram` entries per stored token. `SuffixStore`: one `SuffixIndex` per tenant
-(None = the shared pool), a token budget over all, the oldest documents evicted first; an answer
-joins as it is written (`open`, `extend`), so a request may draft from another still decoding. It
-holds a lock, as a service feeds it from other threads.
+In place of a suffix tree: a dict from every n-gram (n = 1..`max_ngram`) to the positions it ends at (oldest
+first), each candidate's match extended backwards up to `max_match` tokens. A continuation's empirical
+probability is (occurrences passing through it) / (occurrences of the match); memory is `max_ngram` entries per
+stored token. `SuffixStore`: one `SuffixIndex` per tenant (None = the shared pool), a token budget over all, the
+oldest documents evicted first; an answer joins as it is written (`open`, `extend`), so a request may draft from
+another still decoding. It holds a lock, as a service feeds it from other threads.
 """
 
 from __future__ import annotations

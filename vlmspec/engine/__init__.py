@@ -1,6 +1,6 @@
-"""The speculative decoding loop, on token ids, over a batch of requests (a batch of one included).
+"""The speculative decoding loop over a batch of requests (of one too), on token ids (text: `vlmspec.text`).
 
-    ticket = batch.submit(inputs, config)                   # queued; admitted by a step
+    ticket = batch.submit(inputs, config)                   # queued (options: its GenerationConfig); a step admits it
     batch.step():  prefill: pieces of long prompts, then free slots admit waiting tickets under the
                    step's budget (vlmspec.engine.prefill; first token: the root); then decode:
         depth_b  = control_b.choose(max_depth_b)            # how deep each row drafts (vlmspec.policy.control)
@@ -9,9 +9,8 @@
         verdicts = verify_rows(trees, out.logits, ...)      # each row: accepted path + recovered/bonus token
         target.commit_batch(states, paths); session_b.commit(...); emit; finished rows leave
 
-The `none` drafter's trees are roots alone: plain decoding, every drafter's oracle. Token ids only
-(text: `vlmspec.text`); a request's options travel in its `GenerationConfig`. A step that fails for one row alone takes that row out (its `failure` set); an
-exception of the batched work itself is raised by `step` and leaves the batch unusable.
+The `none` drafter's trees are roots alone: plain decoding, every drafter's oracle. A step that fails for one row alone
+takes that row out (`failure` set); an exception of the batched work is raised by `step` and leaves the batch unusable.
 """
 
 

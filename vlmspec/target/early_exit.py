@@ -7,10 +7,9 @@ self-speculation (Kangaroo, DEL), over the unmodified Hugging Face modules.
     w, b = view.head_weights(rows)                           # the LM head, or its `rows` (a trimmed vocabulary)
     logits = linear(hidden, w, b)                            # [V] (or [K])
 
-Layers < E compute exactly what they compute inside the full target, so their KV entries for the
-committed tokens are already in the target's cache: a draft step appends its own entries to a copy
-(the target's cache is never written). The stack runs as the decoder's own forward runs it (embed,
-rotary embeddings, layers, norm), for decoders built as ``embed_tokens / layers / norm / rotary_emb``
+Layers < E compute exactly what they compute inside the full target, so their KV entries for the committed tokens are
+already in the target's cache: a draft step appends its own entries to a copy (the target's cache is never written).
+The stack runs as the decoder's own forward runs it, for decoders built as ``embed_tokens / layers / norm / rotary_emb``
 with one rotary embedding for every layer (Llama, Mistral, Qwen2, SmolLM2); others are refused.
 """
 

@@ -3,9 +3,8 @@
 The head reads one row per prompt position i: (feature_i, token_{i+1}) at position i. For the plain
 head (`compressor="none"`, no decoupling) an image row is the target's feature there. Variants (#5):
 
-* compression (SpecVLM): each image span's rows are replaced by m rows built from the target's
-  projected image embeddings by a compressor (or a gate's choice of one), at the positions of their
-  anchor tokens; the last kept row carries the token that follows the span;
+* compression (SpecVLM): each image span's rows become m rows, built from the target's projected image embeddings by a
+  compressor (or a gate's choice of one) at their anchors' positions; the last kept row carries the span's next token;
 * decoupling (MSD): visual rows bypass `fc`: their input IS the (compressed) image embedding;
 * global feature (ViSpec): one resampler query summarises all image embeddings into g [H],
   fused into every later text row's feature by `fuse([f, g])`, initialised to return f.

@@ -6,12 +6,11 @@ The head reads pairs (target feature at position i, token at position i+1):
     h_i  = LlamaDecoderLayer(x_i)                                   # one HF decoder layer, own KV cache
     p(token_{i+2}) = softmax(lm_head(h_i))                          # the target's frozen LM head
 
-h_i is trained to predict the target's feature at position i+1, so drafting feeds it back. EAGLE-3
-(`Eagle3Head`) fuses three target layers and has its own LM head over a trimmed draft vocabulary;
-SpecDec++'s `AcceptanceHead` stops deepening a tree whose predicted path acceptance falls under
-`stop_threshold` (only the tree's shape changes: lossless). A checkpoint: `config.json` (`EagleConfig`)
-+ `model.safetensors`. Modules, each importing only those before it: config, vocab, head, grow (a
-batch's trees on the device), session (EagleDrafter, _EagleSession). Import from `vlmspec.draft.eagle`.
+h_i is trained to predict the target's feature at position i+1, so drafting feeds it back. EAGLE-3 (`Eagle3Head`) fuses
+three target layers and has its own LM head over a trimmed vocabulary; SpecDec++'s `AcceptanceHead` stops deepening a
+tree whose predicted path acceptance falls under `stop_threshold` (lossless: it only shapes the tree). A checkpoint:
+`config.json` (`EagleConfig`) + `model.safetensors`. Modules, each importing only those before it: config, vocab, head,
+grow (batched trees, on the device), session (EagleDrafter, _EagleSession); import from `vlmspec.draft.eagle`.
 """
 
 from __future__ import annotations

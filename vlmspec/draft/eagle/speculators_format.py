@@ -1,6 +1,5 @@
-"""The `speculators` file format of an EAGLE-3 drafter (what vLLM reads directly, and what the
-`speculators` package on PyPI trains and writes): reading one into an `Eagle3Head`'s config and
-weights, checked against the target field by field, and writing an `Eagle3Head` in it.
+"""The `speculators` file format of an EAGLE-3 drafter (vLLM reads it; the `speculators` package trains and writes it):
+read into an `Eagle3Head`'s config and weights, checked against the target field by field, and written from one.
 
 config.json (`speculators_model_type: "eagle3"`, `transformer_layer_config`, `draft_vocab_size`,
 `eagle_aux_hidden_state_layer_ids`: [2, n // 2, n - 3] when absent, `speculators_config`) + model.safetensors:
