@@ -363,7 +363,7 @@ def speculative_block(enabled: bool, drafter: str, completion: Completion) -> di
     result = completion.result
     return {
         "enabled": enabled,
-        "drafter": drafter if enabled else "none",
+        "drafter": drafter if enabled else "plain",
         "target_forwards": result.num_target_forwards,
         "drafted_tokens": result.num_drafted,
         "accepted_tokens": result.num_accepted,

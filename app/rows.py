@@ -10,7 +10,7 @@ and decides what a failure of one of them ends: that request alone.
 Everything a request asks for travels in its own `GenerationConfig` (sampling, seed, speculation policy, max depth,
 tree budget) and stop strings, so requests with different options share a batch; the shared engine and drafter are
 never changed. A plain request (``"speculative": false``) is a row of the same batch that never drafts (`PLAIN`):
-its tokens are those of plain decoding, and its result says policy "none" with no depths, as plain decoding reports.
+its tokens are those of plain decoding, and its result says policy "plain" with no depths, as plain decoding reports.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ class Row:
         """After the request left the batch with a result: its last text and its Completion to the client."""
         job, result = self.job, self.req.result
         if not job.speculative:  # plain decoding chooses no depth
-            result = dataclasses.replace(result, policy="none", depths=[])
+            result = dataclasses.replace(result, policy="plain", depths=[])
         tail, completion = self.text.finish(result)
         if tail is not None:
             job.post("event", tail)

@@ -1,7 +1,7 @@
 """The coverage matrix: every image-text-to-text family, lossless or refused, never silently wrong.
 
 For each family (`testing.families`) a tiny random build runs through the engine with the
-three drafters (`none`, `ngram`, a random EAGLE head) on a text prompt of 20 random tokens (past
+three drafters (`plain`, `ngram`, a random EAGLE head) on a text prompt of 20 random tokens (past
 the builds' 8-token sliding windows and attention chunks) and, where a tiny processor exists, an
 image prompt; 24 greedy tokens each must equal HF `generate`'s. Then one tree (the reference
 continuation with a wrong sibling in front of every right token) is verified in one forward and
@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 import torch
 
-from vlmspec.draft.base import NoDrafter, TreeConfig
+from vlmspec.draft.base import PlainDrafter, TreeConfig
 from vlmspec.draft.eagle import EagleDrafter
 from vlmspec.draft.ngram import NgramDrafter
 from vlmspec.engine import GenerationConfig, SpecEngine
@@ -157,7 +157,7 @@ def compare(got: list[int], ref: list[int], what: str, margin: Callable[[int, in
 
 def _drafters(target: Target) -> dict[str, Callable[[], Any]]:
     """The three drafters, each made when its turn comes (a refusal of one does not stop the others)."""
-    return {"none": NoDrafter, "ngram": lambda: NgramDrafter(TREE), "eagle": lambda: EagleDrafter.random_init(target, TREE, seed=1)}
+    return {"plain": PlainDrafter, "ngram": lambda: NgramDrafter(TREE), "eagle": lambda: EagleDrafter.random_init(target, TREE, seed=1)}
 
 
 def check_prompt(target: Target, inputs: dict[str, Any], label: str, reference: Callable[..., list[int]] = hf_greedy,
@@ -173,7 +173,7 @@ def check_prompt(target: Target, inputs: dict[str, Any], label: str, reference: 
         try:
             engine = SpecEngine(target, make())
         except VlmspecError as exc:
-            if name == "none":
+            if name == "plain":
                 raise
             refusals.append(str(exc))
             continue

@@ -237,7 +237,7 @@ def test_the_engine_prefills_and_steps_inside_decoding_sdpa(monkeypatch):
     import contextlib
 
     from vlmspec.engine import batch as engine_module  # where the batch's steps and prefills call it
-    from vlmspec.draft import NoDrafter
+    from vlmspec.draft import PlainDrafter
     from vlmspec.engine import GenerationConfig, SpecEngine
 
     target = tiny_target("llava")
@@ -257,7 +257,7 @@ def test_the_engine_prefills_and_steps_inside_decoding_sdpa(monkeypatch):
         real = getattr(target, name)
         monkeypatch.setattr(target, name, lambda *a, _real=real, _name=name, **k: seen.append((_name, bool(inside))) or _real(*a, **k))
     prompt = encode_prompt(target, "once upon a time", [])
-    SpecEngine(target, NoDrafter()).generate(prompt, GenerationConfig(max_new_tokens=4))
+    SpecEngine(target, PlainDrafter()).generate(prompt, GenerationConfig(max_new_tokens=4))
     assert {name for name, _ in seen} == {"prefill", "forward_batch"}
     assert all(was_inside for _, was_inside in seen)
     assert devices and all(d == target.device for d in devices)

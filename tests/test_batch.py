@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import tiny_target
-from vlmspec.draft.base import NoDrafter, TreeConfig
+from vlmspec.draft.base import PlainDrafter, TreeConfig
 from vlmspec.draft.eagle import EagleDrafter
 from vlmspec.draft.ngram import NgramDrafter
 from vlmspec.engine import GenerationConfig, SpecEngine
@@ -33,7 +33,7 @@ RAGGED = [
 
 def _drafter(target, name):
     if name == "none":
-        return NoDrafter()
+        return PlainDrafter()
     if name == "ngram":
         return NgramDrafter(TREE)
     return EagleDrafter.random_init(target, TREE, seed=1, arch="eagle3" if name == "eagle3" else "eagle1")
@@ -119,7 +119,7 @@ def test_rows_of_different_lengths_verified_together_give_their_own_logits(arch,
 
 def test_negative_control_rows_given_one_rows_mask_differ(monkeypatch):
     target = tiny_target("qwen2_5_vl")
-    engine = SpecEngine(target, NoDrafter())
+    engine = SpecEngine(target, PlainDrafter())
     requests = _requests(target, RAGGED[:3])
     alone = [engine.generate(inputs, cfg).token_ids for inputs, cfg, _ in requests]
     real = Target.batch_masks
@@ -204,8 +204,8 @@ def test_a_model_that_cannot_batch_exactly_says_so():
 
     target = Target(build_family("lfm2_vl"), None, name="lfm2-tiny")
     with pytest.raises(ConfigError, match="one request at a time"):
-        SpecEngine(target, NoDrafter()).batch(2)
-    SpecEngine(target, NoDrafter()).batch(1)  # control: one slot is fine
+        SpecEngine(target, PlainDrafter()).batch(2)
+    SpecEngine(target, PlainDrafter()).batch(1)  # control: one slot is fine
 
 
 @pytest.mark.parametrize("arch,stop_threshold,mixed", [("eagle1", 0.0, False), ("eagle3", 0.0, False), ("eagle1", 0.4, False),

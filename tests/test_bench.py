@@ -6,7 +6,7 @@ import pytest
 from vlmspec.cli import main
 from vlmspec.target import load_target
 
-KEYS = ("tokens_per_s", "speedup_vs_hf_generate", "speedup_vs_vlmspec_none", "mean_accepted_length", "matches_reference")
+KEYS = ("tokens_per_s", "speedup_vs_hf_generate", "speedup_vs_vlmspec_plain", "mean_accepted_length", "matches_reference")
 
 
 def test_bench_end_to_end_tiny(tmp_path, capsys):
@@ -25,7 +25,7 @@ def test_bench_end_to_end_tiny(tmp_path, capsys):
     code = main(["bench", "--model", str(model_dir), "--drafter", str(tmp_path / "drafter"), "-n", "2", "--max-new-tokens", "12", "--warmup", "0", "--out", str(out)])
     assert code == 0, capsys.readouterr().out
     report = json.loads((out / "results.json").read_text())
-    assert {"hf_generate", "hf_prompt_lookup", "vlmspec_none", "vlmspec_ngram", "vlmspec_eagle"} <= set(report["methods"])
+    assert {"hf_generate", "hf_prompt_lookup", "vlmspec_plain", "vlmspec_ngram", "vlmspec_eagle"} <= set(report["methods"])
     for name, m in report["methods"].items():
         for key in KEYS:
             assert key in m, (name, key)
@@ -33,11 +33,11 @@ def test_bench_end_to_end_tiny(tmp_path, capsys):
             assert m["status"] == "ok" and m["tokens_per_s"] > 0
         else:  # #22: an unavailable method is n/a with its reason, never a 0.00x a consumer could misread
             assert m["status"] == "n/a" and m["reason"] and m["tokens_per_s"] is None and m["speedup_vs_hf_generate"] is None
-    for name in ("vlmspec_none", "vlmspec_ngram", "vlmspec_eagle"):
+    for name in ("vlmspec_plain", "vlmspec_ngram", "vlmspec_eagle"):
         assert report["methods"][name]["matches_reference"] is True, name
     assert report["methods"]["hf_generate"]["speedup_vs_hf_generate"] == 1.0
     # per verify forward: the plain step is the unit a drafter's per-tree cost is read in
-    none, eagle = report["methods"]["vlmspec_none"], report["methods"]["vlmspec_eagle"]
+    none, eagle = report["methods"]["vlmspec_plain"], report["methods"]["vlmspec_eagle"]
     assert report["methods"]["hf_generate"]["per_step_ms"] is None and none["per_step_ms"]["verify"] > 0
     assert eagle["draft_per_step_vs_target_step"] == eagle["per_step_ms"]["draft"] / none["per_step_ms"]["verify"] > 0
     for key in ("device", "dtype", "threads", "torch", "transformers"):
@@ -174,7 +174,7 @@ def test_bf16_divergences_at_near_ties_are_reported_not_failed_and_fp32_ones_fai
 
     def report(dtype, *near):
         methods = {"hf_generate": {"matches_reference": True, "divergences": []},
-                   "vlmspec_none": {"matches_reference": True, "divergences": []},
+                   "vlmspec_plain": {"matches_reference": True, "divergences": []},
                    "vlmspec_eagle": {"matches_reference": not near, "divergences": [{"near_tie": t} for t in near]}}
         return {"env": {"dtype": dtype}, "methods": methods}
 

@@ -6,7 +6,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from vlmspec import assets
 import toyworld
-from vlmspec.draft import NgramDrafter, NoDrafter
+from vlmspec.draft import NgramDrafter, PlainDrafter
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.target import Target
 from vlmspec.target import load_target
@@ -47,7 +47,7 @@ def test_engine_equals_hf_generate(target):
     for s in _held_out("describe", 2, offset=100):
         inputs = encode_prompt(target, s.prompt, [s.image])
         ref = target.model.generate(**inputs, max_new_tokens=80, do_sample=False)[0, inputs["input_ids"].shape[1] :].tolist()
-        for drafter in (NoDrafter(), NgramDrafter()):
+        for drafter in (PlainDrafter(), NgramDrafter()):
             got = SpecEngine(target, drafter).generate(inputs, GenerationConfig(max_new_tokens=80)).token_ids
             assert got == ref, drafter.name
     assert torch.is_grad_enabled()  # the engine does not leave grad mode switched off

@@ -52,7 +52,7 @@ def test_generate_policy_flag_and_self_speculation(capsys, model_dir):
     assert default["token_ids"] == fixed["token_ids"] == own["token_ids"] == plain["token_ids"]
     assert len(fixed["depths"]) == fixed["num_target_forwards"] - 1
     # #48 (3): plain decoding chose no depths and ran no policy (it said "fixed" and listed 9, 8, ..., 0)
-    assert plain["policy"] == "none" and plain["depths"] == [] and plain["num_target_forwards"] == 10
+    assert plain["policy"] == "plain" and plain["depths"] == [] and plain["num_target_forwards"] == 10
     with pytest.raises(SystemExit) as exc:
         main(["generate", *base, "--policy", "sometimes"])
     assert exc.value.code == 2 and "--policy" in capsys.readouterr().err
@@ -74,7 +74,7 @@ def test_generate_text_only_sampling_seeded(capsys, model_dir):
         (["--temperature", "-1"], "--temperature must be in"),
         (["--top-p", "0"], "--top-p must be in"),
         (["--top-k", "-1"], "--top-k must be >= 0"),
-        (["--drafter", "/no/drafter"], "is none of 'auto', 'eagle', 'none', 'ngram', 'self', 'self:E', 'self:E:K', nor a drafter folder"),
+        (["--drafter", "/no/drafter"], "is none of 'auto', 'eagle', 'plain', 'ngram', 'self', 'self:E', 'self:E:K', nor a drafter folder"),
     ],
 )
 def test_bad_input_exit_2_one_line(capsys, model_dir, args, message):
@@ -429,7 +429,7 @@ def test_unknown_drafter_is_refused_before_the_model_loads(capsys, monkeypatch):
     monkeypatch.setattr(factory, "load_target", lambda *a, **k: loaded.append(a) or pytest.fail("the model was loaded"))
     assert main(["generate", "--drafter", "bogus", "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
-    assert "'bogus' is none of 'auto', 'eagle', 'none', 'ngram'" in err and not loaded
+    assert "'bogus' is none of 'auto', 'eagle', 'plain', 'ngram'" in err and not loaded
     monkeypatch.undo()
     assert main(["generate", "--drafter", "self:x", "--prompt", "hi", "--model", "/does/not/exist"]) == 2  # control: a known name passes the check
     assert "model folder not found" in capsys.readouterr().err
@@ -442,7 +442,7 @@ def test_drafter_help_names_every_kind_of_drafter(capsys):
     for command in ("generate", "serve"):
         text = re.sub(r"\s+", " ", _help(capsys, command).split("options:", 1)[1])
         drafter = text[text.index("--drafter DRAFTER"):text.index("--device DEVICE")]
-        for kind in ("'none'", "'ngram'", "'eagle'", "'self'", "'self:E'", "'self:E:K'", "a drafter folder", "hub id", "auto"):
+        for kind in ("'plain'", "'none'", "'ngram'", "'eagle'", "'self'", "'self:E'", "'self:E:K'", "a drafter folder", "hub id", "auto"):
             assert kind in drafter, (command, kind, drafter)
 
 

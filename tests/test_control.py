@@ -6,7 +6,7 @@ import torch
 from conftest import tiny_target
 from drafters import OracleDrafter
 from vlmspec.policy.control import AcceptanceTracker, CostModel, FixedPolicy, GoodputPolicy, Speculation, SpeculationOptions, depth_summary
-from vlmspec.draft.base import NoDrafter, TreeConfig
+from vlmspec.draft.base import PlainDrafter, TreeConfig
 from vlmspec.draft.eagle import EagleDrafter
 from vlmspec.draft.ngram import NgramDrafter
 from vlmspec.draft.self_spec import SelfSpecDrafter
@@ -240,7 +240,7 @@ def test_greedy_parity_under_every_policy(kind):
     target = tiny_target("llava")
     inputs = encode_prompt(target, "describe the image in detail" if kind == "image" else "once upon a time", [tiny_image(0)] if kind == "image" else [])
     new = 40
-    plain = SpecEngine(target, NoDrafter()).generate(inputs, GenerationConfig(max_new_tokens=new, ignore_eos=True)).token_ids
+    plain = SpecEngine(target, PlainDrafter()).generate(inputs, GenerationConfig(max_new_tokens=new, ignore_eos=True)).token_ids
     tree = TreeConfig(depth=5, top_k=3, total_tokens=12)
     drafters = {"ngram": NgramDrafter(tree), "eagle_random": EagleDrafter.random_init(target, tree, seed=1),
                 "oracle": OracleDrafter(plain, depth=5, vocab=target.vocab_size), "self": SelfSpecDrafter(target, tree)}
@@ -289,7 +289,7 @@ def test_steps_without_a_draft_run_no_drafter_forward():
     calls = []
     real = drafter.head.decode  # what drafting runs (forward: training and the tests' reference)
     drafter.head.decode = lambda *a, **k: calls.append(a[0].shape[-1]) or real(*a, **k)
-    plain = SpecEngine(target, NoDrafter()).generate(inputs, GenerationConfig(max_new_tokens=12, ignore_eos=True)).token_ids
+    plain = SpecEngine(target, PlainDrafter()).generate(inputs, GenerationConfig(max_new_tokens=12, ignore_eos=True)).token_ids
     got = SpecEngine(target, drafter).generate(inputs, GenerationConfig(max_new_tokens=12, ignore_eos=True, policy=FixedPolicy(0)))
     assert got.token_ids == plain and calls == []  # nothing: the prompt's pairs wait with the others for a drafted step
     calls.clear()
@@ -345,7 +345,7 @@ def test_request_knobs_travel_with_the_request_and_leave_the_engine_alone():
     inputs = encode_prompt(target, "once upon a time", [tiny_image(0)])
     tree = TreeConfig(depth=4, top_k=2, total_tokens=8)
     engine = SpecEngine(target, EagleDrafter.random_init(target, tree, seed=3), Speculation("goodput", CostModel(step_s=1.0, per_level_s=0.01)))
-    plain = SpecEngine(target, NoDrafter()).generate(inputs, GenerationConfig(max_new_tokens=16, ignore_eos=True)).token_ids
+    plain = SpecEngine(target, PlainDrafter()).generate(inputs, GenerationConfig(max_new_tokens=16, ignore_eos=True)).token_ids
 
     def run(**knobs):
         return engine.generate(inputs, GenerationConfig(max_new_tokens=16, ignore_eos=True, speculation=SpeculationOptions(**knobs)))
@@ -371,7 +371,7 @@ def test_with_policy_measures_a_cost_model_only_for_a_drafter_that_drafts():
     engine = with_policy(SpecEngine(target, NgramDrafter(TreeConfig(depth=3, top_k=2, total_tokens=6))), "goodput")
     cost = engine.speculation.cost
     assert cost is not None and cost.step_s > 0 and engine.speculation.policy().name == "goodput"
-    assert with_policy(SpecEngine(target, NoDrafter()), "goodput").speculation.cost is None
+    assert with_policy(SpecEngine(target, PlainDrafter()), "goodput").speculation.cost is None
     assert with_policy(engine, "fixed", cost).speculation.policy().name == "fixed"
 
 

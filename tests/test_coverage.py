@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers.masking_utils import chunked_overlay, sliding_window_overlay
 
-from vlmspec.draft.base import NoDrafter, TreeConfig
+from vlmspec.draft.base import PlainDrafter, TreeConfig
 from vlmspec.draft.ngram import NgramDrafter
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.errors import ConfigError, InputError, TargetLoadError
@@ -122,10 +122,10 @@ def test_negative_control_without_per_layer_masks(monkeypatch):
 # ------------------------------------------------------------------ refusals, each with a control
 def test_conv_state_refuses_drafters_but_decodes_plain():
     target = Target(build_family("lfm2_vl"), None, name="lfm2-tiny")
-    with pytest.raises(ConfigError, match=r"'conv' at layer 0.*--drafter none"):
+    with pytest.raises(ConfigError, match=r"'conv' at layer 0.*--drafter plain"):
         SpecEngine(target, NgramDrafter(TreeConfig(depth=3, top_k=2, total_tokens=6)))
     inputs = coverage.text_prompt()
-    got = SpecEngine(target, NoDrafter()).generate(inputs, GenerationConfig(max_new_tokens=12, ignore_eos=True)).token_ids
+    got = SpecEngine(target, PlainDrafter()).generate(inputs, GenerationConfig(max_new_tokens=12, ignore_eos=True)).token_ids
     assert got == coverage.hf_greedy(target.model, inputs, 12)
 
 
@@ -140,7 +140,7 @@ def test_own_position_ids_refuse_drafters():
 def test_model_that_needs_an_image_says_so():
     target = Target(build_family("kosmos-2"), None, name="kosmos-2")
     with pytest.raises(InputError, match="cannot run this prompt"):
-        SpecEngine(target, NoDrafter()).generate(coverage.text_prompt(), GenerationConfig(max_new_tokens=2))
+        SpecEngine(target, PlainDrafter()).generate(coverage.text_prompt(), GenerationConfig(max_new_tokens=2))
 
 
 class _Tok:
@@ -214,10 +214,10 @@ def _paligemma2():
 def test_masks_a_wrapper_does_not_take_refuse_drafters():
     target = Target(_paligemma2(), None, name="paligemma2-tiny")
     assert {"sliding_attention", "full_attention"} <= set(target.layer_kinds)
-    with pytest.raises(ConfigError, match="does not take a tree's per-layer masks.*--drafter none"):
+    with pytest.raises(ConfigError, match="does not take a tree's per-layer masks.*--drafter plain"):
         SpecEngine(target, NgramDrafter())
     inputs = coverage.text_prompt()  # plain decoding lets the wrapper build its own masks: exact
-    got = SpecEngine(target, NoDrafter()).generate(inputs, GenerationConfig(max_new_tokens=12, ignore_eos=True)).token_ids
+    got = SpecEngine(target, PlainDrafter()).generate(inputs, GenerationConfig(max_new_tokens=12, ignore_eos=True)).token_ids
     assert got == coverage.hf_greedy(target.model, inputs, 12)
     control = Target(build_family("paligemma"), None, name="paligemma")  # Gemma 1: one kind, one mask tensor
     SpecEngine(control, NgramDrafter())

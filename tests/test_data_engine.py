@@ -20,7 +20,7 @@ from vlmspec.data.heldout import PHOTO_QUESTIONS, TEXT_PROMPTS
 from vlmspec.data.photos import CATALOGUE, Photo, PhotoSource, available_photos, heldout_photo_hashes
 from vlmspec.data.prompts import (FOLLOWUPS, PHOTO_FOLLOWUPS, PHOTO_QUESTIONS_BY_KIND, TEXT_TEMPLATES, TOPIC_FOLLOWUPS, TOPICS,
                                   is_heldout)
-from vlmspec.draft.base import NoDrafter
+from vlmspec.draft.base import PlainDrafter
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.inputs import encode_messages, load_image_file, user_turn
 from vlmspec.sampling import SamplingParams
@@ -43,7 +43,7 @@ def _engine() -> SpecEngine:
     base = tiny_target("llava")
     target = Target(base.model, base.processor, name="tiny-llava")
     target.eos_token_ids = set(range(0, target.vocab_size, 3))
-    return SpecEngine(target, NoDrafter())
+    return SpecEngine(target, PlainDrafter())
 
 
 @pytest.fixture(scope="module")

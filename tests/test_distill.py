@@ -106,7 +106,7 @@ def test_bad_jsonl_lines_are_reported_and_skipped(tmp_path):
 def test_regenerated_answers_are_the_targets_own_and_cached(tmp_path):
     """ViSpec-style regeneration: the training answers become the target's greedy outputs,
     written once to OUT/answers_rank0.jsonl and reused by a resumed run."""
-    from vlmspec.draft import NoDrafter
+    from vlmspec.draft import PlainDrafter
     from vlmspec.engine import GenerationConfig, SpecEngine
     from vlmspec.train.data import Conversation
     from vlmspec.text import generate_text
@@ -116,7 +116,7 @@ def test_regenerated_answers_are_the_targets_own_and_cached(tmp_path):
     cache = AnswerCache(tmp_path / "a.jsonl", target, max_new_tokens=8)
     c = Conversation("what is it?", "a dataset answer", [tiny_image(4)], "describe")
     got = cache(c)
-    ref = generate_text(SpecEngine(target, NoDrafter()), encode_prompt(target, c.prompt, c.images), GenerationConfig(max_new_tokens=8)).text
+    ref = generate_text(SpecEngine(target, PlainDrafter()), encode_prompt(target, c.prompt, c.images), GenerationConfig(max_new_tokens=8)).text
     assert got.answer == ref != c.answer and got.images == c.images
     again = AnswerCache(tmp_path / "a.jsonl", target, max_new_tokens=8)
     assert again(c).answer == ref and again.generated == 0, "read back from disk, not generated again"

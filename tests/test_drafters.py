@@ -11,7 +11,7 @@ from transformers import AutoConfig
 from conftest import tiny_target
 from vlmspec import assets
 from vlmspec.draft import load_drafter
-from vlmspec.draft.base import DraftSession, Drafter, NoDrafter, PromptContext, TreeConfig
+from vlmspec.draft.base import DraftSession, Drafter, PlainDrafter, PromptContext, TreeConfig
 from vlmspec.draft import eagle as eagle_module
 from vlmspec.draft.eagle import DrafterLoadError, EagleConfig, EagleDrafter, EagleHead, _EagleSession, _rms_norm, build_head
 from vlmspec.draft.ngram import NgramConfig, NgramDrafter
@@ -30,7 +30,7 @@ def _ctx(ids, hidden=8):
 
 def test_protocol_conformance():
     target = tiny_target("llava")
-    for d in (NoDrafter(), NgramDrafter(), EagleDrafter.random_init(target)):
+    for d in (PlainDrafter(), NgramDrafter(), EagleDrafter.random_init(target)):
         assert isinstance(d, Drafter)
         assert isinstance(d.start(_ctx([1, 2, 3], target.hidden_size)), DraftSession)
 
@@ -192,8 +192,28 @@ def test_hub_id_while_offline_fails_fast_and_clearly(tmp_path, monkeypatch):
         load_drafter("someone/eagle-drafter", target)
     assert time.perf_counter() - t0 < 5
     assert info.value.__cause__ is None and info.value.__suppress_context__  # one clear error, no chained traceback
-    with pytest.raises(DrafterLoadError, match=r"is none of 'auto', 'eagle', 'none', 'ngram', 'self', 'self:E', 'self:E:K', nor a drafter folder"):
+    with pytest.raises(DrafterLoadError, match=r"is none of 'auto', 'eagle', 'plain', 'ngram', 'self', 'self:E', 'self:E:K', nor a drafter folder"):
         load_drafter("./no/such/drafter", target)
+
+
+def test_not_drafting_is_plain_and_the_old_spelling_none_still_reads_as_plain():
+    """One word for not drafting: `plain` (the drafter, its name, the policy a plain run reports); `none`,
+    the old spelling users may still send, is read as `plain` at every entry. Control: another unknown
+    name is refused."""
+    from vlmspec.draft import check_drafter_name, default_tree, recorded_target
+    from vlmspec.factory import EngineSpec
+
+    target = tiny_target("llava")
+    for word in ("plain", "none"):
+        drafter = load_drafter(word, target)
+        assert isinstance(drafter, PlainDrafter) and drafter.name == "plain"
+        assert EngineSpec(drafter=word).drafter == "plain"
+        check_drafter_name(word)
+        assert default_tree(word, "cpu") is None and recorded_target(word) is None
+    result = SpecEngine(target, load_drafter("none", target)).generate(encode_prompt(target, "hello"), GenerationConfig(max_new_tokens=3))
+    assert result.policy == "plain" and result.num_drafted == 0
+    with pytest.raises(DrafterLoadError, match="is none of"):
+        check_drafter_name("nothing")
 
 
 @pytest.mark.parametrize("reachable", [True, False])
@@ -262,7 +282,7 @@ def test_a_trimmed_head_drafts_only_its_vocabulary_and_keeps_greedy_parity(tmp_p
     target = tiny_target("llava")
     head = _trimmed(target)
     inputs = encode_prompt(target, "describe the image in detail", [tiny_image(0)])
-    plain = SpecEngine(target, NoDrafter()).generate(inputs, GenerationConfig(max_new_tokens=32, ignore_eos=True)).token_ids
+    plain = SpecEngine(target, PlainDrafter()).generate(inputs, GenerationConfig(max_new_tokens=32, ignore_eos=True)).token_ids
     tree = TreeConfig(depth=4, top_k=3, total_tokens=10)
     drafter = EagleDrafter(head, tree)
     got = SpecEngine(target, drafter).generate(inputs, GenerationConfig(max_new_tokens=32, ignore_eos=True))
@@ -642,7 +662,7 @@ def test_a_stopping_drafter_keeps_greedy_parity_and_round_trips(tmp_path):
     head.config.stop_threshold = 0.5  # random weights: predictions scatter around it, so the depth varies step to step
     drafter = EagleDrafter(head, TreeConfig(depth=5, top_k=3, total_tokens=12))
     inputs = encode_prompt(target, "describe the image in detail", [tiny_image(0)])
-    plain = SpecEngine(target, NoDrafter()).generate(inputs, GenerationConfig(max_new_tokens=40, ignore_eos=True)).token_ids
+    plain = SpecEngine(target, PlainDrafter()).generate(inputs, GenerationConfig(max_new_tokens=40, ignore_eos=True)).token_ids
     got = SpecEngine(target, drafter).generate(inputs, GenerationConfig(max_new_tokens=40, ignore_eos=True))
     assert got.token_ids == plain and got.num_drafted > 0
     drafter.save(tmp_path)

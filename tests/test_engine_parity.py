@@ -4,7 +4,7 @@ import torch
 
 from conftest import tiny_target
 from drafters import OracleDrafter
-from vlmspec.draft.base import NoDrafter, TreeConfig
+from vlmspec.draft.base import PlainDrafter, TreeConfig
 from vlmspec.draft.eagle import EagleDrafter
 from vlmspec.draft.ngram import NgramDrafter
 from vlmspec.draft.self_spec import SelfSpecDrafter
@@ -35,7 +35,7 @@ def _hf_greedy(target, inputs):
 def _drafters(target, ref):
     tree = TreeConfig(depth=5, top_k=3, total_tokens=12)
     drafters = {
-        "none": NoDrafter(),
+        "none": PlainDrafter(),
         "ngram": NgramDrafter(tree),
         "eagle_random": EagleDrafter.random_init(target, tree, seed=1),
         "eagle3_random": EagleDrafter.random_init(target, tree, seed=1, arch="eagle3"),
@@ -90,7 +90,7 @@ def test_stops_on_eos_and_stop_string():
     target = tiny_target("llava")
     inputs = _inputs(target, "one_image")
     ref = _hf_greedy(target, inputs)
-    engine = SpecEngine(target, NoDrafter())
+    engine = SpecEngine(target, PlainDrafter())
     # pretend the 10th greedy token is EOS: generation must end right after it
     eos_tok = ref[9]
     first = ref.index(eos_tok)
@@ -126,7 +126,7 @@ def test_prompt_beyond_context_is_refused():
     long = {"input_ids": torch.ones(1, target.max_positions + 5, dtype=torch.long)}
     long["attention_mask"] = torch.ones_like(long["input_ids"])
     with pytest.raises(ContextLengthError, match="context"):
-        SpecEngine(target, NoDrafter()).generate(long, GenerationConfig(max_new_tokens=4))
+        SpecEngine(target, PlainDrafter()).generate(long, GenerationConfig(max_new_tokens=4))
     assert inputs  # the normal prompt is unaffected
 
 

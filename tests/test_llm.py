@@ -15,7 +15,7 @@ import pytest
 
 from conftest import tiny_target
 from vlmspec import LLM, Output, assets
-from vlmspec.draft.base import NoDrafter, TreeConfig
+from vlmspec.draft.base import PlainDrafter, TreeConfig
 from vlmspec.draft.ngram import NgramDrafter
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.errors import ConfigError, InputError
@@ -111,7 +111,7 @@ def test_bad_input_says_what_to_give(engine):
 
 def test_a_model_that_decodes_one_at_a_time_still_answers_a_list(engine, monkeypatch):
     """Target.check_batching refuses a batch: the requests run through a batch of one, in order."""
-    plain = SpecEngine(engine.target, NoDrafter())
+    plain = SpecEngine(engine.target, PlainDrafter())
     llm = LLM.from_engine(plain, max_batch=4)
     want = [llm.generate(p, max_new_tokens=6).token_ids for p in ("a b c", "d e f")]
 
@@ -137,6 +137,6 @@ def test_the_toy_answers_with_its_drafter_as_plain_decoding_does():
     messages = [{"role": "user", "content": [{"type": "image", "image": str(assets.SAMPLE_IMAGES / "toyworld_scene.png")},
                                              {"type": "text", "text": "How many objects are there?"}]}]
     out = llm.chat(messages, max_new_tokens=32)
-    plain = LLM.from_engine(SpecEngine(llm.engine.target, NoDrafter())).chat(messages, max_new_tokens=32)
+    plain = LLM.from_engine(SpecEngine(llm.engine.target, PlainDrafter())).chat(messages, max_new_tokens=32)
     assert out.text and out.token_ids == plain.token_ids and out.text == plain.text
     assert out.tau > 1.0 and out.accepted > 0 and plain.tau == 1.0 and plain.drafted == 0

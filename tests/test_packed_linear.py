@@ -151,7 +151,7 @@ class _Refuse:
 def test_load_target_packs_bf16_on_cpu_unless_asked_not_to(model_dir):
     from vlmspec.policy.cost import cost_key
     from vlmspec.engine import SpecEngine
-    from vlmspec.draft import NoDrafter
+    from vlmspec.draft import PlainDrafter
     from vlmspec.factory import EngineSpec, load
 
     on = load(EngineSpec(model=str(model_dir), device="cpu", dtype="bfloat16"))
@@ -159,7 +159,7 @@ def test_load_target_packs_bf16_on_cpu_unless_asked_not_to(model_dir):
     fp32 = load(EngineSpec(model=str(model_dir), device="cpu", dtype="float32"))
     assert (on.packed_layers > 0) == BF16 and off.packed_layers == 0 and fp32.packed_layers == 0
     if BF16:  # a cost measured with packed layers is not read back for a target without them
-        assert cost_key(SpecEngine(on, NoDrafter()), ())["packed_layers"] != cost_key(SpecEngine(off, NoDrafter()), ())["packed_layers"]
+        assert cost_key(SpecEngine(on, PlainDrafter()), ())["packed_layers"] != cost_key(SpecEngine(off, PlainDrafter()), ())["packed_layers"]
 
 
 def test_where_onednn_cannot_pack_bf16_every_layer_runs_f_linear():

@@ -4,7 +4,7 @@ import torch
 
 from conftest import tiny_target
 from vlmspec.draft import load_drafter
-from vlmspec.draft.base import NoDrafter, TreeConfig
+from vlmspec.draft.base import PlainDrafter, TreeConfig
 from vlmspec.draft.self_spec import SelfSpecConfig, SelfSpecDrafter, best_exit, default_exits, expected_tokens_per_second
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.errors import DrafterLoadError
@@ -75,7 +75,7 @@ def test_greedy_parity_fixed_and_dynamic_exit(arch, images):
     target = tiny_target(arch)
     inputs = encode_prompt(target, "describe the image in detail" if images else "once upon a time", [tiny_image(s) for s in images])
     cfg = GenerationConfig(max_new_tokens=32, ignore_eos=True)
-    plain = SpecEngine(target, NoDrafter()).generate(inputs, cfg).token_ids
+    plain = SpecEngine(target, PlainDrafter()).generate(inputs, cfg).token_ids
     tree = TreeConfig(depth=4, top_k=2, total_tokens=8)
     for spec in ("self", "self:1"):
         got = SpecEngine(target, load_drafter(spec, target, tree)).generate(inputs, cfg)
@@ -98,7 +98,7 @@ def test_a_trimmed_draft_vocabulary_drafts_only_its_ids_and_keeps_parity():
     target = tiny_target("llava")
     inputs = encode_prompt(target, "once upon a time", [])
     cfg = GenerationConfig(max_new_tokens=24, ignore_eos=True)
-    plain = SpecEngine(target, NoDrafter()).generate(inputs, cfg).token_ids
+    plain = SpecEngine(target, PlainDrafter()).generate(inputs, cfg).token_ids
     drafter = load_drafter("self:auto:40", target, TreeConfig(depth=3, top_k=2, total_tokens=6))
     assert drafter.rows is not None and drafter.head[0].shape[0] == 40
     seen = []

@@ -315,12 +315,12 @@ def test_metrics_count_steps_latencies_and_speculation(server, client):
 
 def test_plain_rows_of_the_speculative_batch_are_plain_decoding(server, client, engine):
     """A plain request is a row of the speculative engine's batch that never drafts: its tokens are the
-    plain engine's (NoDrafter, the oracle) and it reports what plain decoding reports (no drafts, no depths)."""
-    from vlmspec.draft import NoDrafter
+    plain engine's (PlainDrafter, the oracle) and it reports what plain decoding reports (no drafts, no depths)."""
+    from vlmspec.draft import PlainDrafter
     from vlmspec.engine import GenerationConfig
     from vlmspec.inputs import encode_prompt
 
-    plain = SpecEngine(engine.target, NoDrafter())
+    plain = SpecEngine(engine.target, PlainDrafter())
     cases = [("once upon a time", ()), ("compare the two images", (1, 2))]
     bodies = [_body(text, seeds, speculative=False, max_tokens=20) for text, seeds in cases]
     got = together(server.url, bodies + [_body("the cat sat on the mat. the cat sat on the", max_tokens=20)])
@@ -333,7 +333,7 @@ def test_plain_rows_of_the_speculative_batch_are_plain_decoding(server, client, 
 
 
 def test_the_service_reports_policy_none_for_a_plain_row(server):
-    """What the demo reads (`GenerationResult.policy` / `depths`): plain rows say "none" and no depths,
+    """What the demo reads (`GenerationResult.policy` / `depths`): plain rows say "plain" and no depths,
     as the plain engine does; a speculative row of the same batch says its policy (negative control)."""
     import asyncio
 
@@ -357,5 +357,5 @@ def test_the_service_reports_policy_none_for_a_plain_row(server):
 
     (k_plain, plain), (k_spec, spec) = asyncio.run(both())
     assert k_plain == k_spec == "done"
-    assert plain.result.policy == "none" and plain.result.depths == [] and plain.result.num_drafted == 0
+    assert plain.result.policy == "plain" and plain.result.depths == [] and plain.result.num_drafted == 0
     assert spec.result.policy == "fixed" and len(spec.result.depths) == spec.result.num_target_forwards - 1

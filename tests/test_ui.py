@@ -160,7 +160,7 @@ def test_gradio_api_is_one_named_endpoint_with_the_pages_names_defaults_and_json
         assert isinstance(runs, dict) and runs["identical"] is True and runs["speedup"] > 0 and runs["message"] is None
         spec, plain = runs["speculative"], runs["plain"]
         assert spec["text"] and spec["text"] == plain["text"] and spec["tokens"] == plain["tokens"] == 12
-        assert spec["target_forwards"] >= 1 and plain["target_forwards"] == 12 and plain["policy"] == "none"
+        assert spec["target_forwards"] >= 1 and plain["target_forwards"] == 12 and plain["policy"] == "plain"
         *_, default = client.predict(prompt=PROMPT, max_tokens=4, speculative=False, api_name="/run")
         assert default["plain"]["text"] and default["message"] is None  # the default image was used (no "no image" note)
 

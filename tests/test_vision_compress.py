@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import tiny_target
-from vlmspec.draft.base import NoDrafter, TreeConfig
+from vlmspec.draft.base import PlainDrafter, TreeConfig
 from vlmspec.draft.eagle import EagleConfig, EagleDrafter, EagleHead
 from vlmspec.engine import GenerationConfig, SpecEngine
 from testing.tiny import tiny_image
@@ -231,7 +231,7 @@ def test_greedy_parity_for_every_variant(arch):
     target = tiny_target(arch)
     inputs = encode_prompt(target, "describe the picture", [tiny_image(3)])
     gc = GenerationConfig(max_new_tokens=20)
-    ref = SpecEngine(target, NoDrafter()).generate(inputs, gc).token_ids
+    ref = SpecEngine(target, PlainDrafter()).generate(inputs, gc).token_ids
     for vis in VARIANTS:
         out = SpecEngine(target, _variant(target, vis)).generate(inputs, gc)
         assert out.token_ids == ref, vis.label()
@@ -249,7 +249,7 @@ def test_every_variant_drafts_in_bfloat16():
     target = Target(copy.deepcopy(model).to(torch.bfloat16), processor, name="tiny-llava-bf16")
     inputs = encode_prompt(target, "describe the picture", [tiny_image(3)])
     gc = GenerationConfig(max_new_tokens=12)
-    ref = SpecEngine(target, NoDrafter()).generate(inputs, gc).token_ids
+    ref = SpecEngine(target, PlainDrafter()).generate(inputs, gc).token_ids
     for vis in (*VARIANTS, VisualConfig("gate", 16, gate_cost=0.05)):
         drafter = _variant(target, vis)
         assert next(drafter.head.parameters()).dtype == torch.bfloat16
@@ -276,7 +276,7 @@ def test_variants_train_save_and_load(tmp_path):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         inputs = encode_prompt(target, "how many?", [tiny_image(5)])
         gc = GenerationConfig(max_new_tokens=12)
-        assert SpecEngine(target, loaded).generate(inputs, gc).token_ids == SpecEngine(target, NoDrafter()).generate(inputs, gc).token_ids
+        assert SpecEngine(target, loaded).generate(inputs, gc).token_ids == SpecEngine(target, PlainDrafter()).generate(inputs, gc).token_ids
 
 
 def test_a_resampler_with_too_few_queries_for_the_targets_images_is_refused_at_load(tmp_path):

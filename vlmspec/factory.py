@@ -22,7 +22,8 @@ import torch
 from vlmspec import assets
 from vlmspec.policy.control import POLICIES, CostModel, Speculation
 from vlmspec.policy.cost import measured_costs
-from vlmspec.draft import HYBRID_SUFFIX, NoDrafter, SuffixStore, TreeConfig, check_drafter_name, default_tree, load_drafter, recorded_target
+from vlmspec.draft import (HYBRID_SUFFIX, PlainDrafter, SuffixStore, TreeConfig, canonical_drafter, check_drafter_name, default_tree,
+                           load_drafter, recorded_target)
 from vlmspec.draft.base import Drafter
 from vlmspec.engine import SpecEngine
 from vlmspec.errors import ConfigError
@@ -36,7 +37,7 @@ BUNDLED_DRAFTER_NAME = "eagle"
 @dataclass(frozen=True)
 class EngineSpec:
     model: str | None = None  # a folder, a hub id or "toy"; None = the default (see resolve_model)
-    drafter: str = "auto"  # auto | none | ngram | eagle | a drafter folder or hub id
+    drafter: str = "auto"  # auto | plain | ngram | eagle | a drafter folder or hub id ("none": plain, the old spelling)
     device: str | None = None  # cpu | cuda | cuda:N; None = CUDA when available
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     attention: str = "auto"  # auto | triton | sdpa | eager
@@ -47,6 +48,9 @@ class EngineSpec:
     max_batch: int = 1  # requests decoded together at most (the service's batch): the goodput cost model is measured up to it
     packed_weights: bool = True  # CPU: the target's decode steps over linear weights packed for oneDNN where exact (bf16)
     suffix_memory: int = 200_000  # `suffix` / hybrid drafters: tokens of earlier answers kept across requests, all tenants (0: none)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "drafter", canonical_drafter(self.drafter))
 
 
 # the prompt the cost model is measured on at build (step times hardly depend on the prompt)
@@ -139,7 +143,7 @@ def resolve_drafter(drafter: str, model: str) -> str:
         return "ngram"
     raise ConfigError(f"--drafter {BUNDLED_DRAFTER_NAME} names a shipped EAGLE drafter, and none is shipped for {model} "
                       f"(there is one for --model {assets.TOY_NAME} and for the default model {assets.DEFAULT_TARGET_NAME}); "
-                      "pass a drafter folder trained for this model (vlmspec train), or ngram / none")
+                      "pass a drafter folder trained for this model (vlmspec train), or ngram / plain")
 
 
 def tree_config(spec: EngineSpec, device: str, drafter: str | None = None) -> TreeConfig:
@@ -188,11 +192,11 @@ def with_policy(engine: SpecEngine, policy: str, cost: CostModel | None = None, 
     the cost cache) when not given, per batch size up to `max_batch` too (nothing is measured for a
     drafter that never drafts: its requests run plain steps anyway)."""
     batch_cost = None
-    if policy == "goodput" and cost is None and not isinstance(engine.drafter, NoDrafter):
+    if policy == "goodput" and cost is None and not isinstance(engine.drafter, PlainDrafter):
         cost, batch_cost = measured_costs(engine, batch_sizes(max_batch))
     return SpecEngine(engine.target, engine.drafter, Speculation(policy, cost, batch_cost))
 
 
 def plain_engine(engine: SpecEngine) -> SpecEngine:
     """Plain decoding through the same engine code over the same target (the oracle, the baseline)."""
-    return SpecEngine(engine.target, NoDrafter())
+    return SpecEngine(engine.target, PlainDrafter())

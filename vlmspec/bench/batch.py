@@ -23,7 +23,7 @@ from vlmspec.stats import rotated
 from vlmspec.bench.harness import divergence
 from vlmspec.policy.control import SpeculationOptions
 from vlmspec.data.heldout import Conversation, adversarial, heldout
-from vlmspec.draft.base import Drafter, NoDrafter
+from vlmspec.draft.base import Drafter, PlainDrafter
 from vlmspec.engine import TIMING_KEYS, GenerationConfig, SpecEngine
 from vlmspec.inputs import encode_prompt
 from vlmspec.target import Target
@@ -77,8 +77,8 @@ def prompts(target: Target, n: int) -> list[dict[str, torch.Tensor]]:
 
 
 def ways(target: Target, drafter: Drafter, trees: tuple[int, ...]) -> list[_Way]:
-    out = [_Way("plain", SpecEngine(target, NoDrafter()), None)]
-    if not isinstance(drafter, NoDrafter):
+    out = [_Way("plain", SpecEngine(target, PlainDrafter()), None)]
+    if not isinstance(drafter, PlainDrafter):
         engine = SpecEngine(target, drafter)
         out += [_Way(f"{drafter.name} {n} nodes", engine, n) for n in trees]
     return out

@@ -1,7 +1,7 @@
 """`vlmspec bench run`: speed side by side, in one process, interleaved, on the same prompts.
 
 Methods: (a) hf_generate: plain HF `generate`; (b) hf_prompt_lookup: HF with
-`prompt_lookup_num_tokens`; (c) vlmspec_none; (d) vlmspec_ngram; (e) vlmspec_eagle (when a
+`prompt_lookup_num_tokens`; (c) vlmspec_plain; (d) vlmspec_ngram; (e) vlmspec_eagle (when a
 drafter is given or bundled). Per method: end-to-end and decode-only tokens/s, speedups vs (a)
 and (c), mean accepted length (bonus included), acceptance per draft position, a time breakdown,
 peak memory; at T=0 every method's tokens must equal (a)'s, else the run reports an error.
@@ -31,7 +31,7 @@ from vlmspec import factory
 from vlmspec.bench.repeat import RepeatPlan, pass_markdown, pass_report, repeat_plan
 from vlmspec.bench.runner import WaysRun, run_ways
 from vlmspec.data.heldout import Conversation, adversarial, heldout
-from vlmspec.draft import NgramDrafter, NoDrafter
+from vlmspec.draft import NgramDrafter, PlainDrafter
 from vlmspec.draft.base import Drafter
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.factory import EngineSpec
@@ -252,7 +252,7 @@ def _check_parity(target: Target, encoded: list[dict[str, torch.Tensor]], run: W
 
 
 def _summaries(stats: dict[str, MethodStats], temperature: float) -> dict[str, dict[str, Any]]:
-    """Each method's summary, with its speedups over hf_generate and vlmspec_none and the n/a marks."""
+    """Each method's summary, with its speedups over hf_generate and vlmspec_plain and the n/a marks."""
     out = {m: s.summary() for m, s in stats.items()}
     for s in out.values():
         s["status"] = "ok" if s["error"] is None else "n/a"
@@ -261,13 +261,13 @@ def _summaries(stats: dict[str, MethodStats], temperature: float) -> dict[str, d
             for k in ("tokens_per_s", "decode_tokens_per_s", "mean_accepted_length", "matches_reference"):
                 s[k] = None
     base_a = out["hf_generate"]["tokens_per_s"]
-    base_c = out.get("vlmspec_none", {}).get("tokens_per_s")
-    plain_step = (out.get("vlmspec_none", {}).get("per_step_ms") or {}).get("verify")  # one-token target step, ms
+    base_c = out.get("vlmspec_plain", {}).get("tokens_per_s")
+    plain_step = (out.get("vlmspec_plain", {}).get("per_step_ms") or {}).get("verify")  # one-token target step, ms
     for s in out.values():  # a drafter's cost per tree in target steps (#20: a trimmed head's goal is <= 0.25)
         s["draft_per_step_vs_target_step"] = s["per_step_ms"]["draft"] / plain_step if plain_step and s["per_step_ms"] else None
     for s in out.values():
         s["speedup_vs_hf_generate"] = s["tokens_per_s"] / base_a if base_a and s["tokens_per_s"] is not None else None
-        s["speedup_vs_vlmspec_none"] = s["tokens_per_s"] / base_c if base_c and s["tokens_per_s"] is not None else None
+        s["speedup_vs_vlmspec_plain"] = s["tokens_per_s"] / base_c if base_c and s["tokens_per_s"] is not None else None
         if temperature != 0 and s["status"] == "ok":
             s["matches_reference"] = None  # sampled outputs differ by design; losslessness is tested statistically
     return out
@@ -350,7 +350,7 @@ def markdown_table(report: dict[str, Any]) -> str:
         f"transformers {env['transformers']} | T={env['temperature']} | {env['prompts']} prompts x {env['repeats']} repeats | "
         f"max {env['max_new_tokens']} new tokens",
         "",
-        "| method | tok/s (e2e) | tok/s (decode) | vs hf_generate | vs vlmspec_none | tau | accept@1..3 | "
+        "| method | tok/s (e2e) | tok/s (decode) | vs hf_generate | vs vlmspec_plain | tau | accept@1..3 | "
         + " | ".join(f"{k} s" for k in BREAKDOWN)
         + " | draft / target step | peak MB | matches |",
         "|---|---:|---:|---:|---:|---:|---|" + "---:|" * len(BREAKDOWN) + "---:|---:|---|",
@@ -365,7 +365,7 @@ def markdown_table(report: dict[str, Any]) -> str:
                  None: "n/a (T>0)"}[s["matches_reference"]]
         lines.append(
             f"| {m} | {fmt(s['tokens_per_s'], 1)} | {fmt(s['decode_tokens_per_s'], 1)} | {fmt(s['speedup_vs_hf_generate'], unit='x')} | "
-            f"{fmt(s['speedup_vs_vlmspec_none'], unit='x')} | {fmt(s['mean_accepted_length'])} | {acc} | "
+            f"{fmt(s['speedup_vs_vlmspec_plain'], unit='x')} | {fmt(s['mean_accepted_length'])} | {acc} | "
             + " | ".join(f"{s['time_breakdown_s'][k]:.2f}" for k in BREAKDOWN)
             + f" | {fmt(s.get('draft_per_step_vs_target_step'))} | {s['peak_memory_mb']:.0f} | {match} |"
         )
@@ -435,10 +435,10 @@ def bench_drafters(spec: EngineSpec, target: Target, eagle: tuple[str, ...] = ()
     `spec`'s "auto" resolves to, when that is a trained one), `self` / `self:E` (self-speculation),
     `suffix` or `hybrid` / `X+suffix` (each with a cross-request store of its own), each with
     `spec`'s tree knobs over its own default for the target's device (`factory.tree_config`)."""
-    drafters: dict[str, Drafter] = {"none": NoDrafter(), "ngram": NgramDrafter(factory.tree_config(spec, str(target.device)))}
+    drafters: dict[str, Drafter] = {"plain": PlainDrafter(), "ngram": NgramDrafter(factory.tree_config(spec, str(target.device)))}
     auto = factory.resolve_drafter("auto", target.name)
     folders = 0
-    for entry in eagle or ([auto] if auto not in ("ngram", "none") else []):
+    for entry in eagle or ([auto] if auto not in ("ngram", "plain") else []):
         if entry == "self" or entry.startswith("self:") or entry == "suffix":
             name = entry
         elif entry == "hybrid" or entry.endswith("+suffix"):

@@ -61,7 +61,7 @@ def blocker_message(name: str, blockers: dict[str, list[int]]) -> str:
     kinds = "; ".join(f"'{kind}' at layer{'s' if len(idx) > 1 else ''} {', '.join(map(str, idx))}" for kind, idx in blockers.items())
     return (f"{name} has decoder layers whose state is not a list of KV entries ({kinds}): a rejected draft "
             "could not be taken back out of that state, so speculative decoding would not be lossless. "
-            "Use --drafter none (plain decoding through the same engine, exact) with this model.")
+            "Use --drafter plain (plain decoding through the same engine, exact) with this model.")
 
 
 class KVCache:

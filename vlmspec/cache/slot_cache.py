@@ -40,7 +40,7 @@ def single_slot_reason(config: Any) -> str:
     kinds, _ = layer_kinds(config) if config is not None else ([], [])
     blockers = rollback_blockers(kinds)
     if blockers:
-        return blocker_message("the model", blockers).split(" Use --drafter none")[0]
+        return blocker_message("the model", blockers).split(" Use --drafter plain")[0]
     if cross_attention_layers(config):
         return ("its cross-attention layers keep each request's image states in the cache, and the model decides for the "
                 "whole batch whether they are there")

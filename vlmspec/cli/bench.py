@@ -138,7 +138,7 @@ def run_batch_bench(args: argparse.Namespace) -> int:
     from vlmspec.bench.batch import BatchBenchOptions, markdown, measure, plot
 
     spec = engine_spec(args)
-    if spec.drafter == "none":
+    if spec.drafter == "plain":
         raise UsageError("bench batch compares plain decoding with draft trees: give a drafter that drafts (eagle, ngram, a folder)")
     engine = factory.build_engine(spec)
     report = measure(engine.target, engine.drafter, BatchBenchOptions(tuple(args.sizes), tuple(args.trees), args.max_new_tokens, args.repeats))
@@ -157,7 +157,7 @@ def run_bench(args: argparse.Namespace) -> int:
     opts = RunOptions(prompts=args.prompts, n=args.n, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                       warmup=args.warmup, repeats=args.repeats, eagle=tuple(args.drafter), repeat_share=args.repeat_share,
                       skip=tuple(m.strip() for m in args.skip.split(",") if m.strip()))
-    report = bench(engine_spec(args, drafter="auto"), opts)  # the drafters: --drafter folders, none, ngram
+    report = bench(engine_spec(args, drafter="auto"), opts)  # the drafters: --drafter folders, plain, ngram
     report["env"]["command"] = args.command_line
     print(save_report(report, out=Path(args.out) if args.out else None, json_path=Path(args.json_path) if args.json_path else None))
     bad = mismatched(report)

@@ -84,7 +84,7 @@ def run_data(args: argparse.Namespace) -> int:
                      temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
                      followup_turns=followup_turns, slots=args.slots)  # ConfigError: one line
     res = Resources(photos=_photos(cfg, args.json), jsonl=_jsonl(cfg, args.json))
-    spec = engine_spec(args, drafter="none", policy="fixed")
+    spec = engine_spec(args, drafter="plain", policy="fixed")
     model = factory.resolve_model(spec.model)
     engine = factory.build_engine(spec)
     target = engine.target

@@ -113,7 +113,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                                    "builds), a hub id, or 'toy' (the 4M-parameter ToyWorld toy); default: the target a --drafter "
                                    "folder records it was trained for, else models/smolvlm-toyworld when built with trained parts, else the toy")
     p.add_argument("--drafter", default="auto",
-                   help="'none' (plain decoding), 'ngram', 'eagle' (the EAGLE drafter shipped for the model: the toy's or the default "
+                   help="'plain' (plain decoding; 'none', the old spelling, is read as plain), 'ngram', 'eagle' (the EAGLE drafter shipped for the model: the toy's or the default "
                         "model's), 'self' / 'self:E' / 'self:E:K' (the target's own first layers: exit after layer E, draft over the "
                         "first K token ids), 'suffix' (SuffixDecoding: from earlier answers and the request's own text), 'hybrid' "
                         "(eagle + suffix, the likelier tree per step; DIR+suffix for another EAGLE drafter), a drafter folder, or a "

@@ -86,7 +86,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     ed = sub.add_parser("eval-drafter", help="mean accepted length (tau) per task and by depth on held-out sets: ToyWorld, "
                                             "free text, photographs, follow-up turns")
     ed.add_argument("--model", help="target folder (default: models/smolvlm-toyworld when built with trained parts, else the toy; 'toy' selects the toy)")
-    ed.add_argument("--drafter", default="auto", help="drafter folder, eagle, ngram or none (default: auto = the EAGLE drafter shipped for the model, else ngram)")
+    ed.add_argument("--drafter", default="auto", help="drafter folder, eagle, ngram or plain (default: auto = the EAGLE drafter shipped for the model, else ngram)")
     add_device_args(ed)
     ed.add_argument("--n", type=positive_int("--n"), default=8, help="prompts per task")
     ed.add_argument("--sets", type=eval_sets, default=("toyworld",), metavar="SET[,SET]",

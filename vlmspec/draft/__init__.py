@@ -4,18 +4,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlmspec.draft.base import Drafter, DraftSession, NoDrafter, PromptContext, TreeConfig
+from vlmspec.draft.base import Drafter, DraftSession, PlainDrafter, PromptContext, TreeConfig
 from vlmspec.draft.ngram import NgramDrafter
 from vlmspec.draft.suffix import SuffixDrafter, suffix_tree_config
 from vlmspec.draft.suffix_index import SuffixStore
 from vlmspec.errors import ConfigError, DrafterLoadError
 
-MODEL_FREE = ("none", "ngram", "self", "suffix")
+PLAIN = "plain"  # the one word for not drafting (plain decoding through the same engine)
+MODEL_FREE = (PLAIN, "ngram", "self", "suffix")
 HYBRID_SUFFIX = "+suffix"  # `X+suffix`: drafter X (an EAGLE drafter) beside the suffix drafter, the likelier tree per row
 
 
+def canonical_drafter(spec: str) -> str:
+    """`spec` with the old spelling of not drafting, `none`, read as `plain` (still accepted where users send it)."""
+    return PLAIN if spec == "none" else spec
+
+
 def load_drafter(spec: str, target, tree: TreeConfig | None = None, store: SuffixStore | None = None) -> Drafter:
-    """`none` | `ngram` | `suffix` (SuffixDecoding over `store`, the cross-request memory the caller
+    """`plain` (or `none`) | `ngram` | `suffix` (SuffixDecoding over `store`, the cross-request memory the caller
     made; None: each request's own text only) | `X+suffix` (drafter X beside it, `HybridDrafter`)
     | `self` (self-speculation, DEL's dynamic exit) | `self:E` (exit after layer E)
     | `self:E:K` / `self:auto:K` (over the first K token ids) | a drafter folder | a drafter's hub id
@@ -23,8 +29,9 @@ def load_drafter(spec: str, target, tree: TreeConfig | None = None, store: Suffi
 
     A hub id is fetched when the hub answers, else read from the local Hugging Face cache.
     """
-    if spec == "none":
-        return NoDrafter()
+    spec = canonical_drafter(spec)
+    if spec == PLAIN:
+        return PlainDrafter()
     if spec == "ngram":
         return NgramDrafter(tree)
     if spec == "suffix":
@@ -61,11 +68,12 @@ def check_drafter_name(spec: str) -> None:
     not a folder, not a hub id. Needs no target, so the CLI says it before loading a model."""
     from vlmspec.draft.eagle import looks_like_hub_id
 
+    spec = canonical_drafter(spec)
     if spec.endswith(HYBRID_SUFFIX) and spec != HYBRID_SUFFIX:
         spec = spec[: -len(HYBRID_SUFFIX)]  # the model drafter beside the suffix drafter
     named = spec in ("auto", "eagle", "hybrid") or spec.split(":")[0] in MODEL_FREE
     if not named and not Path(spec).expanduser().is_dir() and not looks_like_hub_id(spec):
-        raise DrafterLoadError(f"drafter {spec!r} is none of 'auto', 'eagle', 'none', 'ngram', 'self', 'self:E', 'self:E:K', "
+        raise DrafterLoadError(f"drafter {spec!r} is none of 'auto', 'eagle', 'plain', 'ngram', 'self', 'self:E', 'self:E:K', "
                                "nor a drafter folder or a hub id (org/name), nor 'suffix', 'hybrid', 'eagle+suffix' or 'DIR+suffix'")
 
 
@@ -73,11 +81,12 @@ def default_tree(spec: str, device: str) -> TreeConfig | None:
     """The tree shape drafter `spec` was measured best with on `device`'s type (an EAGLE drafter's
     config, `tree_defaults`; the suffix drafter's own, `suffix_tree_config`; `X+suffix`: X's); None
     for the other model-free drafters and drafters that record none."""
+    spec = canonical_drafter(spec)
     if spec == "suffix":
         return suffix_tree_config(device)
     if spec.endswith(HYBRID_SUFFIX) and spec != HYBRID_SUFFIX:
         spec = spec[: -len(HYBRID_SUFFIX)]
-    if spec.split(":")[0] in MODEL_FREE:  # none, ngram, self[:E[:K]]
+    if spec.split(":")[0] in MODEL_FREE:  # plain, ngram, self[:E[:K]]
         return None
     from vlmspec.draft.eagle import CONFIG_NAME, EagleDrafter, looks_like_hub_id
 
@@ -91,6 +100,7 @@ def recorded_target(spec: str) -> dict | None:
     """The target drafter folder `spec` records it was trained for (`vlmspec.draft.eagle.config.recorded_target`:
     {"model", "path", ...}), read without loading anything; None for a drafter name, a hub id, or a
     drafter that records none (one written before drafters recorded their target). `DIR+suffix`: DIR's."""
+    spec = canonical_drafter(spec)
     if spec.endswith(HYBRID_SUFFIX) and spec != HYBRID_SUFFIX:
         spec = spec[: -len(HYBRID_SUFFIX)]
     if spec in ("auto", "eagle", "hybrid") or spec.split(":")[0] in MODEL_FREE:
@@ -101,5 +111,5 @@ def recorded_target(spec: str) -> dict | None:
     return read_record(path) if path.is_dir() else None
 
 
-__all__ = ["HYBRID_SUFFIX", "Drafter", "DraftSession", "NoDrafter", "NgramDrafter", "PromptContext", "SuffixDrafter", "SuffixStore", "TreeConfig",
-           "check_drafter_name", "default_tree", "load_drafter", "recorded_target"]
+__all__ = ["HYBRID_SUFFIX", "PLAIN", "Drafter", "DraftSession", "PlainDrafter", "NgramDrafter", "PromptContext", "SuffixDrafter", "SuffixStore",
+           "TreeConfig", "canonical_drafter", "check_drafter_name", "default_tree", "load_drafter", "recorded_target"]

@@ -125,10 +125,10 @@ def _propose_row(row: int, session: DraftSession, root: int, max_depth: int, fai
         return DraftTree.root_only(root)
 
 
-class NoDrafter:
+class PlainDrafter:
     """`none`: proposes nothing, so the engine runs plain autoregressive decoding (the oracle)."""
 
-    name = "none"
+    name = "plain"
     needs_visual = False
     tree = None
 

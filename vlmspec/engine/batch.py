@@ -40,7 +40,7 @@ class _Request:
     state: TargetState  # its slot of the batch's cache, its committed length
     session: Any  # DraftSession (None while its prompt is still entering its slot: `pieces`)
     control: Controller  # this request's speculation controller
-    policy: str  # its policy's name ("none": plain decoding, the `none` drafter)
+    policy: str  # its policy's name ("plain": plain decoding, the `plain` drafter)
     tree: TreeConfig | None  # this request's tree shape (None: a drafter without one)
     rng: torch.Generator | None  # its own generator: its samples never depend on the rest of the batch
     eos: set[int]
@@ -340,7 +340,7 @@ class Batch:
                 r.stats.observe(t.size - 1, v.num_accepted, drafted_depth)
                 r.control.observe(drafted_depth, v.num_accepted, seconds if len(reqs) == 1 else None,  # a batch's time is not the row's own
                                   t.first_chain_run(v.path), chain)
-                if r.policy != "none":  # plain decoding chooses no depth
+                if r.policy != "plain":  # plain decoding chooses no depth
                     r.depths.append(depth)
                 r.root = v.next_token
                 events.append((r, _emit(r, t.tokens[path[1:]].tolist() + [v.next_token], t.size - 1, v.num_accepted, depth)))

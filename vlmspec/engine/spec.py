@@ -10,7 +10,7 @@ from typing import Iterator
 import torch
 
 from vlmspec.policy.control import Speculation
-from vlmspec.draft.base import Drafter, NoDrafter, PromptContext, TreeConfig, feature_layers
+from vlmspec.draft.base import Drafter, PlainDrafter, PromptContext, TreeConfig, feature_layers
 from vlmspec.engine.batch import Batch, _Request
 from vlmspec.engine.prefill import PromptPieces
 from vlmspec.engine.types import Clock, GenerationConfig, GenerationResult, StepEvent
@@ -54,7 +54,7 @@ class Generation:
 
 class SpecEngine:
     def __init__(self, target: Target, drafter: Drafter, speculation: Speculation | None = None) -> None:
-        if not isinstance(drafter, NoDrafter):
+        if not isinstance(drafter, PlainDrafter):
             target.check_speculative()  # e.g. conv / recurrent state: plain decoding only, said at load
         self.target = target
         self.drafter = drafter
@@ -121,7 +121,7 @@ class SpecEngine:
         clock.lap("prefill")
         rng = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
         policy = config.policy or self.speculation.policy(config.speculation.policy)
-        name = "none" if isinstance(self.drafter, NoDrafter) else policy.name  # plain decoding: no policy at work
+        name = "plain" if isinstance(self.drafter, PlainDrafter) else policy.name  # plain decoding: no policy at work
         req = _Request(config, state, None, policy.start(), name, self.request_tree(config), rng,
                        set() if config.ignore_eos else target.eos_token_ids, clock.t, int(inputs["input_ids"].shape[1]), t_start)
         req.pieces = PromptPieces(inputs, out, end, [out.features], out.logits)

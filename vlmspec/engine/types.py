@@ -58,7 +58,7 @@ class GenerationResult:
     stats: SpecStats  # counters of this generation's verify forwards
     elapsed_s: float
     timings: dict[str, float]  # seconds: prefill, draft, verify, commit, other
-    policy: str = "fixed"  # the speculation policy that ran ("none": plain decoding, no depths)
+    policy: str = "fixed"  # the speculation policy that ran ("plain": plain decoding, no depths)
     depths: list[int] = field(default_factory=list)  # [step]: levels the controller chose, per verify forward
 
     @property

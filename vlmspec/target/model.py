@@ -192,7 +192,7 @@ class Target:
         one-time check, `_probe_tree_inputs`). Plain decoding needs none of this."""
         problem = self._explicit_inputs_problem()
         if problem:
-            raise ConfigError(f"{problem} Use --drafter none (plain decoding through the same engine, exact) with this model.")
+            raise ConfigError(f"{problem} Use --drafter plain (plain decoding through the same engine, exact) with this model.")
 
     def check_batching(self) -> None:
         """Raise ConfigError when rows of different lengths could not share a forward exactly: rows
@@ -204,7 +204,7 @@ class Target:
     def _explicit_inputs_problem(self) -> str:
         """'' when forwards given explicit 4D masks and position ids are exact for this model, else why not."""
         if self.rollback_blockers:
-            return blocker_message(self.name, self.rollback_blockers).split(" Use --drafter none")[0]
+            return blocker_message(self.name, self.rollback_blockers).split(" Use --drafter plain")[0]
         tc = self.text_config
         if getattr(tc, "attn_temperature_tuning", False) and 0 in (getattr(tc, "no_rope_layers", None) or []):
             return (f"{self.name}: its layers without RoPE scale attention by a token's index in the forward, "

@@ -15,7 +15,7 @@ import torch
 
 from vlmspec.data import toyworld
 from vlmspec.data.heldout import Conversation
-from vlmspec.draft.base import NoDrafter
+from vlmspec.draft.base import PlainDrafter
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.inputs import encode_prompt
 from vlmspec.target import Target
@@ -108,7 +108,7 @@ class AnswerCache:
     def __call__(self, c: Conversation) -> Conversation:
         k = self.key(c)
         if k not in self.answers:
-            engine = SpecEngine(self.target, NoDrafter())
+            engine = SpecEngine(self.target, PlainDrafter())
             inputs = encode_prompt(self.target, c.prompt, c.images)
             text = generate_text(engine, inputs, GenerationConfig(max_new_tokens=self.max_new_tokens)).text
             self.answers[k] = text
