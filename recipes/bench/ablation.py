@@ -40,7 +40,7 @@ from vlmspec import factory
 from vlmspec.bench.harness import write_json
 import toyworld
 from vlmspec.data.heldout import Conversation, heldout
-from vlmspec.draft import NoDrafter, TreeConfig
+from vlmspec.draft import PlainDrafter, TreeConfig
 from vlmspec.draft.base import Drafter
 from vlmspec.engine import GenerationConfig, SpecEngine
 from vlmspec.factory import EngineSpec
@@ -181,7 +181,7 @@ def run(target: Target, which: str, steps: int, n_per_task: int, runs: Path, bas
     select = heldout("drafter-eval", n_select, per_task=True, split="val") if n_select > 0 else []
     tree = TreeConfig.for_device("cpu")
     variants = [v for v in suite(which) if not only or v.name in only]
-    run_prompts(target, NoDrafter(), prompts[:1], 0.0, max_new_tokens)  # warm-up: the baseline is not the process's first run
+    run_prompts(target, PlainDrafter(), prompts[:1], 0.0, max_new_tokens)  # warm-up: the baseline is not the process's first run
     rows, drafters = [], {}
     fingerprint = target_fingerprint(target)
     for v in tqdm(variants, desc=f"ablate {which}", dynamic_ncols=True):
@@ -197,7 +197,7 @@ def run(target: Target, which: str, steps: int, n_per_task: int, runs: Path, bas
         drafters[v.name] = drafter
         # plain decoding timed right before each variant, so the speed-up compares two runs made a
         # minute apart (one baseline at the start let anything that slowed it skew every row)
-        plain_t0 = run_prompts(target, NoDrafter(), prompts, 0.0, max_new_tokens)
+        plain_t0 = run_prompts(target, PlainDrafter(), prompts, 0.0, max_new_tokens)
         greedy = run_prompts(target, drafter, prompts, 0.0, max_new_tokens)
         sampled = run_prompts(target, drafter, prompts, 1.0, max_new_tokens)
         chosen = run_prompts(target, drafter, select, 0.0, max_new_tokens) if select else None
