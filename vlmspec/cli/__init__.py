@@ -1,14 +1,12 @@
-"""The `vlmspec` command line: the only argument parser in the project. Each command parses its
-options here and calls the library (engines through `vlmspec.factory`); nothing imports the CLI.
+"""The `vlmspec` command line: the product's only argument parser (the lab's recipes/ and testing/ have
+theirs). Each command parses its options here and calls the library (engines through `vlmspec.factory`);
+nothing imports the CLI.
 
-    vlmspec generate        vlmspec/cli/generate.py
-    vlmspec serve           vlmspec/cli/serve.py      (lazily imports vlmspec.app)
-    vlmspec bench [run|batch|verify-cost|kernel|server]   vlmspec/cli/bench.py
-    vlmspec train | eval-drafter                          vlmspec/cli/train.py
-    vlmspec data (a corpus the target answers; --verify)  vlmspec/cli/data.py
-    vlmspec export DRAFTER --format speculators           vlmspec/cli/export.py
-    vlmspec build-target                                  vlmspec/cli/build.py
-    number validators, engine options                  vlmspec/cli/options.py
+    vlmspec generate | serve (lazily imports vlmspec.app)              vlmspec/cli/generate.py, serve.py
+    vlmspec bench run|batch|verify-cost|kernel|server | bench load|soak   vlmspec/cli/bench.py, load.py
+    vlmspec train | eval-drafter | features | data                      vlmspec/cli/train.py, data.py
+    vlmspec export | build-target                                       vlmspec/cli/export.py, build.py
+    number validators, engine options                                   vlmspec/cli/options.py
 
 Bad input: one line on stderr, exit code 2 (argparse's usage error, or "vlmspec COMMAND: error: ..." for a VlmspecError).
 """
