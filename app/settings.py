@@ -32,6 +32,7 @@ class ServerSettings:
     # (every slot: this + the draft tree), at start-up (None: the model's context, at most DEFAULT_MAX_MODEL_LEN)
     prefill_chunk: int | None = 512  # prompts longer than this enter their slot in pieces of at most this many
     # tokens, one step's budget each, so decoding rows wait at most one piece (None: whole prompts; docs/serving.md)
+    prefill_first: bool = True  # joining prompts are prefilled before the running rows' next decode round (Batch)
     shutdown_grace_s: float = 30.0  # the drain on SIGTERM / SIGINT (--drain-seconds): how long the accepted requests may finish
     ui: bool = True  # mount the Gradio demo at /ui when gradio is importable (with API keys: a login page)
 

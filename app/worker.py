@@ -88,7 +88,8 @@ class Worker:
 
     def _new_batch(self) -> Batch:
         assert self.spec is not None
-        return self.spec.batch(self.max_batch, capacity=self.slot_entries, prefill_chunk=self.settings.prefill_chunk)
+        return self.spec.batch(self.max_batch, capacity=self.slot_entries, prefill_chunk=self.settings.prefill_chunk,
+                               prefill_first=self.settings.prefill_first)
 
     def _take(self) -> bool:
         """Waiting jobs join the batch while it has free places (waits for one while the batch is
@@ -139,6 +140,8 @@ class Worker:
             self.metrics.batch_size.observe(size)
             waits, before = self.batch.draft_waits, dict(self.batch.timings)
             for phase in (self.batch.prefill, self.batch.decode):
+                if phase == self.batch.decode and not self.batch.decode_due:
+                    break  # prefill first: the waiting requests' prefills before the next decode round
                 events = phase()
                 rows, now = {id(r.req): r for r in self.rows if r.req is not None}, time.monotonic()
                 for req, event in events:

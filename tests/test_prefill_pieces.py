@@ -134,3 +134,42 @@ def test_prompts_that_attend_otherwise_come_in_whole(monkeypatch):
 
     monkeypatch.setattr(type(target), "forward_batch", off)
     assert "other logits" in probe_prompt_pieces(target)
+
+
+BURST = [("once upon a time", [], 24, 0), ("what is in this picture", [3], 20, 0)] + [
+    (f"describe picture number {k} in a few words", [k], 8, 3) for k in range(4)]
+
+
+def run_burst(engine, requests, prefill_first):
+    """Two rows decode, then four prompts arrive at once (step 3); the step's budget admits one of them.
+    Returns the answers and, per step, which requests got events."""
+    budget = max(int(inputs["input_ids"].shape[1]) for inputs, _, _ in requests)
+    batch = engine.batch(6, prefill_budget=budget, prefill_first=prefill_first)
+    tickets, stepped, step = {}, [], 0
+    while len(tickets) < len(requests) or not batch.idle:
+        for i, (inputs, cfg, join) in enumerate(requests):
+            if join == step:
+                tickets[i] = batch.submit(inputs, cfg)
+        events = batch.step()
+        ids = {id(t.request): i for i, t in tickets.items() if t.request is not None}
+        stepped.append({ids[id(r)] for r, _ in events})
+        step += 1
+    return [tickets[i].result.token_ids for i in range(len(requests))], stepped
+
+
+@pytest.mark.parametrize("drafter", ["none", "eagle"])
+def test_prefill_first_gives_a_burst_its_first_tokens_before_the_running_rows_step_on(drafter):
+    """fp32 greedy on tiny LLaVA: with `prefill_first` the four joiners, one admitted per step, all get
+    their first token before the two running rows step again, and every answer is its batch-1 run.
+    Control: without it the running rows step at every step while the burst enters."""
+    target = tiny_target("llava")
+    engine = SpecEngine(target, _drafter(target, drafter))
+    requests = _requests(target, BURST)
+    alone = [engine.generate(inputs, cfg).token_ids for inputs, cfg, _ in requests]
+    for prefill_first in (True, False):
+        got, stepped = run_burst(engine, requests, prefill_first)
+        assert got == alone
+        first = {i: min(s for s, ids in enumerate(stepped) if i in ids) for i in range(2, 6)}
+        assert sorted(first.values()) == [3, 4, 5, 6]  # one joiner admitted per step, in the order they came
+        paused = [s for s in range(3, 6) if 0 in stepped[s] or 1 in stepped[s]]
+        assert paused == ([] if prefill_first else [3, 4, 5]), (prefill_first, stepped[:8])

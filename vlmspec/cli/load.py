@@ -49,6 +49,8 @@ def register(which: argparse._SubParsersAction) -> None:
                          "default: all of them, with --url all but baseline")
     ld.add_argument("--prefill-chunk", type=non_negative_int("--prefill-chunk"), default=512,
                     help="the service's --prefill-chunk: prompts longer than this enter in pieces, one step's budget each (0: whole prompts)")
+    ld.add_argument("--prefill-first", action=argparse.BooleanOptionalAction, default=True,
+                    help="the service's --prefill-first (default) or --no-prefill-first")
     ld.add_argument("--url", help="a running service's base URL (e.g. http://127.0.0.1:8000 of vlmspec serve --replicas N): send "
                                   "the sweep there instead of starting servers (plain, fixed, goodput ways only; the engine and "
                                   "--max-batch options are then the service's own)")
@@ -68,6 +70,8 @@ def register(which: argparse._SubParsersAction) -> None:
     sk.add_argument("--seed", type=int, default=0, help="seed of the clients' draws")
     sk.add_argument("--prefill-chunk", type=non_negative_int("--prefill-chunk"), default=512,
                     help="the service's --prefill-chunk (a small one, e.g. 32, sends every image prompt in pieces; 0: whole prompts)")
+    sk.add_argument("--prefill-first", action=argparse.BooleanOptionalAction, default=True,
+                    help="the service's --prefill-first (default) or --no-prefill-first")
     sk.add_argument("--out", help="folder for soak.json, soak.md and soak.png")
     sk.set_defaults(func=run_soak)
 
@@ -100,7 +104,8 @@ def _env(engine, args: argparse.Namespace, max_batch) -> dict:
     target = engine.target
     return {"model": model_label(target), "drafter": engine.drafter.name, "dtype": str(target.dtype).replace("torch.", ""),
             "device": str(target.device), "threads": torch.get_num_threads(), "max_batch": max_batch,
-            "prefill_chunk": args.prefill_chunk, "default_policy": engine.speculation.policy().name, "command": args.command_line,
+            "prefill_chunk": args.prefill_chunk, "prefill_first": args.prefill_first,
+            "default_policy": engine.speculation.policy().name, "command": args.command_line,
             "onednn_caches": shape_cache_settings(), "packed_layers": target.packed_layers}
 
 
@@ -128,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
 
     def settings(max_batch: int) -> ServerSettings:
         return ServerSettings(model="bench", max_batch=max_batch, max_queue=max(opts.concurrency), request_timeout_s=3600,
-                              max_tokens_cap=max(1024, opts.max_tokens), ui=False, prefill_chunk=args.prefill_chunk or None)
+                              max_tokens_cap=max(1024, opts.max_tokens), ui=False, prefill_chunk=args.prefill_chunk or None,
+                              prefill_first=args.prefill_first)
 
     sizes = list(dict.fromkeys(args.max_batch))
     with contextlib.ExitStack() as stack:  # the servers idle while another one is measured
@@ -180,7 +186,8 @@ def run_soak(args: argparse.Namespace) -> int:
     opts = SoakOptions(minutes=args.minutes, clients=args.clients, prompts=args.prompts, max_tokens=args.max_new_tokens, seed=args.seed)
     engine = factory.build_engine(engine_spec(args, max_batch=args.max_batch))
     settings = ServerSettings(model="bench", max_batch=args.max_batch, max_queue=max(args.clients, 16), request_timeout_s=args.request_timeout,
-                              max_tokens_cap=max(1024, opts.long_tokens), ui=False, prefill_chunk=args.prefill_chunk or None)
+                              max_tokens_cap=max(1024, opts.long_tokens), ui=False, prefill_chunk=args.prefill_chunk or None,
+                              prefill_first=args.prefill_first)
     with serving(engine, settings) as url:
         report = soak(url, "bench", opts, args.request_timeout, store=getattr(engine.drafter, "store", None))
     report["env"] = _env(engine, args, args.max_batch)

@@ -50,6 +50,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="prompts longer than this many tokens enter the batch in pieces of at most this many, one per "
                         "step, so the requests already decoding wait for at most one piece (chunked prefill; a piece "
                         "never splits an image); 0: whole prompts")
+    p.add_argument("--prefill-first", action=argparse.BooleanOptionalAction, default=True,
+                   help="prompts that join are prefilled before the running requests' next decode round, so a burst gets its "
+                        "first tokens sooner while the running requests pause (default); --no-prefill-first: one step's "
+                        "prefill budget (--prefill-chunk) beside every decode round")
     p.add_argument("--max-tokens-cap", type=positive_int("--max-tokens-cap"), default=1024, help="the most max_tokens a request may ask for")
     p.add_argument("--max-images", type=non_negative_int("--max-images"), default=4, help="images per request")
     p.add_argument("--max-image-pixels", type=positive_int("--max-image-pixels"), default=4096 * 4096,
@@ -174,6 +178,7 @@ def server_settings(args: argparse.Namespace, model: str, ui: bool):
         request_timeout_s=args.request_timeout, max_tokens_cap=args.max_tokens_cap, max_images=args.max_images,
         max_image_pixels=args.max_image_pixels, max_image_aspect_ratio=args.max_image_aspect_ratio, max_body_bytes=args.max_body_bytes,
         shutdown_grace_s=args.drain_seconds, ui=ui, max_model_len=args.max_model_len, prefill_chunk=args.prefill_chunk or None,
+        prefill_first=args.prefill_first,
     )
 
 

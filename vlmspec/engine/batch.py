@@ -106,10 +106,13 @@ class Batch:
     prefill_chunk: the longest piece a prompt enters its slot in (chunked prefill, `vlmspec.engine.prefill`;
     None: whole prompts). prefill_budget: prompt tokens a step prefills, pieces and new requests
     together, at least one piece (None: `prefill_chunk`, and without it every waiting request that has a slot).
+    prefill_first: a step that leaves requests waiting for a free slot's prefill runs no decode round
+    (`decode_due`), so a burst of arrivals gets its first tokens before the running rows step on: time to
+    first token for the many, at the price of a pause in the running rows' tokens while a burst enters.
     """
 
     def __init__(self, engine: Any, slots: int = 1, capacity: int | None = None,
-                 prefill_budget: int | None = None, prefill_chunk: int | None = None) -> None:
+                 prefill_budget: int | None = None, prefill_chunk: int | None = None, prefill_first: bool = False) -> None:
         # engine: the `SpecEngine` (vlmspec.engine.spec) whose target, drafter and `_open` the batch uses
         if slots < 1:
             raise ValueError(f"a batch needs at least one slot, got {slots}")
@@ -127,6 +130,7 @@ class Batch:
         self.free = list(range(slots))
         self.prefill_chunk = prefill_chunk
         self.prefill_budget = prefill_budget if prefill_budget is not None else prefill_chunk
+        self.prefill_first = prefill_first
         self.waiting: deque[Ticket] = deque()  # submitted, not yet admitted (first come, first served)
         self.requests: list[_Request] = []  # live ones, by slot
         self.timings = dict.fromkeys(TIMING_KEYS, 0.0)  # the batch's own seconds by phase (prefills included)
@@ -136,6 +140,12 @@ class Batch:
     @property
     def full(self) -> bool:
         return not self.free
+
+    @property
+    def decode_due(self) -> bool:
+        """Whether this step's decode round runs after its prefill: always, unless `prefill_first` and a
+        waiting request could take a free slot (the budget stopped its admission: the next step's)."""
+        return not (self.prefill_first and self.waiting and self.free)
 
     @property
     def idle(self) -> bool:
@@ -249,7 +259,7 @@ class Batch:
         requests the step failed for alone (their `failure` set, none of their events returned).
         What it raises belongs to the batch as a whole: the batch cannot go on."""
         events = self.prefill()
-        return events + self.decode()
+        return events + self.decode() if self.decode_due else events
 
     def decode(self) -> list[tuple["_Request", StepEvent]]:
         """One draft -> verify -> commit over every request whose prompt is in (ONE target forward);

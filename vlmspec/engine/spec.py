@@ -82,9 +82,9 @@ class SpecEngine:
         return Generation(self, inputs, config)
 
     def batch(self, slots: int, capacity: int | None = None, prefill_budget: int | None = None,
-              prefill_chunk: int | None = None) -> Batch:
+              prefill_chunk: int | None = None, prefill_first: bool = False) -> Batch:
         """A batch of `slots` requests decoded together (see `Batch`)."""
-        return Batch(self, slots, capacity, prefill_budget, prefill_chunk)
+        return Batch(self, slots, capacity, prefill_budget, prefill_chunk, prefill_first)
 
     def generate_many(self, requests: list[tuple[dict[str, torch.Tensor], GenerationConfig]], slots: int,
                       capacity: int | None = None, prefill_budget: int | None = None,
