@@ -36,6 +36,7 @@ def python_problems(blocks: list[str]) -> list[str]:
     import ast
     import builtins
     import importlib
+    import importlib.util
 
     defined, problems = set(dir(builtins)), []
     for block in blocks:
@@ -47,7 +48,8 @@ def python_problems(blocks: list[str]) -> list[str]:
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vlmspec"):
                 module = importlib.import_module(node.module)
-                problems += [f"{node.module} has no {a.name}" for a in node.names if not hasattr(module, a.name)]
+                problems += [f"{node.module} has no {a.name}" for a in node.names  # an attribute, or a submodule not yet imported
+                             if not hasattr(module, a.name) and importlib.util.find_spec(f"{node.module}.{a.name}") is None]
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 defined |= {(a.asname or a.name).split(".")[0] for a in node.names}
             elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
