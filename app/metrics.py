@@ -67,7 +67,13 @@ DRAFTER_METRICS = {
     "vlmspec_suffix_store_evicted_tokens_total": "counter",  # tokens dropped, oldest first, to stay within --suffix-memory
     "vlmspec_hybrid_trees_total": "counter",  # {drafter}: rows of the hybrid given the suffix tree or the EAGLE head's
 }
-METRIC_NAMES = tuple(METRICS) + tuple(DRAFTER_METRICS)
+# an engine with a prompt cache (`--prompt-cache`; read from the cache at each scrape): these exist with one only
+PROMPT_CACHE_METRICS = {
+    "vlmspec_prompt_cache_hits_total": "counter",  # prefills served from the cache (a prompt seen before)
+    "vlmspec_prompt_cache_misses_total": "counter",  # prefills run (and kept) by an engine with a cache
+    "vlmspec_prompt_cache_bytes": "gauge",  # bytes it holds (at most --prompt-cache MiB)
+}
+METRIC_NAMES = tuple(METRICS) + tuple(DRAFTER_METRICS) + tuple(PROMPT_CACHE_METRICS)
 
 MODES = ("speculative", "plain")
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -178,8 +184,30 @@ class Metrics:
         hybrid's), read by `read` at each scrape (None: nothing to expose)."""
         self.registry.register(_DrafterCollector(read))
 
+    def watch_prompt_cache(self, read: Callable[[], dict[str, int] | None]) -> None:
+        """Expose the prompt cache's counters (`PromptCache`), read by `read` at each scrape."""
+        self.registry.register(_PromptCacheCollector(read))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PromptCacheCollector:
+    """The prompt cache's hits, misses and bytes (plain ints it keeps), read per scrape."""
+
+    def __init__(self, read: Callable[[], dict[str, int] | None]) -> None:
+        self.read = read
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.read()
+        if not m:
+            return
+        yield CounterMetricFamily("vlmspec_prompt_cache_hits", "prefills served from the prompt cache (a prompt seen before)", m["hits"])
+        yield CounterMetricFamily("vlmspec_prompt_cache_misses", "prefills run (and kept) by an engine with a prompt cache", m["misses"])
+        yield GaugeMetricFamily("vlmspec_prompt_cache_bytes", "bytes the prompt cache holds (at most --prompt-cache MiB)", m["bytes"])
 
 
 class _DrafterCollector:

@@ -49,6 +49,7 @@ def create_app(engine: EngineSource, settings: ServerSettings | None = None) -> 
     metrics = Metrics()
     service = Service(engine, settings, metrics)
     metrics.watch_drafter(service.drafter_metrics)
+    metrics.watch_prompt_cache(service.prompt_cache_metrics)
     app = FastAPI(title="vlmspec", version="0.1.0", lifespan=_lifespan, docs_url=None, redoc_url=None,
                   description="OpenAI-compatible chat completions with lossless speculative decoding for VLMs")
     app.state.service, app.state.metrics, app.state.settings = service, metrics, settings

@@ -144,6 +144,11 @@ class Service:
         read = getattr(spec.drafter, "metrics", None) if spec is not None else None
         return read() if read is not None else None
 
+    def prompt_cache_metrics(self) -> dict[str, int] | None:
+        """The prompt cache's counters and bytes (None: the engine keeps none): /metrics reads them."""
+        cache = self.worker.spec.prompt_cache if self.worker.spec is not None else None
+        return None if cache is None else {"hits": cache.hits, "misses": cache.misses, "bytes": cache.bytes}
+
     def engine_info(self) -> EngineInfo:
         """The drafter, its tree and the default policy ("?" before the engine is loaded)."""
         spec = self.worker.spec

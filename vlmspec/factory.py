@@ -26,6 +26,7 @@ from vlmspec.draft import (HYBRID_SUFFIX, PlainDrafter, SuffixStore, TreeConfig,
                            load_drafter, recorded_target)
 from vlmspec.draft.base import Drafter
 from vlmspec.engine import SpecEngine
+from vlmspec.engine.prompt_cache import PromptCache
 from vlmspec.errors import ConfigError
 from vlmspec.runtime.onednn import bound_shape_caches
 from vlmspec.target import Target, load_target
@@ -48,6 +49,7 @@ class EngineSpec:
     max_batch: int = 1  # requests decoded together at most (the service's batch): the goodput cost model is measured up to it
     packed_weights: bool = True  # CPU: the target's decode steps over linear weights packed for oneDNN where exact (bf16)
     suffix_memory: int = 200_000  # `suffix` / hybrid drafters: tokens of earlier answers kept across requests, all tenants (0: none)
+    prompt_cache_mb: int = 0  # MiB of prefills of prompts seen before, served instead of a new prefill (0: none; PromptCache)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "drafter", canonical_drafter(self.drafter))
@@ -178,8 +180,12 @@ def build_engine(spec: EngineSpec) -> SpecEngine:
         raise ConfigError(f"--max-batch must be at least 1, got {spec.max_batch}")
     bound_shape_caches()  # before the drafter packs its weights: oneDNN reads it at its first primitive
     target = load(spec)
-    engine = SpecEngine(target, drafter_for(spec, target))
-    return with_policy(engine, spec.policy, max_batch=spec.max_batch)
+    engine = with_policy(SpecEngine(target, drafter_for(spec, target)), spec.policy, max_batch=spec.max_batch)
+    if spec.prompt_cache_mb < 0:
+        raise ConfigError(f"--prompt-cache must be at least 0 MiB, got {spec.prompt_cache_mb}")
+    if spec.prompt_cache_mb:  # after the cost model's measurement, which must run its prefills
+        engine = SpecEngine(engine.target, engine.drafter, engine.speculation, PromptCache(spec.prompt_cache_mb << 20))
+    return engine
 
 
 def batch_sizes(max_batch: int) -> tuple[int, ...]:
@@ -194,7 +200,7 @@ def with_policy(engine: SpecEngine, policy: str, cost: CostModel | None = None, 
     batch_cost = None
     if policy == "goodput" and cost is None and not isinstance(engine.drafter, PlainDrafter):
         cost, batch_cost = measured_costs(engine, batch_sizes(max_batch))
-    return SpecEngine(engine.target, engine.drafter, Speculation(policy, cost, batch_cost))
+    return SpecEngine(engine.target, engine.drafter, Speculation(policy, cost, batch_cost), engine.prompt_cache)
 
 
 def plain_engine(engine: SpecEngine) -> SpecEngine:

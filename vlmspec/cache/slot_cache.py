@@ -332,6 +332,37 @@ class SlotCache(DynamicCache):
             out.append(layer.entries(slot, length))
         return out
 
+    @property
+    def copyable(self) -> bool:
+        """Whether a slot's whole state is its slot layers' entries (`save` / `load` move all of it): no
+        cross-attention image states, no state of transformers' own layers."""
+        return bool(self.layers) and all(isinstance(layer, (SlotLayer, DummyLayer)) for layer in self.layers)
+
+    def save(self, slot: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Copies of `slot`'s first `length` entries, per layer ([kv_heads, length, head_dim] keys and
+        values; None for a layer that holds nothing). Only for a `copyable` cache."""
+        assert self.copyable, "a cache with state outside its slot layers cannot be saved"
+        out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        for layer in self.layers:
+            if isinstance(layer, SlotLayer) and layer.buf_k is not None:
+                k, v = layer.entries(slot, length)
+                out.append((k[0].clone(), v[0].clone()))
+            else:
+                out.append(None)
+        return out
+
+    def load(self, slot: int, saved: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Write what `save` returned into `slot`'s first entries (the slot's later entries are stale:
+        the request's length says where it ends)."""
+        assert self.copyable and len(saved) == len(self.layers), (len(saved), len(self.layers))
+        for layer, kv in zip(self.layers, saved):
+            if kv is None:
+                continue
+            k, v = kv
+            layer._ensure(k[None], v[None], k.shape[1])
+            layer.buf_k[slot, :, : k.shape[1]] = k
+            layer.buf_v[slot, :, : v.shape[1]] = v
+
     def nbytes(self) -> int:
         """Bytes the slot buffers hold now."""
         return sum(layer.nbytes() for layer in self._slot_layers())

@@ -15,6 +15,7 @@ import contextlib
 
 from vlmspec.cli.options import (
     UsageError,
+    SERVICE_PROMPT_CACHE_MIB,
     add_engine_args,
     engine_spec,
     int_list,
@@ -30,7 +31,7 @@ WAY_NAMES = ("plain", "fixed", "goodput", "baseline")
 def register(which: argparse._SubParsersAction) -> None:
     ld = which.add_parser("load", help="the HTTP service under load: 1..16 closed-loop clients, plain / fixed tree / goodput per request "
                                        "and the one-at-a-time service; tokens/s, p50/p99 latency, time to first token")
-    add_engine_args(ld)
+    add_engine_args(ld)  # --prompt-cache 0 here: the ways of a level share the engine, and the first would pay every prompt's miss
     ld.add_argument("--concurrency", type=int_list("--concurrency"), default=(1, 2, 4, 8, 16), help="concurrent clients per level, e.g. 1,4,8")
     ld.add_argument("--requests", type=positive_int("--requests"), default=8, help="requests per level at least (and two per client)")
     ld.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=64, help="new tokens per request (at most, with --no-ignore-eos)")
@@ -60,6 +61,7 @@ def register(which: argparse._SubParsersAction) -> None:
     sk = which.add_parser("soak", help="the HTTP service for minutes under mixed closed-loop load with cancels and timeouts: every "
                                        "answer checked against the same request alone, memory sampled, slots free at the end")
     add_engine_args(sk)
+    sk.set_defaults(prompt_cache_mb=SERVICE_PROMPT_CACHE_MIB)
     sk.add_argument("--minutes", type=float_in("--minutes", 0.0, 24 * 60.0, low_open=True), default=10.0, help="how long the clients send requests")
     sk.add_argument("--clients", type=positive_int("--clients"), default=8, help="concurrent closed-loop clients")
     sk.add_argument("--max-batch", type=positive_int("--max-batch"), default=16, help="the service's --max-batch")
@@ -104,7 +106,7 @@ def _env(engine, args: argparse.Namespace, max_batch) -> dict:
     target = engine.target
     return {"model": model_label(target), "drafter": engine.drafter.name, "dtype": str(target.dtype).replace("torch.", ""),
             "device": str(target.device), "threads": torch.get_num_threads(), "max_batch": max_batch,
-            "prefill_chunk": args.prefill_chunk, "prefill_first": args.prefill_first,
+            "prefill_chunk": args.prefill_chunk, "prefill_first": args.prefill_first, "prompt_cache_mib": args.prompt_cache_mb,
             "default_policy": engine.speculation.policy().name, "command": args.command_line,
             "onednn_caches": shape_cache_settings(), "packed_layers": target.packed_layers}
 

@@ -107,6 +107,9 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-tokens", type=positive_int("--tree-tokens"), default=None, help=f"drafted nodes per tree ({TREE_DEFAULT})")
 
 
+SERVICE_PROMPT_CACHE_MIB = 256  # the service's --prompt-cache (serve, bench soak); the other commands: 0
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """--model --drafter --device --dtype --attention --packed-weights --tree-* --policy: the fields of `vlmspec.factory.EngineSpec`."""
     p.add_argument("--model", help="target VLM: a local folder (e.g. models/smolvlm-base, the real target make setup "
@@ -121,6 +124,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suffix-memory", type=non_negative_int("--suffix-memory"), default=None, metavar="TOKENS",
                    help="suffix / hybrid drafters: tokens of earlier answers kept across requests, oldest evicted first "
                         "(default 200000; 0: no cross-request memory, each request drafts from its own prompt and answer)")
+    p.add_argument("--prompt-cache", type=non_negative_int("--prompt-cache"), default=0, metavar="MIB", dest="prompt_cache_mb",
+                   help="keep the prefills of prompts seen before (their KV entries, logits and features) in this many MiB, "
+                        "least recently used out first, and serve a repeated prompt from them instead of a new prefill; "
+                        "the same answers (default: %(default)s; 0: every prompt is prefilled)")
     add_device_args(p)
     p.add_argument("--attention", default="auto", choices=ATTENTION_CHOICES, help="tree attention: auto = SDPA over grouped heads in place on CPU, transformers' SDPA elsewhere; triton = the Triton tree kernel (CUDA); sdpa = transformers' own")
     p.add_argument("--packed-weights", action=argparse.BooleanOptionalAction, default=True,
@@ -139,7 +146,7 @@ def engine_spec(args: argparse.Namespace, **overrides: object):
     from vlmspec.factory import EngineSpec
 
     fields = ("model", "drafter", "device", "dtype", "attention", "packed_weights", "tree_depth", "tree_topk", "tree_tokens", "policy",
-              "suffix_memory")
+              "suffix_memory", "prompt_cache_mb")
     values = {f: getattr(args, f) for f in fields if getattr(args, f, None) is not None}
     values.update(overrides)
     spec = EngineSpec(**values)  # type: ignore[arg-type]

@@ -18,7 +18,7 @@ import socket
 import sys
 from pathlib import Path
 
-from vlmspec.cli.options import UsageError, add_engine_args, describe_speculation, engine_spec, env_default, float_in, int_in, non_negative_int, positive_int
+from vlmspec.cli.options import SERVICE_PROMPT_CACHE_MIB, UsageError, add_engine_args, describe_speculation, engine_spec, env_default, float_in, int_in, non_negative_int, positive_int
 
 SERVE_EXTRA = ("fastapi", "uvicorn")
 INSTALL_HINT = "the server needs fastapi, uvicorn and prometheus_client: pip install 'vlmspec[serve]'"
@@ -29,6 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="the OpenAI-compatible REST API (and demo UI) on the default model or --model",
                        description="OpenAI-compatible REST API with speculative decoding")
     add_engine_args(p)
+    p.set_defaults(prompt_cache_mb=SERVICE_PROMPT_CACHE_MIB)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int_in("--port", 0, 65535), default=8000, help='port to listen on (0 = any free port)')
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",

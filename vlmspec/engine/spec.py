@@ -13,6 +13,7 @@ from vlmspec.policy.control import Speculation
 from vlmspec.draft.base import Drafter, PlainDrafter, PromptContext, TreeConfig, feature_layers
 from vlmspec.engine.batch import Batch, _Request
 from vlmspec.engine.prefill import PromptPieces
+from vlmspec.engine.prompt_cache import PromptCache
 from vlmspec.engine.types import Clock, GenerationConfig, GenerationResult, StepEvent
 from vlmspec.sampling import next_token
 from vlmspec.cache.slot_cache import SlotCache
@@ -53,12 +54,14 @@ class Generation:
 
 
 class SpecEngine:
-    def __init__(self, target: Target, drafter: Drafter, speculation: Speculation | None = None) -> None:
+    def __init__(self, target: Target, drafter: Drafter, speculation: Speculation | None = None,
+                 prompt_cache: PromptCache | None = None) -> None:
         if not isinstance(drafter, PlainDrafter):
             target.check_speculative()  # e.g. conv / recurrent state: plain decoding only, said at load
         self.target = target
         self.drafter = drafter
         self.speculation = speculation or Speculation()  # default policy + cost model (read-only)
+        self.prompt_cache = prompt_cache  # prefills of prompts seen before (None: every prompt runs)
 
     def request_tree(self, config: GenerationConfig) -> TreeConfig | None:
         """The tree shape of a request: its own or the drafter's, within its tree budget."""
@@ -116,8 +119,11 @@ class SpecEngine:
         t_start = time.perf_counter()
         clock = Clock(target.device, config.sync_timings)
         end = int(inputs["input_ids"].shape[1]) if end is None else end
-        state, out = target.prefill(prompt_head(inputs, end), visual=self.drafter.needs_visual, cache=cache, slot=slot,
-                                    layers=feature_layers(self.drafter))
+        head, visual, layers = prompt_head(inputs, end), self.drafter.needs_visual, feature_layers(self.drafter)
+        if self.prompt_cache is not None:
+            state, out = self.prompt_cache.prefill(target, head, visual, cache, slot, layers)
+        else:
+            state, out = target.prefill(head, visual=visual, cache=cache, slot=slot, layers=layers)
         clock.lap("prefill")
         rng = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
         policy = config.policy or self.speculation.policy(config.speculation.policy)
